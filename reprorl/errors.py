@@ -1,0 +1,18 @@
+"""User-facing errors.
+
+Anything raised as a `ReproRLError` is a problem with the user's input (a config key, a
+file, a row, a field). The CLI prints its message as one line and exits non-zero, without
+a traceback; every other exception is a bug and keeps its traceback.
+"""
+
+
+class ReproRLError(Exception):
+    """An error in the user's input; the message names what is wrong and what was expected."""
+
+
+class ConfigError(ReproRLError):
+    """A bad config key, value or combination of values."""
+
+
+class DataError(ReproRLError):
+    """A bad dataset file, row or field."""

@@ -1,0 +1,1 @@
+"""Model definitions shared by the engine and the trainer, HF checkpoint I/O, tiny models."""
