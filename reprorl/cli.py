@@ -12,10 +12,18 @@ import sys
 from reprorl.errors import ReproRLError
 
 
+def _split_config_args(items: list[str]) -> tuple[str | None, list[str]]:
+    """`[CONFIG.yaml] [key=value ...]`: the first item is the file when it has no `=`."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from reprorl.config import config_to_yaml, load_config
 
-    cfg = load_config(args.config, args.overrides)
+    path, overrides = _split_config_args(args.args)
+    cfg = load_config(path, overrides)
     print(config_to_yaml(cfg), end="")
     return 0
 
@@ -47,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("config", help="print the resolved config (defaults, YAML file, key=value overrides)")
-    p.add_argument("config", nargs="?", default=None, help="a YAML config file (optional)")
-    p.add_argument("overrides", nargs="*", help="overrides such as rollout.temperature=0.7")
+    p.add_argument(
+        "args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+        help="a YAML config file (optional), then overrides such as rollout.temperature=0.7",
+    )
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("make-tiny", help="write a tiny HF-format model directory made from a seed")
@@ -69,16 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    if unknown:
-        # `config` overrides can come before or after the file; argparse keeps the rest here.
-        if args.command == "config":
-            args.overrides = list(args.overrides) + unknown
-        else:
-            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except ReproRLError as err:

@@ -1,0 +1,596 @@
+"""The typed config: one dataclass per section, loaded from YAML plus `key=value` overrides.
+
+    cfg = load_config("run.yaml", ["rollout.temperature=0.7", "trainer.loggers=[console,jsonl]"])
+    print(config_to_yaml(cfg))          # the resolved config, each field's help as a comment
+
+Every field carries its help text and, where it has one, its allowed range in `metadata`;
+`Literal[...]` types are the choices. Loading goes: defaults -> YAML file -> overrides
+(each value type-checked as it is set, so errors name the file or the override) ->
+`_derive` (the ONE place where derived values are filled in) -> `_validate` (checks that
+involve several fields). Every problem is a `ConfigError` with a one-line message that
+names the key, the value and what was expected.
+
+`seed` and `full_determinism` live at the top level only; every part reads them from
+there, so a run has one seed, not one per component.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from reprorl.errors import ConfigError
+
+
+def _field(default: Any, help: str, **bounds: float) -> Any:
+    """A config field: its default, its help text and optional bounds (ge, gt, le, lt).
+
+    Lists get a `default_factory` so that no two configs share one list object.
+    """
+    metadata = {"help": help, **bounds}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _section(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["k1", "k2", "k3"]
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = _field(
+        ["data/arithmetic/train.parquet"], "training prompts: parquet or JSONL files in verl's dataset schema"
+    )
+    val_files: list[str] = _field(["data/arithmetic/val.parquet"], "validation prompts; [] = no validation")
+    prompt_key: str = _field("prompt", "the row field that holds the chat messages of the prompt")
+    max_prompt_length: int = _field(128, "longest prompt in tokens, after the chat template", ge=1)
+    max_response_length: int = _field(32, "longest response in tokens; sets the trainer's tensor width", ge=1)
+    train_batch_size: int = _field(8, "prompts per training step (each sampled rollout.n times)", ge=1)
+    val_batch_size: int | None = _field(None, "prompts per validation batch; null = the whole validation set", ge=1)
+    overlong_prompts: Literal["error", "filter", "truncate_left", "truncate_right"] = _field(
+        "error", "what to do with a prompt longer than max_prompt_length: fail naming the row, drop it, or cut it"
+    )
+    shuffle: bool = _field(True, "shuffle the training prompts each epoch, in an order drawn from the run seed")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _field("models/tiny-policy", "the actor (policy) model: a HF-format directory")
+    ref_path: str | None = _field(None, "the reference model for KL; null = model.path")
+    critic_path: str | None = _field(None, "the critic's initial weights (GAE only); null = model.path")
+    dtype: Literal["float32", "bfloat16"] = _field("float32", "dtype of weights and compute in every worker")
+
+
+@dataclass
+class RolloutValConfig:
+    temperature: float = _field(0.0, "validation sampling temperature; 0 = greedy", ge=0)
+    top_p: float = _field(1.0, "validation nucleus sampling mass", gt=0, le=1)
+    top_k: int = _field(-1, "validation top-k; -1 = off (0 is not allowed)", ge=-1)
+    n: int = _field(1, "validation samples per prompt", ge=1)
+    do_sample: bool = _field(False, "sample at validation; false = greedy whatever the temperature")
+
+
+@dataclass
+class RolloutConfig:
+    backend: Literal["native", "vllm"] = _field("native", "inference engine: the built-in one or vLLM")
+    n: int = _field(4, "responses sampled per prompt (GRPO group size)", ge=1)
+    temperature: float = _field(1.0, "sampling temperature for training rollouts; 0 = greedy", ge=0)
+    top_p: float = _field(1.0, "nucleus sampling: keep the smallest set of tokens with this mass", gt=0, le=1)
+    top_k: int = _field(-1, "keep the k most likely tokens; -1 = off (0 is not allowed)", ge=-1)
+    max_tokens: int | None = _field(
+        None, "most new tokens per response; null = data.max_response_length (larger is an error)", ge=1
+    )
+    num_replicas: int = _field(1, "inference replicas serving rollouts", ge=1)
+    max_num_seqs: int = _field(64, "most sequences a replica runs at once", ge=1)
+    max_num_batched_tokens: int = _field(4096, "most tokens a replica processes in one forward pass", ge=1)
+    routing: Literal["least_loaded", "hash"] = _field(
+        "least_loaded", "how requests pick a replica; either way results do not depend on it, only speed does"
+    )
+    agent_loop: Literal["single_turn", "tool"] = _field(
+        "single_turn", "one response per prompt, or a multi-turn tool loop"
+    )
+    num_agent_workers: int = _field(1, "agent-loop workers sending requests to the replicas", ge=1)
+    max_turns: int = _field(4, "most assistant turns in the tool loop", ge=1)
+    tools: list[str] = _field([], "tools the tool loop may call, by name")
+    val: RolloutValConfig = _section(RolloutValConfig, "sampling parameters for validation")
+
+
+@dataclass
+class RewardConfig:
+    fn: str | None = _field(
+        None, "rule reward function: 'module:function' or 'path.py:function'; null = chosen by each row's data_source"
+    )
+    model_path: str | None = _field(None, "a reward model (HF-format directory); null = no reward model")
+    num_replicas: int = _field(1, "reward-model replicas", ge=1)
+    max_num_seqs: int = _field(64, "most sequences a reward-model replica scores at once", ge=1)
+    rule_weight: float = _field(1.0, "weight of the rule reward in the total reward")
+    model_weight: float = _field(1.0, "weight of the reward-model score in the total reward")
+
+
+@dataclass
+class KLCtrlConfig:
+    type: Literal["fixed", "adaptive"] = _field("fixed", "a fixed KL coefficient, or one adapted towards target_kl")
+    kl_coef: float = _field(0.001, "KL coefficient (the initial one when adaptive)", ge=0)
+    target_kl: float = _field(0.1, "adaptive: the KL per step to steer towards", gt=0)
+    horizon: int = _field(10000, "adaptive: the horizon of the proportional controller, in samples", ge=1)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = _field(
+        "grpo", "advantage estimator; gae trains a critic"
+    )
+    gamma: float = _field(1.0, "discount factor", ge=0, le=1)
+    lam: float = _field(1.0, "GAE lambda", ge=0, le=1)
+    norm_adv_by_std: bool = _field(True, "GRPO: divide advantages by the group's std (false = Dr. GRPO)")
+    use_kl_in_reward: bool = _field(
+        False, "subtract a KL penalty from the token rewards (exclusive with actor.use_kl_loss)"
+    )
+    kl_penalty: KLType = _field("k1", "KL estimator for the in-reward penalty")
+    kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "the in-reward KL coefficient")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = _field(1e-5, "learning rate", gt=0)
+    optimizer: Literal["adamw"] = _field("adamw", "optimizer")
+    betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
+    weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
+    warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
+    lr_schedule: Literal["constant", "cosine"] = _field("constant", "learning-rate schedule after warm-up")
+    ppo_epochs: int = _field(1, "passes over each step's batch", ge=1)
+    ppo_mini_batch_size: int = _field(4, "prompts per optimizer step (times rollout.n samples), as in verl", ge=1)
+    ppo_micro_batch_size: int = _field(8, "samples per forward/backward pass (gradient accumulation)", ge=1)
+    clip_ratio_low: float = _field(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
+    clip_ratio_high: float = _field(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
+    # Dual-clip PPO bounds the loss of negative advantages by clip_ratio_c * |A|; at <= 1
+    # it would cut below the ordinary clip.
+    clip_ratio_c: float = _field(3.0, "dual-clip bound for negative advantages", gt=1)
+    loss_agg_mode: LossAggMode = _field("token-mean", "how token losses are reduced to one loss")
+    entropy_coeff: float = _field(0.0, "entropy bonus coefficient", ge=0)
+    use_kl_loss: bool = _field(True, "add a KL-to-reference loss (exclusive with algorithm.use_kl_in_reward)")
+    kl_loss_type: KLType = _field("k3", "KL estimator for the KL loss")
+    kl_loss_coef: float = _field(0.001, "KL loss coefficient", ge=0)
+    grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
+
+
+@dataclass
+class CriticConfig:
+    lr: float = _field(1e-4, "learning rate", gt=0)
+    optimizer: Literal["adamw"] = _field("adamw", "optimizer")
+    betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
+    weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
+    warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
+    lr_schedule: Literal["constant", "cosine"] = _field("constant", "learning-rate schedule after warm-up")
+    ppo_epochs: int | None = _field(None, "passes over each step's batch; null = actor.ppo_epochs", ge=1)
+    ppo_mini_batch_size: int | None = _field(
+        None, "prompts per optimizer step; null = actor.ppo_mini_batch_size", ge=1
+    )
+    ppo_micro_batch_size: int | None = _field(
+        None, "samples per forward/backward pass; null = actor.ppo_micro_batch_size", ge=1
+    )
+    loss_agg_mode: LossAggMode = _field("token-mean", "how token losses are reduced to one loss")
+    cliprange_value: float = _field(0.5, "clip new values to old values +- this", gt=0)
+    grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _field(20, "training steps", ge=1)
+    test_freq: int = _field(5, "validate every this many steps; 0 = never", ge=0)
+    save_freq: int = _field(10, "checkpoint every this many steps; 0 = never", ge=0)
+    run_dir: str | None = _field(None, "where checkpoints and logs go; null = runs/<project_name>/<experiment_name>")
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _field(["console", "jsonl"], "metric sinks")
+    resume: str = _field("auto", "'never', 'auto' (latest checkpoint in run_dir, if any) or a checkpoint path")
+    max_ckpt_to_keep: int | None = _field(None, "keep only the newest this many checkpoints; null = keep all", ge=1)
+    val_before_train: bool = _field(True, "validate once before the first step")
+    project_name: str = _field("reprorl", "project name, for loggers and run_dir")
+    experiment_name: str = _field("tiny-grpo", "experiment name, for loggers and run_dir")
+
+
+@dataclass
+class Config:
+    seed: int = _field(42, "the run seed: every seed in the run (data order, sampling, init) derives from it", ge=0)
+    full_determinism: bool = _field(
+        True, "make the whole run reproducible bit for bit (batch-invariant kernels, deterministic algorithms)"
+    )
+    data: DataConfig = _section(DataConfig, "datasets and lengths")
+    model: ModelConfig = _section(ModelConfig, "model checkpoints")
+    rollout: RolloutConfig = _section(RolloutConfig, "generation of training and validation responses")
+    reward: RewardConfig = _section(RewardConfig, "rule reward functions and reward models")
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "advantage estimation and in-reward KL")
+    actor: ActorConfig = _section(ActorConfig, "policy optimisation")
+    critic: CriticConfig = _section(CriticConfig, "value-function optimisation (adv_estimator=gae only)")
+    trainer: TrainerConfig = _section(TrainerConfig, "the training loop, logging and checkpoints")
+
+
+# ---------------------------------------------------------------------------------------
+# YAML: YAML 1.2-style scalars, so `yes`/`no`/`on`/`off` stay strings (a bool field then
+# rejects them), `1e-6` is a float, `010` is ten and `1:30` is not ninety.
+# ---------------------------------------------------------------------------------------
+
+
+def _yaml12_resolvers() -> dict[str, list]:
+    """PyYAML's implicit resolvers with bool, int, float and timestamp replaced by YAML 1.2's."""
+    dropped = ("bool", "int", "float", "timestamp")
+    resolvers = {
+        first: [(tag, rx) for tag, rx in entries if tag.rsplit(":", 1)[-1] not in dropped]
+        for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    number = r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+    for tag, pattern, firsts in (
+        ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+        ("int", r"[-+]?[0-9]+", "-+0123456789"),
+        ("float", rf"{number}|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)", "-+.0123456789"),
+    ):
+        for first in firsts:
+            resolvers.setdefault(first, []).append((f"tag:yaml.org,2002:{tag}", re.compile(f"^(?:{pattern})$")))
+    return resolvers
+
+
+class _Loader(yaml.SafeLoader):
+    yaml_implicit_resolvers = _yaml12_resolvers()
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        # PyYAML keeps the last of two equal keys without a word; in a config that hides a mistake.
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.value in seen:
+                problem = f"duplicate key {key_node.value!r}"
+                raise yaml.constructor.ConstructorError(None, None, problem, key_node.start_mark)
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(node.value))  # `010` is ten, not octal
+
+
+class _Dumper(yaml.SafeDumper):
+    # The loader's resolvers, so a string that would read back as a number or bool gets quoted.
+    yaml_implicit_resolvers = _Loader.yaml_implicit_resolvers
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is built on SafeConstructor
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
+
+
+def _yaml_value(value: Any) -> str:
+    """One value as a line of YAML that `_Loader` reads back as the same value."""
+    if isinstance(value, tuple):
+        value = list(value)
+    text = yaml.dump(value, Dumper=_Dumper, default_flow_style=True, width=math.inf, allow_unicode=True)
+    return text.removesuffix("\n...\n").strip()  # a bare scalar document ends with `...`
+
+
+def _show(value: Any) -> str:
+    """A value in an error message: strings quoted as Python does, the rest as YAML."""
+    return repr(value) if isinstance(value, str) else _yaml_value(value)
+
+
+# ---------------------------------------------------------------------------------------
+# Type and range checks of single values.
+# ---------------------------------------------------------------------------------------
+
+
+def _range_text(bounds: dict[str, float]) -> str:
+    """`{"gt": 0, "le": 1}` -> "in (0, 1]"; `{"ge": 0}` -> ">= 0"."""
+    lo = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}" if "gt" in bounds else None
+    hi = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})" if "lt" in bounds else None
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    if lo:
+        return (">= " if lo[0] == "[" else "> ") + lo[1:]
+    if hi:
+        return ("<= " if hi[-1] == "]" else "< ") + hi[:-1]
+    return ""
+
+
+def _describe(tp: Any, bounds: dict[str, float]) -> str:
+    """What a field accepts, in words; for error messages and the YAML comments alike."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):  # only `X | None` is used
+        (inner,) = [a for a in args if a is not type(None)]
+        return f"{_describe(inner, bounds)} or null"
+    if tp in (int, float):
+        return ("an integer" if tp is int else "a number") + (f" {_range_text(bounds)}" if bounds else "")
+    if tp is bool:
+        return "true or false"
+    if tp is str:
+        return "a string"
+    if origin is Literal:
+        return "one of " + ", ".join(args)
+    if origin is list:
+        return "a list of strings" if args[0] is str else f"a list, each {_describe(args[0], {})}"
+    if origin is tuple:
+        return f"a list of {len(args)} numbers"
+    raise TypeError(f"no description for config type {tp!r}")  # a bug in this module, not user input
+
+
+def _coerce(value: Any, tp: Any, key: str, bounds: dict[str, float]) -> Any:
+    """`value` checked against type `tp` and `bounds`; raises ConfigError naming `key`.
+
+    Strict on purpose: an int field refuses 1.5 and true, a bool field refuses 'yes'.
+    """
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{key}: expected {_describe(tp, bounds)}, got {_show(value)}")
+    if origin in (types.UnionType, typing.Union):
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        try:
+            return _coerce(value, inner, key, bounds)
+        except ConfigError:
+            raise bad from None
+    if tp is bool or tp is str:
+        if not isinstance(value, tp):
+            raise bad
+        return value
+    if origin is Literal:
+        if value not in args:
+            raise bad
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        return [_coerce(item, args[0], f"{key}[{i}]", {}) for i, item in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise bad
+        return tuple(_coerce(item, a, f"{key}[{i}]", {}) for i, (item, a) in enumerate(zip(value, args)))
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):  # bool is an int subclass
+        raise bad
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad
+        value = float(value)
+    if tp not in (int, float):
+        raise TypeError(f"unsupported config type {tp!r} for {key}")  # a bug in this module
+    if (
+        ("ge" in bounds and value < bounds["ge"])
+        or ("gt" in bounds and value <= bounds["gt"])
+        or ("le" in bounds and value > bounds["le"])
+        or ("lt" in bounds and value >= bounds["lt"])
+    ):
+        raise bad
+    return value
+
+
+def _bounds(f: dataclasses.Field) -> dict[str, float]:
+    return {k: v for k, v in f.metadata.items() if k != "help"}
+
+
+# ---------------------------------------------------------------------------------------
+# Setting keys: YAML file and overrides go through `_apply`.
+# ---------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    """name -> (field, resolved type) of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, sections included (e.g. 'rollout', 'rollout.val.top_p')."""
+    keys = []
+    for name, (_, tp) in _fields(cls).items():
+        keys.append(prefix + name)
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_all_keys(tp, prefix + name + "."))
+    return keys
+
+
+def _unknown_key(key: str, source: str | None) -> ConfigError:
+    close = difflib.get_close_matches(key, _all_keys(), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else " (`reprorl config` prints every key)"
+    where = f" in {source!r}" if source else ""
+    return ConfigError(f"unknown config key {key!r}{where}{hint}")
+
+
+def _apply(section: Any, key: str, value: Any, source: str | None, prefix: str = "") -> None:
+    """Set dotted `key` of `section` (a config dataclass) to `value`, type-checked.
+
+    A mapping given for a section sets each of its keys. `source` (the YAML file, or None
+    for an override) is named in the error messages.
+    """
+    where = f" (in {source!r})" if source else ""
+    name, _, rest = key.partition(".")
+    fields = _fields(type(section))
+    if name not in fields:
+        raise _unknown_key(prefix + key, source)
+    f, tp = fields[name]
+    if not dataclasses.is_dataclass(tp):
+        if rest:
+            raise _unknown_key(prefix + key, source)
+        try:
+            setattr(section, name, _coerce(value, tp, prefix + name, _bounds(f)))
+        except ConfigError as err:
+            raise ConfigError(f"{err}{where}") from None
+    elif rest:
+        _apply(getattr(section, name), rest, value, source, prefix + name + ".")
+    elif value is not None:  # None: an empty section in YAML (`rollout:` with nothing under it)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{prefix}{name}: expected a mapping of keys, got {_show(value)}{where}")
+        for sub_key, sub_value in value.items():
+            if not isinstance(sub_key, str):
+                raise ConfigError(f"{prefix}{name}: keys must be strings, got {_show(sub_key)}{where}")
+            _apply(getattr(section, name), sub_key, sub_value, source, prefix + name + ".")
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, eq, raw = text.partition("=")
+    key = key.strip()
+    if not eq or not key:
+        raise ConfigError(f"malformed override {text!r} (expected key=value, e.g. rollout.temperature=0.7)")
+    return key, _parse_yaml(raw, f"override {text!r}")
+
+
+# ---------------------------------------------------------------------------------------
+# Derived values and cross-field checks.
+# ---------------------------------------------------------------------------------------
+
+
+def _derive(cfg: Config) -> None:
+    """DERIVED VALUES: every value that defaults to another one is filled in here, and only here."""
+    if cfg.model.ref_path is None:
+        cfg.model.ref_path = cfg.model.path
+    if cfg.model.critic_path is None:
+        cfg.model.critic_path = cfg.model.path
+    if cfg.rollout.max_tokens is None:
+        cfg.rollout.max_tokens = cfg.data.max_response_length
+    if cfg.critic.ppo_epochs is None:
+        cfg.critic.ppo_epochs = cfg.actor.ppo_epochs
+    if cfg.critic.ppo_mini_batch_size is None:
+        cfg.critic.ppo_mini_batch_size = cfg.actor.ppo_mini_batch_size
+    if cfg.critic.ppo_micro_batch_size is None:
+        cfg.critic.ppo_micro_batch_size = cfg.actor.ppo_micro_batch_size
+    if cfg.trainer.run_dir is None:
+        cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+
+
+def _check_types(section: Any, prefix: str = "") -> None:
+    """Re-check every field's type and range; catches values set in Python, not through `_apply`."""
+    for name, (f, tp) in _fields(type(section)).items():
+        value = getattr(section, name)
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, tp):
+                raise ConfigError(f"{prefix}{name}: expected a {tp.__name__}, got {value!r}")
+            _check_types(value, prefix + name + ".")
+        else:
+            setattr(section, name, _coerce(value, tp, prefix + name, _bounds(f)))
+
+
+def _validate(cfg: Config) -> None:
+    """Checks of single values that bounds can't express, then of values that must agree."""
+    for key, top_k in (("rollout.top_k", cfg.rollout.top_k), ("rollout.val.top_k", cfg.rollout.val.top_k)):
+        if top_k == 0:  # the bound already refuses < -1
+            raise ConfigError(f"{key}: expected -1 (off) or an integer >= 1, got {top_k}")
+    fn = cfg.reward.fn
+    if fn is not None and not re.fullmatch(r"[^:]+:[A-Za-z_][A-Za-z0-9_]*", fn):
+        raise ConfigError(f"reward.fn: expected 'module:function' or 'path.py:function' or null, got {fn!r}")
+    if cfg.trainer.resume == "":
+        raise ConfigError("trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''")
+
+    data, rollout, actor, critic, algo = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm
+    if rollout.max_tokens > data.max_response_length:
+        raise ConfigError(
+            f"rollout.max_tokens={rollout.max_tokens} must be <= data.max_response_length={data.max_response_length}"
+        )
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: "
+            f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
+        )
+    if algo.use_kl_in_reward and actor.use_kl_loss:
+        raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
+    batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size)]
+    if algo.adv_estimator == "gae":
+        batches.append(("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size))
+    for name, mini, micro in batches:
+        if data.train_batch_size % mini:
+            raise ConfigError(
+                f"data.train_batch_size={data.train_batch_size} must be divisible by {name}.ppo_mini_batch_size={mini}"
+            )
+        if (mini * rollout.n) % micro:
+            raise ConfigError(
+                f"{name}.ppo_mini_batch_size * rollout.n = {mini} * {rollout.n} = {mini * rollout.n} samples "
+                f"must be divisible by {name}.ppo_micro_batch_size={micro}"
+            )
+
+
+def resolve_config(cfg: Config) -> Config:
+    """Check every field of `cfg`, fill in derived values and check cross-field rules (in place).
+
+    `load_config` does this already; call it on a `Config` built or changed in Python.
+    """
+    _check_types(cfg)
+    _derive(cfg)
+    _validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry points.
+# ---------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """The config of a run: defaults, then the YAML file at `path` (if any), then `overrides`.
+
+    Each override is `dotted.key=value`, the value a YAML scalar or flow list
+    (`rollout.temperature=0.7`, `trainer.loggers=[console,jsonl]`, `model.ref_path=null`).
+    Raises ConfigError with a one-line message for any problem.
+    """
+    overrides = list(overrides or [])
+    cfg = Config()
+    if path is not None:
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} not found")
+        with open(path, encoding="utf-8") as f:
+            raw = _parse_yaml(f.read(), f"config file {path!r}")
+        if raw is None:
+            raw = {}  # an empty file changes nothing
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path!r}: expected a mapping of sections and keys, got {_show(raw)}")
+        for key, value in raw.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"config file {path!r}: keys must be strings, got {_show(key)}")
+            _apply(cfg, key, value, path)
+    for text in overrides:
+        key, value = _parse_override(text)
+        _apply(cfg, key, value, None)
+    _derive(cfg)
+    _validate(cfg)
+    return cfg
+
+
+def _yaml_lines(section: Any, indent: str = "") -> list[str]:
+    """Each field as `# help` lines, then `name: value  # what it accepts`; sections nest."""
+    lines = []
+    for name, (f, tp) in _fields(type(section)).items():
+        value = getattr(section, name)
+        if dataclasses.is_dataclass(tp) and not indent:
+            lines.append("")
+        lines.extend(f"{indent}# {line}" for line in textwrap.wrap(f.metadata["help"], width=88 - len(indent) - 2))
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{indent}{name}:")
+            lines.extend(_yaml_lines(value, indent + "  "))
+        else:
+            lines.append(f"{indent}{name}: {_yaml_value(value)}  # {_describe(tp, _bounds(f))}")
+    return lines
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The config as YAML, each field's help (and what it accepts) as a comment above it.
+
+    `load_config` of the result gives an equal Config.
+    """
+    header = [
+        "# reprorl config, fully resolved (derived values filled in).",
+        "# Printed by `reprorl config [FILE.yaml] [key=value ...]`; it loads back unchanged.",
+    ]
+    return "\n".join(header + _yaml_lines(cfg)) + "\n"

@@ -1,0 +1,331 @@
+"""The typed config: defaults, YAML + overrides, every error as one line, round trip."""
+
+import dataclasses
+import shutil
+import subprocess
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from reprorl.cli import main
+from reprorl.config import Config, ConfigError, config_to_yaml, load_config, resolve_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _leaf_fields(cls=Config, prefix=""):
+    """(dotted key, field) of every non-section field."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _leaf_fields(hints[f.name], prefix + f.name + ".")
+        else:
+            yield prefix + f.name, f
+
+
+def _write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+# --- defaults ---------------------------------------------------------------------------
+
+
+def test_defaults_resolve():
+    cfg = load_config()
+    assert cfg.seed == 42 and cfg.full_determinism is True
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 4
+    # derived values (the `_derive` step)
+    assert cfg.model.ref_path == cfg.model.path == cfg.model.critic_path == "models/tiny-policy"
+    assert cfg.rollout.max_tokens == cfg.data.max_response_length == 32
+    assert (cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size) == (1, 4, 8)
+    assert cfg.trainer.run_dir == "runs/reprorl/tiny-grpo"
+    assert cfg.actor.betas == (0.9, 0.999)
+
+
+def test_every_field_has_help():
+    leaves = list(_leaf_fields())
+    assert len(leaves) > 80
+    for key, f in leaves:
+        assert f.metadata.get("help", "").strip(), key
+
+
+def test_configs_do_not_share_lists():
+    cfg = load_config(None, ["data.train_files=[a.parquet]"])
+    cfg.trainer.loggers.append("wandb")
+    fresh = load_config()
+    assert fresh.data.train_files == ["data/arithmetic/train.parquet"]
+    assert fresh.trainer.loggers == ["console", "jsonl"]
+
+
+def test_resolve_config_of_a_python_built_config():
+    assert resolve_config(Config()) == load_config()
+    cfg = Config()
+    cfg.rollout.n = "4"
+    with pytest.raises(ConfigError, match=r"^rollout.n: expected an integer >= 1, got '4'$"):
+        resolve_config(cfg)
+
+
+# --- YAML file and overrides ------------------------------------------------------------
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = _write(
+        tmp_path,
+        """
+seed: 7
+model:
+  path: my/model
+rollout:
+  n: 8
+  temperature: 1          # an int is fine for a float field
+  val:
+    temperature: 0.3
+actor:
+  lr: 3e-6                # YAML 1.2 float, not the string '3e-6'
+trainer:
+  loggers: [console]
+  experiment_name: 'no'   # quoted; plain `no` is a string here too
+""",
+    )
+    cfg = load_config(path, ["rollout.n=6", "trainer.loggers=[console,jsonl,tensorboard]", "critic.lr=2.5e-5"])
+    assert cfg.seed == 7
+    assert cfg.rollout.n == 6  # the override wins over the file
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.rollout.val.temperature == 0.3
+    assert cfg.actor.lr == 3e-6
+    assert cfg.critic.lr == 2.5e-5
+    assert cfg.trainer.loggers == ["console", "jsonl", "tensorboard"]
+    assert cfg.trainer.experiment_name == "no"
+    assert cfg.model.ref_path == "my/model"  # derived after the file is read
+    assert cfg.trainer.run_dir == "runs/reprorl/no"
+    assert cfg.data.max_prompt_length == 128  # untouched keys keep their defaults
+
+
+def test_overrides_alone_and_null_and_sections(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "model.path=a",
+            "model.ref_path=b",
+            "model.ref_path=null",  # back to "derive it"
+            "rollout.val={n: 3, do_sample: true}",  # a mapping for a section sets each key
+            "rollout.max_tokens=16",
+            "reward.fn=my_rewards.py:score",
+            "data.val_files=[]",
+            "trainer.experiment_name=x=y",  # only the first '=' splits
+        ],
+    )
+    assert cfg.model.ref_path == "a"
+    assert (cfg.rollout.val.n, cfg.rollout.val.do_sample, cfg.rollout.val.temperature) == (3, True, 0.0)
+    assert cfg.rollout.max_tokens == 16
+    assert cfg.reward.fn == "my_rewards.py:score"
+    assert cfg.data.val_files == []
+    assert cfg.trainer.experiment_name == "x=y"
+    assert load_config(Path(_write(tmp_path, ""))) == load_config()  # an empty file changes nothing
+
+
+def test_critic_batches_are_checked_only_for_gae():
+    load_config(None, ["critic.ppo_micro_batch_size=3"])  # grpo: no critic, no check
+    load_config(None, ["algorithm.adv_estimator=remax", "rollout.n=1", "actor.ppo_micro_batch_size=4"])
+    gae = ["algorithm.adv_estimator=gae", "rollout.n=1", "actor.ppo_micro_batch_size=4", "critic.ppo_micro_batch_size=2"]
+    assert load_config(None, gae).critic.ppo_micro_batch_size == 2
+    load_config(None, ["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=false"])
+
+
+def test_cli_takes_a_first_override_in_the_file_slot(capsys):
+    # argparse puts `rollout.n=8` in the optional file argument; it is an override all the same.
+    assert main(["config", "rollout.n=8", "rollout.temperature=0.5"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["rollout"]["n"] == 8 and cfg["rollout"]["temperature"] == 0.5
+
+
+# --- errors: exit code 2 and one line on stderr ----------------------------------------
+
+OVERRIDE_ERRORS = [
+    (["rollout.temprature=0.7"], "unknown config key 'rollout.temprature' (did you mean 'rollout.temperature'?)"),
+    (["rollout.val.temprature=0"], "unknown config key 'rollout.val.temprature' (did you mean 'rollout.val.temperature'?)"),
+    (["temperature=0.7"], "unknown config key 'temperature' (did you mean 'rollout.temperature'?)"),
+    (["rollout.n.x=1"], "unknown config key 'rollout.n.x' (did you mean 'rollout.n'?)"),
+    (["zzzzzz=1"], "unknown config key 'zzzzzz' (`reprorl config` prints every key)"),
+    (["rollout.n=4", "rollout.temperature"], "malformed override 'rollout.temperature' (expected key=value, e.g. rollout.temperature=0.7)"),
+    (["=3"], "malformed override '=3' (expected key=value, e.g. rollout.temperature=0.7)"),
+    (["trainer.loggers=[console"], "override 'trainer.loggers=[console': invalid YAML at line 1, column 9: expected ',' or ']', but got '<stream end>'"),
+    # types
+    (["rollout.n=abc"], "rollout.n: expected an integer >= 1, got 'abc'"),
+    (["rollout.n=1.5"], "rollout.n: expected an integer >= 1, got 1.5"),
+    (["rollout.n=2.0"], "rollout.n: expected an integer >= 1, got 2.0"),
+    (["rollout.n=true"], "rollout.n: expected an integer >= 1, got true"),
+    (["full_determinism=yes"], "full_determinism: expected true or false, got 'yes'"),
+    (["full_determinism=1"], "full_determinism: expected true or false, got 1"),
+    (["rollout.temperature=hot"], "rollout.temperature: expected a number >= 0, got 'hot'"),
+    (["rollout.temperature=.nan"], "rollout.temperature: expected a number >= 0, got .nan"),
+    (["trainer.experiment_name=123"], "trainer.experiment_name: expected a string, got 123"),
+    (["rollout.max_tokens=abc"], "rollout.max_tokens: expected an integer >= 1 or null, got 'abc'"),
+    (["trainer.loggers=console"], "trainer.loggers: expected a list, each one of console, jsonl, tensorboard, wandb, got 'console'"),
+    (["trainer.loggers=[console,mlflow]"], "trainer.loggers[1]: expected one of console, jsonl, tensorboard, wandb, got 'mlflow'"),
+    (["data.train_files=a.parquet"], "data.train_files: expected a list of strings, got 'a.parquet'"),
+    (["actor.betas=[0.9]"], "actor.betas: expected a list of 2 numbers, got [0.9]"),
+    (["rollout=3"], "rollout: expected a mapping of keys, got 3"),
+    # choices
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: expected one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, got 'ppo'"),
+    (["data.overlong_prompts=drop"], "data.overlong_prompts: expected one of error, filter, truncate_left, truncate_right, got 'drop'"),
+    (["actor.kl_loss_type=low_var_kl"], "actor.kl_loss_type: expected one of k1, k2, k3, got 'low_var_kl'"),
+    (["model.dtype=float16"], "model.dtype: expected one of float32, bfloat16, got 'float16'"),
+    # ranges
+    (["rollout.n=0"], "rollout.n: expected an integer >= 1, got 0"),
+    (["rollout.temperature=-0.1"], "rollout.temperature: expected a number >= 0, got -0.1"),
+    (["rollout.top_p=0"], "rollout.top_p: expected a number in (0, 1], got 0"),
+    (["rollout.top_p=1.5"], "rollout.top_p: expected a number in (0, 1], got 1.5"),
+    (["rollout.top_k=-2"], "rollout.top_k: expected an integer >= -1, got -2"),
+    (["rollout.top_k=0"], "rollout.top_k: expected -1 (off) or an integer >= 1, got 0"),
+    (["rollout.val.top_k=0"], "rollout.val.top_k: expected -1 (off) or an integer >= 1, got 0"),
+    (["actor.clip_ratio_c=1.0"], "actor.clip_ratio_c: expected a number > 1, got 1.0"),
+    (["actor.clip_ratio_low=1"], "actor.clip_ratio_low: expected a number in [0, 1), got 1"),
+    (["algorithm.gamma=1.01"], "algorithm.gamma: expected a number in [0, 1], got 1.01"),
+    (["seed=-1"], "seed: expected an integer >= 0, got -1"),
+    (["reward.fn=my_rewards"], "reward.fn: expected 'module:function' or 'path.py:function' or null, got 'my_rewards'"),
+    (["trainer.resume=''"], "trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''"),
+    # cross-field
+    (["actor.ppo_mini_batch_size=3"], "data.train_batch_size=8 must be divisible by actor.ppo_mini_batch_size=3"),
+    (
+        ["actor.ppo_micro_batch_size=5"],
+        "actor.ppo_mini_batch_size * rollout.n = 4 * 4 = 16 samples must be divisible by actor.ppo_micro_batch_size=5",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=3"],
+        "critic.ppo_mini_batch_size * rollout.n = 4 * 4 = 16 samples must be divisible by critic.ppo_micro_batch_size=3",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=16"],
+        "data.train_batch_size=8 must be divisible by critic.ppo_mini_batch_size=16",
+    ),
+    (["rollout.max_tokens=33"], "rollout.max_tokens=33 must be <= data.max_response_length=32"),
+    (["data.max_response_length=16", "rollout.max_tokens=32"], "rollout.max_tokens=32 must be <= data.max_response_length=16"),
+    (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1"),
+    (
+        ["algorithm.adv_estimator=rloo", "rollout.n=1"],
+        "algorithm.adv_estimator=rloo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1",
+    ),
+    (
+        ["algorithm.adv_estimator=reinforce_pp_baseline", "rollout.n=1"],
+        "algorithm.adv_estimator=reinforce_pp_baseline compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1",
+    ),
+    (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one"),
+]
+
+
+def _run_error(capsys, argv):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("overrides, message", OVERRIDE_ERRORS, ids=[" ".join(o) for o, _ in OVERRIDE_ERRORS])
+def test_override_errors(capsys, overrides, message):
+    assert _run_error(capsys, ["config", *overrides]) == f"error: {message}"
+
+
+FILE_ERRORS = [
+    ("rollout:\n  temprature: 0.7\n", "unknown config key 'rollout.temprature' in {path!r} (did you mean 'rollout.temperature'?)"),
+    ("rollout:\n  n: abc\n", "rollout.n: expected an integer >= 1, got 'abc' (in {path!r})"),
+    ("data:\n  shuffle: yes\n", "data.shuffle: expected true or false, got 'yes' (in {path!r})"),
+    ("rollout: 3\n", "rollout: expected a mapping of keys, got 3 (in {path!r})"),
+    ("- a\n- b\n", "config file {path!r}: expected a mapping of sections and keys, got [a, b]"),
+    ("just a string\n", "config file {path!r}: expected a mapping of sections and keys, got 'just a string'"),
+    ("rollout:\n  n: 2\n  n: 3\n", "config file {path!r}: invalid YAML at line 3, column 3: duplicate key 'n'"),
+    ("rollout: [\n", "config file {path!r}: invalid YAML at line 2, column 1: expected the node content, but found '<stream end>'"),
+    ("1: 2\n", "config file {path!r}: keys must be strings, got 1"),
+]
+
+
+@pytest.mark.parametrize("text, message", FILE_ERRORS)
+def test_file_errors(capsys, tmp_path, text, message):
+    path = _write(tmp_path, text)
+    assert _run_error(capsys, ["config", path, "rollout.n=4"]) == "error: " + message.format(path=path)
+
+
+def test_missing_file(capsys, tmp_path):
+    path = str(tmp_path / "nope.yaml")
+    assert _run_error(capsys, ["config", path]) == f"error: config file {path!r} not found"
+
+
+# --- output: round trip, help comments, the example file, the console command ----------
+
+
+def _reload(tmp_path, cfg):
+    """`load_config` of `config_to_yaml(cfg)`."""
+    return load_config(_write(tmp_path, config_to_yaml(cfg), name="printed.yaml"))
+
+
+def test_round_trip_defaults(tmp_path):
+    cfg = load_config()
+    assert _reload(tmp_path, cfg) == cfg
+
+
+@pytest.mark.parametrize("name", ["123", "1e3", "true", "yes", "null", "a: b", "#x", "- y", "[z]", "", "é ü", "it's"])
+def test_round_trip_of_strings_that_look_like_other_things(tmp_path, name):
+    cfg = load_config()
+    cfg.trainer.experiment_name = name
+    cfg.data.train_files = [name, "b"]
+    assert _reload(tmp_path, cfg) == cfg
+
+
+def test_round_trip_of_changed_values(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "actor.lr=1.5e-7",
+            "actor.betas=[0.8, 0.95]",
+            "reward.model_path=rm",
+            "reward.rule_weight=-0.25",
+            "trainer.max_ckpt_to_keep=3",
+            "rollout.tools=[calc, search]",
+            "algorithm.adv_estimator=gae",
+            "algorithm.use_kl_in_reward=true",
+            "actor.use_kl_loss=false",
+            "algorithm.kl_ctrl.type=adaptive",
+        ],
+    )
+    assert cfg != load_config()
+    assert _reload(tmp_path, cfg) == cfg
+    # a stock YAML reader sees the same values
+    as_dict = dataclasses.asdict(cfg, dict_factory=lambda kv: {k: list(v) if isinstance(v, tuple) else v for k, v in kv})
+    assert yaml.safe_load(config_to_yaml(cfg)) == as_dict
+
+
+def test_yaml_has_help_comments():
+    lines = config_to_yaml(load_config()).splitlines()
+    i = lines.index("  temperature: 1.0  # a number >= 0")
+    assert lines[i - 1] == "  # sampling temperature for training rollouts; 0 = greedy"
+    i = lines.index("  adv_estimator: grpo  # one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline")
+    assert lines[i - 1] == "  # advantage estimator; gae trains a critic"
+    # every field's help is printed, whole (wrapped lines joined back)
+    comments = " ".join(line.strip().removeprefix("# ") for line in lines if line.strip().startswith("# "))
+    for key, f in _leaf_fields():
+        assert f.metadata["help"] in comments, key
+
+
+def test_example_file_is_in_sync():
+    # Regenerate with: reprorl config > examples/default.yaml
+    assert (REPO / "examples" / "default.yaml").read_text() == config_to_yaml(load_config())
+
+
+def test_console_command_smoke(tmp_path):
+    exe = shutil.which("reprorl")
+    assert exe is not None, "the `reprorl` console script is not installed (pip install -e .)"
+    out = subprocess.run(
+        [exe, "config", "rollout.temperature=0.7", "trainer.loggers=[console]"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert printed["rollout"]["temperature"] == 0.7 and printed["trainer"]["loggers"] == ["console"]
+    bad = subprocess.run([exe, "config", "rollout.n=abc"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr == "error: rollout.n: expected an integer >= 1, got 'abc'\n"
