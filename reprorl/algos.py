@@ -1,0 +1,523 @@
+"""The RL math: advantage estimators, losses, KL and loss aggregation, as pure functions.
+
+Conventions (shared with the trainer):
+- B samples, T response tokens; every per-token tensor is `[B, T]`.
+- `response_mask` `[B, T]` holds 0/1 floats: 1 for tokens the policy generated, 0 for
+  padding and for tokens it did not generate (a tool's output in a multi-turn sample).
+- `group_ids` is a sequence of B hashable ids; the samples of one prompt share one id
+  (verl's `uid`). Groups are visited in first-appearance order, never in set or hash
+  order, so every reduction runs in the same order on every run.
+- Advantages, returns and token rewards are exactly 0 where `response_mask` is 0.
+- Inputs are plain tensors: call the advantage functions on detached tensors (the
+  trainer does so under `torch.no_grad()`); the losses are differentiable in the
+  current policy's `log_prob` / the critic's `values`.
+
+Time loops (GAE, discounted returns) are the plain reverse loop over T: it is the
+definition, it is exact and its order is fixed, and T is only the response length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# k1/k2/k3 as in Schulman's note; "kl", "mse" and "low_var_kl" are verl's names for them.
+KL_PENALTY_KINDS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+
+Count = int | float | torch.Tensor
+
+
+# ---------------------------------------------------------------- masked helpers
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of `values` where `mask` is 1: over all entries (a scalar), or along `dim`."""
+    product = values * mask
+    return product.sum() if dim is None else product.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` where `mask` is 1: over all entries (a scalar), or along `dim`.
+
+    An empty selection gives 0, not NaN (its count is taken as 1): a micro-batch or row
+    with no valid token contributes nothing.
+    """
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` over all entries where `mask` is 1 (a scalar).
+
+    `unbiased=True` applies Bessel's correction n / (n - 1), as verl does; it needs at
+    least two valid entries and raises ValueError otherwise.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = int(mask.sum().item())
+        if n < 2:
+            raise ValueError(f"masked_var(unbiased=True) needs at least 2 valid entries; got {n}")
+        var = var * (n / (n - 1))
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Shift and scale the valid entries of `values` `[B, T]` to mean 0, variance 1.
+
+    (x - mean) / sqrt(var + eps) with the unbiased variance over all valid entries of the
+    batch (so a long response weighs more than a short one, as in verl). Masked entries
+    become 0.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask, unbiased=True)
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Place each sample's scalar score `[B]` at its last valid token: `[B, T]`, 0 elsewhere.
+
+    Every row must have at least one valid token (a response has at least one token).
+    """
+    _check_scores(scores, response_mask)
+    valid = response_mask > 0  # [B, T]
+    empty = (~valid.any(dim=-1)).nonzero().flatten()
+    if len(empty) > 0:
+        raise ValueError(f"response_mask row {int(empty[0])} has no valid token to carry its score")
+    positions = torch.arange(response_mask.shape[1], device=response_mask.device)
+    last = torch.where(valid, positions, -1).max(dim=-1).values  # [B]
+    rewards = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
+    rewards[torch.arange(len(scores), device=scores.device), last] = scores
+    return rewards
+
+
+# ---------------------------------------------------------------- advantage estimators
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438) for PPO.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};
+    returns = A + V (the critic's targets, computed before whitening).
+    Masked tokens are skipped: the next valid token's value and advantage are carried
+    across them, so a tool's output inside a multi-turn response is neither a step nor
+    a discount (verl does the same). After the last valid token V and A are 0.
+
+    token_rewards, values, response_mask: `[B, T]`.
+    Returns (advantages `[B, T]`, whitened over the batch if `whiten`, as verl does;
+    returns `[B, T]`), both 0 at masked tokens.
+    """
+    _check_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
+    batch_size, length = token_rewards.shape
+    valid = response_mask > 0
+    next_value = token_rewards.new_zeros(batch_size)  # [B]
+    next_adv = token_rewards.new_zeros(batch_size)  # [B]
+    advantages = torch.zeros_like(token_rewards)
+    for t in reversed(range(length)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        # torch.where, not a 0/1 blend: garbage (even inf) at padded positions cannot leak.
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        advantages[:, t] = torch.where(valid[:, t], adv, 0.0)
+    returns = torch.where(valid, advantages + values, 0.0)
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go G_t = r_t + gamma * G_{t+1} over valid tokens: `[B, T]` -> `[B, T]`.
+
+    Masked tokens are skipped like in `gae_advantages` (their reward is ignored and they
+    are not a discount step); the result is 0 at them.
+    """
+    _check_same_shape(token_rewards=token_rewards, response_mask=response_mask)
+    valid = response_mask > 0
+    running = token_rewards.new_zeros(token_rewards.shape[0])  # [B]
+    returns = torch.zeros_like(token_rewards)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
+    return returns
+
+
+def grpo_outcome_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence[Hashable],
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO outcome advantages (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+
+    A_i = (s_i - mean(group)) / (std(group) + eps), std unbiased (torch.std, as verl);
+    with `norm_by_std=False`, A_i = s_i - mean(group) (Dr. GRPO, Liu et al. 2025,
+    arXiv:2503.20783). Every token of a sample gets its A_i.
+    A group of one sample has no baseline: as in verl its mean is taken as 0 and its std
+    as 1, so its advantage is its raw score (divided by 1 + eps). A group whose scores
+    are all equal gets 0.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    _check_scores(scores, response_mask)
+    advantages = torch.empty_like(scores)
+    for rows in _group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        if len(rows) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean, std = group.mean(), group.std()
+        advantages[idx] = (group - mean) / (std + eps) if norm_by_std else group - mean
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def remax_advantages(
+    token_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """ReMax advantages (Li et al. 2023, arXiv:2310.10505).
+
+    A_t = (undiscounted return-to-go from t) - b, where b is the reward of the greedy
+    response to the same prompt.
+
+    token_rewards `[B, T]` (the score at the last token, plus any per-token KL penalty),
+    reward_baselines `[B]` (each sample's greedy baseline reward), response_mask `[B, T]`.
+    Returns `[B, T]`.
+    """
+    _check_scores(reward_baselines, response_mask)
+    returns = discounted_returns(token_rewards, response_mask, gamma=1.0)
+    return (returns - reward_baselines.unsqueeze(-1)) * response_mask
+
+
+def rloo_advantages(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[Hashable]
+) -> torch.Tensor:
+    """RLOO advantages (Ahmadian et al. 2024, arXiv:2402.14740).
+
+    A_i = s_i - mean of the other samples' scores in its group. A group of one sample has
+    no others: as in verl its advantage is its raw score.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    _check_scores(scores, response_mask)
+    advantages = torch.empty_like(scores)
+    for rows in _group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        n = len(rows)
+        advantages[idx] = group if n == 1 else group - (group.sum() - group) / (n - 1)
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025, arXiv:2501.03262).
+
+    Discounted return-to-go of the per-token rewards (score plus KL penalty), whitened
+    over all valid tokens of the batch.
+
+    token_rewards, response_mask `[B, T]`. Returns `[B, T]`.
+    """
+    return masked_whiten(discounted_returns(token_rewards, response_mask, gamma), response_mask)
+
+
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[Hashable]
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu 2025, arXiv:2501.03262; verl's
+    `reinforce_plus_plus_baseline`).
+
+    Subtract the group's mean score (a group of one: mean 0, as verl), give each token
+    its sample's value, then whiten over all valid tokens of the batch.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    _check_scores(scores, response_mask)
+    centered = torch.empty_like(scores)
+    for rows in _group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        centered[idx] = group if len(rows) == 1 else group - group.mean()
+    return masked_whiten(centered.unsqueeze(-1) * response_mask, response_mask)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str,
+    *,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss `[B, T]` to a scalar.
+
+    Modes (verl's names):
+    - "token-mean": sum over valid tokens / number of valid tokens.
+    - "seq-mean-token-sum": mean over sequences of each sequence's token sum.
+    - "seq-mean-token-mean": mean over sequences of each sequence's token mean.
+    - "seq-mean-token-sum-norm": mean over sequences of token sum / max_response_length
+      (Dr. GRPO, Liu et al. 2025: a constant divisor, so a response's weight does not
+      depend on its length). Older verl divides the batch's token sum by T and not by the
+      number of sequences; here it is a mean over sequences like the other seq modes.
+
+    The divisors are the number of valid tokens (`global_num_tokens`), the number of
+    sequences (`global_num_seqs`, rows with no valid token included) and
+    `max_response_length`. Left None they are taken from this batch (and T). For
+    gradient accumulation pass the values of the whole mini-batch: each micro-batch then
+    returns its share, and the SUM over micro-batches equals the full-batch loss however
+    the batch is cut (pass `max_response_length` too if micro-batches are trimmed to
+    different T). A count of 0 is taken as 1, so an empty batch gives 0, not NaN.
+    """
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {', '.join(LOSS_AGG_MODES)}; got {mode!r}")
+    _check_same_shape(loss_mat=loss_mat, loss_mask=loss_mask)
+    token_sums = masked_sum(loss_mat, loss_mask, dim=-1)  # [B]
+    if mode == "token-mean":
+        num_tokens = loss_mask.sum() if global_num_tokens is None else global_num_tokens
+        return token_sums.sum() / _at_least_one(num_tokens)
+    num_seqs = _at_least_one(loss_mat.shape[0] if global_num_seqs is None else global_num_seqs)
+    if mode == "seq-mean-token-sum":
+        return token_sums.sum() / num_seqs
+    if mode == "seq-mean-token-mean":
+        return (token_sums / loss_mask.sum(dim=-1).clamp(min=1)).sum() / num_seqs
+    length = loss_mat.shape[1] if max_response_length is None else max_response_length
+    return token_sums.sum() / (num_seqs * length)
+
+
+def ppo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+    *,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual-clip.
+
+    Per token, with ratio r = exp(log_prob - old_log_prob) and advantage A:
+        L = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    (separate low/high bounds: DAPO's clip-higher, Yu et al. 2025). For A < 0 the loss is
+    also capped at -A * clip_ratio_c (dual-clip, Ye et al. 2020, arXiv:1912.09729), so a
+    token whose ratio has grown huge cannot dominate the update.
+    The per-token losses are reduced by `agg_loss` (keyword arguments passed on).
+
+    old_log_prob, log_prob, advantages, response_mask: `[B, T]`.
+    Returns (loss, stats); stats (detached scalars, token means over this batch):
+    "clipfrac" (share of tokens where the clipped term was taken), "clipfrac_lower"
+    (share where the dual-clip cap was taken), "approx_kl" (mean of old_log_prob -
+    log_prob, the k1 estimate of KL(old || new)).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1.0 (the dual-clip cap on the ratio); got {clip_ratio_c}")
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    # exp(20) ~ 4.9e8 is finite in float32 (and bfloat16); an unclamped log-ratio of a
+    # token whose probability collapsed could reach exp(~88) = inf and turn the loss NaN.
+    ratio = torch.exp(log_ratio.clamp(min=-20.0, max=20.0))
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    loss_cap = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss_mat = torch.where(negative, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+    loss = agg_loss(
+        loss_mat,
+        response_mask,
+        loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_length=max_response_length,
+    )
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
+            "clipfrac_lower": masked_mean((negative & (loss_ppo > loss_cap)).to(loss_mat.dtype), response_mask),
+            "approx_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str,
+    *,
+    global_num_tokens: Count | None = None,
+    global_num_seqs: Count | None = None,
+    max_response_length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss of the PPO critic (OpenAI baselines' PPO2, as verl).
+
+    V_clip = clip(values, old_values - cliprange_value, old_values + cliprange_value);
+    per token max((values - returns)^2, (V_clip - returns)^2); the loss is 0.5 times its
+    `agg_loss`.
+
+    values (current critic), old_values (critic at rollout), returns, response_mask:
+    `[B, T]`. Returns (loss, clipfrac): clipfrac is the share of valid tokens where the
+    clipped error was the larger one (detached).
+    """
+    _check_same_shape(values=values, old_values=old_values, returns=returns, response_mask=response_mask)
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    err_unclipped = (values - returns) ** 2
+    err_clipped = (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(
+        torch.maximum(err_unclipped, err_clipped),
+        response_mask,
+        loss_agg_mode,
+        global_num_tokens=global_num_tokens,
+        global_num_seqs=global_num_seqs,
+        max_response_length=max_response_length,
+    )
+    clipfrac = masked_mean((err_clipped > err_unclipped).to(values.dtype), response_mask).detach()
+    return loss, clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dimension: `[B, T, V]` -> `[B, T]`.
+
+    H = -sum p log p with log p = log_softmax (which subtracts the logsumexp): no exp
+    overflow for large logits, and no cancellation between two large numbers. Logits
+    must be finite (a -inf logit gives 0 * -inf = NaN).
+    """
+    log_p = torch.log_softmax(logits, dim=-1)
+    return -(log_p.exp() * log_p).sum(dim=-1)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens: `[B, T]`.
+
+    Schulman 2020, "Approximating KL Divergence", with d = ref_log_prob - log_prob:
+    - "k1": -d = log_prob - ref_log_prob (unbiased, can be negative);
+    - "k2": 0.5 * d^2 (biased, low variance, >= 0);
+    - "k3": exp(d) - d - 1 (unbiased, low variance, >= 0); d is clamped to [-20, 20] so
+      exp cannot overflow and the result to [-10, 10], as verl's "low_var_kl".
+    verl's names "kl", "mse", "low_var_kl" are accepted for k1, k2, k3.
+    Used for the KL penalty in the reward and for the KL loss.
+    """
+    if kind not in KL_PENALTY_KINDS:
+        raise ValueError(f"kl penalty kind must be one of {', '.join(KL_PENALTY_KINDS)}; got {kind!r}")
+    _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
+    kind = _KL_ALIASES.get(kind, kind)
+    log_ratio = log_prob - ref_log_prob
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    d = (-log_ratio).clamp(min=-20.0, max=20.0)
+    return (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+
+
+def apply_kl_to_rewards(
+    token_scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL penalty in the reward (Ziegler et al. 2019): r_t = score_t - kl_coef * kl_t.
+
+    token_scores, kl (from `kl_penalty`), response_mask: `[B, T]`.
+    Returns (token_rewards `[B, T]`, 0 at masked tokens; mean_kl, a scalar: the mean over
+    samples of each sample's token-mean KL, as verl, which feeds the KL controller).
+    """
+    _check_same_shape(token_scores=token_scores, kl=kl, response_mask=response_mask)
+    kl = torch.where(response_mask > 0, kl, 0.0)
+    token_rewards = (token_scores - kl_coef * kl) * response_mask
+    mean_kl = masked_mean(kl, response_mask, dim=-1).mean()
+    return token_rewards, mean_kl
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` does nothing."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019, arXiv:1909.08593, section 2.2).
+
+    After each step: e = clip(current_kl / target_kl - 1, -0.2, 0.2);
+    value *= 1 + e * n_steps / horizon. The coefficient grows while the measured KL is
+    above the target and shrinks while it is below. Plain Python floats, so the update is
+    the same on every machine; `state_dict` goes into checkpoints.
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int):
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"target_kl and horizon must be > 0; got target_kl={target_kl}, horizon={horizon}")
+        self.value = float(init_kl_coef)
+        self.target_kl = float(target_kl)
+        self.horizon = horizon
+
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+# ---------------------------------------------------------------- private checks
+
+
+def _group_rows(group_ids: Sequence[Hashable], batch_size: int) -> list[list[int]]:
+    """Row indices of each group, groups in first-appearance order (dicts keep insertion order)."""
+    if len(group_ids) != batch_size:
+        raise ValueError(f"group_ids has {len(group_ids)} ids for a batch of {batch_size} samples")
+    rows: dict[Hashable, list[int]] = {}
+    for i, gid in enumerate(group_ids):
+        rows.setdefault(gid, []).append(i)
+    return list(rows.values())
+
+
+def _at_least_one(count: Count) -> Count:
+    return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
+
+
+def _check_same_shape(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1 or any(len(s) != 2 for s in shapes.values()):
+        raise ValueError(f"expected tensors of one shape [B, T]; got {shapes}")
+
+
+def _check_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> None:
+    if scores.dim() != 1 or response_mask.dim() != 2 or scores.shape[0] != response_mask.shape[0]:
+        raise ValueError(
+            f"expected scores [B] and response_mask [B, T]; got {tuple(scores.shape)} and {tuple(response_mask.shape)}"
+        )
