@@ -1,0 +1,148 @@
+"""Rule rewards: plain functions with verl's `compute_score` signature.
+
+    fn(data_source, solution_str, ground_truth, extra_info=None) -> float
+
+`solution_str` is the decoded response (without the prompt). Every function here returns
+1.0 or 0.0: no partial format credit, so the mean reward is the accuracy.
+`compute_score` picks the function from the row's `data_source` through `REWARD_FNS`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from decimal import Decimal, InvalidOperation
+
+from reprorl.errors import DataError
+
+# A bare integer, then only end tokens (if the decoder kept special tokens) and whitespace.
+_ARITHMETIC_ANSWER = re.compile(r"\s*(-?\d+)\s*(?:(?:<\|im_end\|>|<\|endoftext\|>)\s*)*")
+
+
+def arithmetic_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """The synthetic arithmetic task (`reprorl/arithmetic`): 1.0 iff the response is the answer.
+
+    The response, less surrounding whitespace and trailing end tokens, must be exactly
+    the integer `ground_truth` as written (no `+` sign, no leading zeros). Anything after
+    the number scores 0, so the policy has to learn to stop.
+
+    >>> arithmetic_score("reprorl/arithmetic", "19", "19")
+    1.0
+    >>> arithmetic_score("reprorl/arithmetic", " 19<|im_end|>", "19")
+    1.0
+    >>> arithmetic_score("reprorl/arithmetic", "-3\\n", "-3")
+    1.0
+    >>> arithmetic_score("reprorl/arithmetic", "20", "19")
+    0.0
+    >>> arithmetic_score("reprorl/arithmetic", "19 19 19", "19")
+    0.0
+    >>> arithmetic_score("reprorl/arithmetic", "019", "19")
+    0.0
+    """
+    match = _ARITHMETIC_ANSWER.fullmatch(solution_str)
+    return 1.0 if match is not None and match.group(1) == ground_truth.strip() else 0.0
+
+
+# GSM8K: the number after the last "#### ", as in the dataset's own solutions.
+_GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+
+
+def _gsm8k_number(text: str) -> Decimal | None:
+    found = _GSM8K_ANSWER.findall(text)
+    if not found:
+        return None
+    try:
+        return Decimal(found[-1].replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """GSM8K (`openai/gsm8k`): 1.0 iff the number after the last `#### ` equals the answer.
+
+    Commas and a `$` are stripped and the numbers compared as decimals (`1,000` == `1000`,
+    `3.50` == `3.5`). `ground_truth` is the bare answer (verl's preprocessing) or a whole
+    GSM8K solution ending in `#### answer`. There is no last-number fallback: it would
+    reward any text that happens to end in the right number, and a policy learns to
+    list numbers; the prompt asks for `####`, so the reward checks for it (verl's
+    "strict" mode).
+
+    >>> gsm8k_score("openai/gsm8k", "3 + 4 = 7 apples.\\n#### 7", "7")
+    1.0
+    >>> gsm8k_score("openai/gsm8k", "#### $1,000.", "1000")
+    1.0
+    >>> gsm8k_score("openai/gsm8k", "#### 5 wait, no: #### -2", "-2")
+    1.0
+    >>> gsm8k_score("openai/gsm8k", "The answer is 7.", "7")
+    0.0
+    >>> gsm8k_score("openai/gsm8k", "#### 8", "He has 7.\\n#### 7")
+    0.0
+    """
+    truth = _gsm8k_number(ground_truth) if "####" in ground_truth else _gsm8k_number("#### " + ground_truth.strip())
+    answer = _gsm8k_number(solution_str)
+    return 1.0 if truth is not None and answer is not None and answer == truth else 0.0
+
+
+# math-verify bounds each parse and comparison with signal.alarm: a sympy expression
+# such as 9^{9^{9}} otherwise never finishes. The alarm is wall-clock time, so a
+# response that takes about this long to parse could score differently on a loaded
+# machine; nothing sane comes near it.
+MATH_VERIFY_TIMEOUT_S = 5
+
+
+def math_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    r"""Math answers (MATH and the like) through math-verify: 1.0 iff equivalent to the truth.
+
+    The response's answer is what math-verify extracts (a `\boxed{}` first, else the last
+    LaTeX or plain expression); `ground_truth` is a bare answer (boxed if not already).
+    A response math-verify cannot parse, or a parse that times out, scores 0.0. Call it
+    from a process's main thread (math-verify's timeout needs signals); elsewhere it
+    raises RuntimeError rather than scoring everything 0.
+
+    >>> math_score("lighteval/MATH", "So $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}")
+    1.0
+    >>> math_score("lighteval/MATH", "\\boxed{0.5}", "\\frac{1}{2}")
+    1.0
+    >>> math_score("lighteval/MATH", "\\boxed{1+x^2}", "x^2+1")
+    1.0
+    >>> math_score("lighteval/MATH", "\\boxed{3}", "\\frac{1}{2}")
+    0.0
+    >>> math_score("lighteval/MATH", "I don't know", "\\frac{1}{2}")
+    0.0
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("math_score must run in a main thread: math-verify's timeout uses signal.alarm")
+    from math_verify import parse, verify  # sympy is slow to import; only math rows need it
+
+    gold_text = ground_truth if "\\boxed" in ground_truth else "\\boxed{" + ground_truth + "}"
+    try:
+        gold = parse(gold_text, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        answer = parse(solution_str, parsing_timeout=MATH_VERIFY_TIMEOUT_S)
+        return 1.0 if gold and answer and verify(gold, answer, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
+    except Exception:  # an unparsable response is a wrong answer, not a crashed run
+        return 0.0
+
+
+# data_source -> reward function; verl's names for the public datasets.
+REWARD_FNS = {
+    "reprorl/arithmetic": arithmetic_score,
+    "openai/gsm8k": gsm8k_score,
+    "lighteval/MATH": math_score,
+    "DigitalLearningGmbH/MATH-lighteval": math_score,
+    "HuggingFaceH4/MATH-500": math_score,
+    "math": math_score,
+}
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """The rule reward of one response, chosen by `data_source`.
+
+    >>> compute_score("reprorl/arithmetic", "12", "12")
+    1.0
+    >>> compute_score("openai/gsm8k", "#### 12", "13")
+    0.0
+    """
+    fn = REWARD_FNS.get(data_source)
+    if fn is None:
+        raise DataError(f"data_source {data_source!r} has no rule reward; known: {', '.join(REWARD_FNS)}")
+    return fn(data_source, solution_str, ground_truth, extra_info)

@@ -1,0 +1,121 @@
+"""Rule rewards: doctests, edge cases, dispatch."""
+
+import doctest
+import threading
+
+import math_verify
+import pytest
+
+from reprorl.data import rewards, synthetic
+from reprorl.data.rewards import REWARD_FNS, arithmetic_score, compute_score, gsm8k_score, math_score
+from reprorl.errors import DataError
+
+
+@pytest.mark.parametrize("module", [rewards, synthetic], ids=lambda m: m.__name__)
+def test_doctests(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("19", "19", 1.0),
+        ("\n19\n", "19", 1.0),
+        ("19<|im_end|>", "19", 1.0),
+        ("19<|im_end|><|endoftext|><|endoftext|>", "19", 1.0),
+        ("0", "0", 1.0),
+        ("-7", "-7", 1.0),
+        ("", "19", 0.0),
+        ("<|im_end|>", "19", 0.0),
+        ("19<|im_end|>19", "19", 0.0),
+        ("1 9", "19", 0.0),
+        ("+19", "19", 0.0),
+        ("19.0", "19", 0.0),
+        ("The answer is 19", "19", 0.0),
+        ("7", "-7", 0.0),
+        ("１９", "19", 0.0),  # full-width digits match \d but are not the answer
+    ],
+)
+def test_arithmetic_edge_cases(response, truth, score):
+    assert arithmetic_score("reprorl/arithmetic", response, truth) == score
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("#### 72", "72", 1.0),
+        ("####72", "72", 1.0),
+        ("#### 1,234", "1234", 1.0),
+        ("#### 1234", "1,234", 1.0),
+        ("#### $5", "5", 1.0),
+        ("#### 0.50", "0.5", 1.0),
+        ("#### -3", "-3", 1.0),
+        ("#### 72.", "72", 1.0),
+        ("#### 3 then #### 4", "3", 0.0),  # the last one counts
+        ("####", "72", 0.0),
+        ("#### seventy-two", "72", 0.0),
+        ("72", "72", 0.0),  # no fallback to the last number
+        ("#### 72", "", 0.0),
+        ("#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),
+    ],
+)
+def test_gsm8k_edge_cases(response, truth, score):
+    assert gsm8k_score("openai/gsm8k", response, truth) == score
+
+
+def test_math_parser_exception_scores_zero(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RecursionError("parser blew up")
+
+    assert math_score("math", "\\boxed{2}", "2") == 1.0
+    monkeypatch.setattr(math_verify, "parse", broken)
+    assert math_score("math", "\\boxed{2}", "2") == 0.0
+
+
+def test_math_edge_cases():
+    assert math_score("math", "", "2") == 0.0
+    assert math_score("math", "\\boxed{", "2") == 0.0
+    assert math_score("math", "the answer is \\boxed{\\dfrac{3}{4}}", "\\boxed{0.75}") == 1.0
+    assert math_score("math", "\\boxed{(3, \\frac{\\pi}{2})}", "\\left( 3, \\frac{\\pi}{2} \\right)") == 1.0
+
+
+def test_math_off_the_main_thread_raises_instead_of_scoring_zero():
+    errors = []
+
+    def run():
+        try:
+            math_score("math", "\\boxed{2}", "2")
+        except RuntimeError as err:
+            errors.append(str(err))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert errors and "main thread" in errors[0]
+
+
+def test_compute_score_dispatches_on_data_source():
+    assert compute_score("reprorl/arithmetic", "5", "5") == 1.0
+    assert compute_score("openai/gsm8k", "#### 5", "5") == 1.0
+    for source in ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math"):
+        assert REWARD_FNS[source] is math_score
+        assert compute_score(source, "\\boxed{5}", "5") == 1.0
+        assert compute_score(source, "\\boxed{6}", "5") == 0.0
+    assert compute_score("openai/gsm8k", "5", "5", extra_info={"split": "test"}) == 0.0
+
+
+def test_unknown_data_source_names_it_and_lists_known():
+    with pytest.raises(DataError) as err:
+        compute_score("my/dataset", "5", "5")
+    msg = str(err.value)
+    assert "'my/dataset'" in msg
+    assert all(source in msg for source in REWARD_FNS)
+
+
+def test_synthetic_rows_score_their_own_truth():
+    for row in synthetic.make_arithmetic_rows(200, seed=0, split="train"):
+        truth = row["reward_model"]["ground_truth"]
+        assert compute_score(row["data_source"], truth + "<|im_end|>", truth) == 1.0
+        assert compute_score(row["data_source"], str(int(truth) + 1), truth) == 0.0
