@@ -47,6 +47,12 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from reprorl.compare import compare_main
+
+    return compare_main(args.run_a, args.run_b, plot=args.plot)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reprorl",
@@ -74,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the problems; the same seed writes the same rows")
     p.add_argument("--format", choices=["parquet", "jsonl"], default="parquet", help="file format")
     p.set_defaults(func=_cmd_make_data)
+    p = sub.add_parser("compare", help="compare two runs step by step, bit for bit; print the first divergence")
+    p.add_argument("run_a", help="a run directory (holds fingerprints.jsonl)")
+    p.add_argument("run_b", help="the run directory to compare with run_a")
+    p.add_argument(
+        "--plot", default=None, metavar="PATH.png",
+        help="overlay plot of both runs' reward/mean and val/accuracy (default: ./compare_<name_a>_vs_<name_b>.png)",
+    )
+    p.set_defaults(func=_cmd_compare)
     return parser
 
 

@@ -147,6 +147,11 @@ def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        # A crash mid-write leaves a torn last line; the step it belonged to did not finish.
+        text = text[: text.rfind("\n") + 1]
+        path.write_text(text, encoding="utf-8")
     kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

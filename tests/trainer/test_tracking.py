@@ -78,3 +78,10 @@ def test_plot_curves_writes_a_png(tmp_path):
     records = [{"step": s, "reward/mean": s / 10} for s in range(1, 6)] + [{"step": 5, "val/accuracy": 0.4}]
     out = plot_curves(records, tmp_path / "curves.png", title="t")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_truncate_drops_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
+    truncate_metrics(path, last_step=5)
+    assert read_metrics(path) == [{"step": 1, "reward/mean": 0.5}]
