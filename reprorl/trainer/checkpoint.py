@@ -1,0 +1,267 @@
+"""Checkpoints of a run: atomic writes, keep-last-K, a `latest` pointer, RNG states.
+
+Layout under the run directory:
+
+    run_dir/checkpoints/step_<N>/<component>.pt   one file per top-level key of the state
+    run_dir/checkpoints/step_<N>/meta.json        step and component names, written last
+    run_dir/checkpoints/latest                    "step_<N>": the newest complete checkpoint
+
+A checkpoint is written into a temp directory beside the others (`.tmp-step_<N>-*`), every
+file and the directory fsynced, then renamed to `step_<N>` in one `os.rename`: a crash
+leaves either no `step_<N>` or a complete one, never half of one. `latest` is updated
+afterwards with `os.replace` of a small temp file, so it always names a complete
+checkpoint. Temp directories left by a crash are ignored when loading and removed by the
+next save.
+
+The state is a dict of components (e.g. {"actor": ..., "critic": ..., "rng": ...,
+"trainer": ...}), each a nested structure of tensors and plain Python values (dict, list,
+tuple, str, int, float, bool, None). It is saved with `torch.save` and loaded with
+`weights_only=True`, so loading a checkpoint never unpickles code; `save_checkpoint`
+refuses anything else up front, naming where it sits in the state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reprorl.errors import ReproRLError
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST = "latest"
+META = "meta.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_PLAIN_LEAVES = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device)
+
+
+class CheckpointError(ReproRLError):
+    """A checkpoint that cannot be read."""
+
+
+class CheckpointNotFoundError(ReproRLError, FileNotFoundError):
+    """A path that holds no checkpoint (also a FileNotFoundError, for callers that probe)."""
+
+
+# ------------------------------------------------------------------------------ save
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any],
+                    *, max_to_keep: int | None = None) -> Path:
+    """Write `state` as `run_dir/checkpoints/step_<step>/`, atomically; return that path.
+
+    Then point `latest` at it and delete the oldest checkpoints beyond `max_to_keep`
+    (None = keep all; the one just written is always kept). Saving a step that already
+    has a checkpoint replaces it.
+    """
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    if max_to_keep is not None and max_to_keep < 1:
+        raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+    for name, value in state.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+            raise ValueError(f"checkpoint component name {name!r}: use letters, digits, '_', '.', '-'")
+        _check_plain(value, f"state[{name!r}]")
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_temp_dirs(root)
+
+    final = root / f"step_{step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step_{step}-", dir=root))
+    try:
+        for name, value in state.items():
+            _write_file(tmp / f"{name}.pt", lambda f, v=value: torch.save(v, f))
+        meta = {"step": step, "components": list(state)}
+        _write_file(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        _fsync_dir(tmp)
+        if final.exists():
+            # Re-saving a step (after a resume): move the old one out of the way first. A
+            # crash between the two renames leaves no step_<N>; `latest` then names a
+            # missing directory and loading falls back to the newest complete one.
+            old = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}old-step_{step}-", dir=root))
+            os.rename(final, old / final.name)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    _write_file_atomic(root / LATEST, final.name.encode())
+    if max_to_keep is not None:
+        for old_step in _complete_steps(root)[:-max_to_keep]:
+            if old_step != step:
+                shutil.rmtree(root / f"step_{old_step}")
+    return final
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse what `torch.load(weights_only=True)` could not load back, naming its place."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"{where}: key {k!r} is a {type(k).__name__}; checkpoint keys must be str or int")
+            _check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+    elif type(value) not in _PLAIN_LEAVES and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} is a {type(value).__name__}; a checkpoint holds only tensors, dict, list, "
+                        "tuple, str, int, float, bool and None (convert numpy values to tensors or lists)")
+
+
+def _write_file(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_file_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_temp_dirs(root: Path) -> None:
+    """Remove what a crashed save left behind (one writer per run directory)."""
+    for p in root.iterdir():
+        if p.name.startswith(_TMP_PREFIX):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _complete_steps(root: Path) -> list[int]:
+    """Steps with a complete checkpoint directory under `root`, ascending."""
+    steps = []
+    for p in root.iterdir() if root.is_dir() else []:
+        m = _STEP_DIR.match(p.name)
+        if m and (p / META).is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+# ------------------------------------------------------------------------------ load
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint directory `path` names, or None when a run has none yet.
+
+    `path` may be a run directory (its `checkpoints/` is searched), a `checkpoints/`
+    directory, or one `step_<N>` directory (returned as it is). In a run, the checkpoint
+    `latest` names is taken; if `latest` is missing or names a directory that is gone
+    (a crash between the writes), the complete checkpoint with the highest step.
+    """
+    path = Path(path)
+    if (path / META).is_file():
+        return path
+    root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+    if not root.is_dir():
+        return None
+    latest = root / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        if _STEP_DIR.match(name) and (root / name / META).is_file():
+            return root / name
+    steps = _complete_steps(root)
+    return root / f"step_{steps[-1]}" if steps else None
+
+
+def load_checkpoint(path: str | os.PathLike, which: str | int = "auto") -> tuple[int, dict[str, Any]]:
+    """Read a checkpoint back: `(step, state)` with `state` as it was saved.
+
+    `which="auto"`: the checkpoint `find_checkpoint(path)` picks (the newest complete one
+    of a run, or `path` itself if it is a checkpoint directory); an int: that step of the
+    run at `path`. Raises `CheckpointNotFoundError` (a FileNotFoundError) naming the path
+    when there is none, `CheckpointError` when a file cannot be read.
+    """
+    path = Path(path)
+    if which == "auto":
+        ckpt = find_checkpoint(path)
+        if ckpt is None:
+            raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: expected a run directory with "
+                                  f"{CHECKPOINTS_DIR}/step_<N>/ or a step_<N> directory with {META}")
+    else:
+        root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
+        ckpt = root / f"step_{int(which)}"
+        if not (ckpt / META).is_file():
+            raise CheckpointNotFoundError(f"no checkpoint for step {which} under {str(root)!r}; "
+                                  f"complete steps there: {_complete_steps(root)}")
+    meta = json.loads((ckpt / META).read_text())
+    state = {}
+    for name in meta["components"]:
+        file = ckpt / f"{name}.pt"
+        try:
+            state[name] = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - re-raised with the file named
+            raise CheckpointError(f"cannot read checkpoint file {str(file)!r}: {type(e).__name__}: {e}") from e
+    return int(meta["step"]), state
+
+
+# ------------------------------------------------------------------------------ RNG
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The states of Python's, numpy's and torch's global generators (CUDA too, if up),
+    as plain values and tensors a checkpoint can hold."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=False)
+    state = {
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),  # uint32 -> int64, exact
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back the generators' states from `capture_rng_state`."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss"]))
+    npy = state["numpy"]
+    np.random.set_state({
+        "bit_generator": npy["bit_generator"],
+        "state": {"key": npy["key"].numpy().astype(np.uint32), "pos": npy["pos"]},
+        "has_gauss": npy["has_gauss"],
+        "gauss": npy["gauss"],
+    })
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,187 @@
+"""The critic worker: the PPO value model (GAE only).
+
+The batch is the policy worker's (see policy.py); `update` also reads `values` (the
+critic's values at rollout time, from `compute_values`) and `returns` `[B, R]`.
+
+The value of response token j is the value of the state BEFORE it: the critic's output at
+position P-1+j (the last prompt token for j = 0), as verl's `values[:, -R-1:-1]`. It is
+what GAE pairs with the reward of token j.
+
+Mini-batches, micro-batches, gradient accumulation with the mini-batch's normalisers, the
+guarded optimizer step and the once-per-update learning-rate schedule are as in the
+policy worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from reprorl.algos import value_loss
+from reprorl.models import ops
+from reprorl.models.hf_io import load_model
+from reprorl.protocol import Batch
+from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
+from reprorl.trainer.policy import check_positive, dtype_from_name
+
+
+VALUE_HEAD = ("score.weight", "score.bias")  # ValueModel's head, as XForTokenClassification
+
+
+def response_values(values: torch.Tensor, response_length: int) -> torch.Tensor:
+    """`[B, P+R]` per-position values -> `[B, R]`: positions P-1 .. P+R-2, in float32."""
+    return values[:, -response_length - 1 : -1].float()
+
+
+def checkpoint_tensor_names(path: str | os.PathLike) -> set[str]:
+    """The tensor names stored in an HF model directory (model.safetensors or its shards'
+    index), read from the headers only."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    with safe_open(path / "model.safetensors", framework="pt") as f:
+        return set(f.keys())
+
+
+def init_value_head(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """The value head as transformers initialises XForTokenClassification's `score`
+    (weight normal(0, std), bias 0), drawn from `torch.Generator(seed)`, not the global RNG."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        weight = model.score.weight
+        weight.copy_(torch.randn(weight.shape, generator=generator, dtype=torch.float32) * std)
+        model.score.bias.zero_()
+
+
+class CriticWorker:
+    """The value model: `CriticWorker(critic_path, optim=OptimArgs(lr=1e-5, ...), seed=run_seed)`.
+
+    `load_model(kind="critic")` gives a `ValueModel` (backbone + `score` head [1, H] with
+    bias). When the checkpoint at `critic_path` has no head (a policy checkpoint: the usual
+    start), load_model leaves it at zero, which would give the backbone no gradient on the
+    first step; the head is then drawn from `torch.Generator(seed)` (`init_value_head`).
+    A checkpoint with a head (a trained critic, a reward model's `score.weight`) keeps it.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        optim: OptimArgs,
+        seed: int,
+        dtype: str | torch.dtype | None = None,
+        batch_invariant: bool = False,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.batch_invariant = batch_invariant
+        self.model, self.model_args = load_model(self.model_path, kind="critic", dtype=dtype_from_name(dtype))
+        if not set(VALUE_HEAD) & checkpoint_tensor_names(self.model_path):
+            init_value_head(self.model, seed)
+        self.model.eval()  # no dropout in reprorl's models: compute_values and update see the same forward
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim_args = optim
+        self.optimizer = make_adamw(self.params, optim)
+        self.schedule = LRSchedule(optim.lr, optim.warmup_steps, optim.total_steps, optim.lr_schedule)
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        """`[b, R]` float32 values of the states before each response token (differentiable)."""
+        mode = ops.batch_invariant(True) if self.batch_invariant else contextlib.nullcontext()
+        with mode:
+            values = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])  # [b, P+R]
+        return response_values(values, micro["responses"].shape[1])
+
+    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+        """`[B, R]` float32 values, 0 where `response_mask` is 0; micro-batches in sample order."""
+        check_positive(micro_batch_size=micro_batch_size)
+        with torch.no_grad():
+            out = [torch.where(micro["response_mask"] > 0, self._values(micro), 0.0)
+                   for micro in batch.split(micro_batch_size)]
+        return torch.cat(out)
+
+    def update(
+        self,
+        batch: Batch,
+        *,
+        ppo_epochs: int,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        cliprange_value: float,
+        loss_agg_mode: str,
+        max_response_length: int | None = None,
+    ) -> dict[str, float]:
+        """One training step of the clipped value loss (`algos.value_loss`).
+
+        `mini_batch_size` in samples; `max_response_length`: the divisor of
+        "seq-mean-token-sum-norm" (None = the batch's R). Returns `critic/vf_loss`,
+        `critic/vf_clipfrac` (token mean), each exact per mini-batch whatever the
+        micro-batch size, then averaged over the step's mini-batches; `critic/grad_norm`
+        (before clipping) and `critic/lr`."""
+        check_positive(ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size)
+        lr = self.schedule.lr()
+        set_lr(self.optimizer, lr)
+        records = []
+        for epoch in range(ppo_epochs):
+            for m, mini in enumerate(batch.split(mini_batch_size)):
+                where = f"critic update {self.schedule.step} (epoch {epoch}, mini-batch {m})"
+                stats = self.accumulate_gradients(
+                    mini, micro_batch_size=micro_batch_size, cliprange_value=cliprange_value,
+                    loss_agg_mode=loss_agg_mode, max_response_length=max_response_length, where=where,
+                )
+                stats["critic/grad_norm"] = guarded_step(self.optimizer, self.params, self.optim_args.grad_clip, where)
+                records.append(stats)
+        self.schedule.step += 1
+        metrics = {key: sum(r[key] for r in records) / len(records) for key in records[0]}
+        metrics["critic/lr"] = lr
+        return metrics
+
+    def accumulate_gradients(
+        self,
+        mini: Batch,
+        *,
+        micro_batch_size: int,
+        cliprange_value: float,
+        loss_agg_mode: str,
+        max_response_length: int | None = None,
+        where: str = "",
+    ) -> dict[str, float]:
+        """Forward and backward over one mini-batch into `.grad`; returns its
+        `critic/vf_loss` and `critic/vf_clipfrac`."""
+        check_positive(micro_batch_size=micro_batch_size)
+        num_tokens = mini["response_mask"].sum().to(torch.float32)
+        norms = {
+            "global_num_tokens": num_tokens,
+            "global_num_seqs": len(mini),
+            "max_response_length": max_response_length or mini["responses"].shape[1],
+        }
+        vf_loss_total, clipfrac_total = 0.0, 0.0
+        for k, micro in enumerate(mini.split(micro_batch_size)):
+            mask = micro["response_mask"].to(torch.float32)
+            vf_loss, clipfrac = value_loss(
+                self._values(micro), micro["values"].float(), micro["returns"].float(), mask,
+                cliprange_value, loss_agg_mode, **norms,
+            )
+            check_finite_loss(vf_loss, self.optimizer, f"{where}, micro-batch {k}")
+            vf_loss.backward()
+            vf_loss_total += vf_loss.item()
+            clipfrac_total += clipfrac.item() * (mask.sum() / num_tokens.clamp(min=1)).item()
+        return {"critic/vf_loss": vf_loss_total, "critic/vf_clipfrac": clipfrac_total}
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer", "scheduler"}: live tensors, as torch's state_dict."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.schedule.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["scheduler"])

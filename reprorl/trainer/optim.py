@@ -1,0 +1,144 @@
+"""Optimizer, learning-rate schedule and the guarded optimizer step shared by the workers.
+
+The schedule is stepped once per TRAINING step (one `update` call of a worker), not once
+per optimizer step: `warmup_steps` and `total_steps` then count the same steps as
+`trainer.total_steps`, and the learning rate of a step does not depend on how many
+mini-batches the step was cut into (verl steps its scheduler the same way). Every
+mini-batch of one training step uses the same learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm was NaN or infinite; the optimizer was not stepped."""
+
+
+@dataclass(frozen=True)
+class OptimArgs:
+    """What a trainable worker's optimizer and schedule need (plain values, not the config)."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    total_steps: int = 1
+    """Training steps of the run: the cosine schedule reaches its end here."""
+    grad_clip: float = 1.0
+    """Clip the gradients' global L2 norm to this before each optimizer step."""
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}; got {self.lr_schedule!r}")
+        if self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0; got {self.grad_clip}")
+
+
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """The factor on the base learning rate for training step `step` (0-based).
+
+    Warm-up: `(step + 1) / warmup_steps` for the first `warmup_steps` steps (linear, and
+    the first step already learns: verl's 0 at step 0 wastes a step). Then "constant": 1;
+    "cosine": `0.5 * (1 + cos(pi * p))` with `p = (step - warmup_steps) / (total_steps -
+    warmup_steps)` clamped to [0, 1], so 1 right after warm-up and 0 at `total_steps`.
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {', '.join(LR_SCHEDULES)}; got {schedule!r}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_adamw(params: Iterable[torch.nn.Parameter], args: OptimArgs) -> torch.optim.AdamW:
+    """AdamW on `params`, weight decay on every parameter (as verl).
+
+    The single-tensor implementation (`foreach=False`) is pinned so a checkpoint written on
+    one kind of device resumes with the same arithmetic on another.
+    """
+    return torch.optim.AdamW(
+        list(params), lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, foreach=False
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Scale the gradients so their global L2 norm is at most `max_norm`; return the norm
+    BEFORE clipping (NaN/inf when a gradient is not finite; the gradients are then left
+    as they are). Parameters without a gradient count as zero."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    # Per-tensor norms, then the norm of those, in parameter order: a fixed reduction order.
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm_value = float(norm)
+    if math.isfinite(norm_value) and norm_value > max_norm:
+        scale = max_norm / (norm_value + 1e-6)  # as torch's clip_grad_norm_
+        for g in grads:
+            g.mul_(scale)
+    return norm_value
+
+
+def guarded_step(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float, where: str
+) -> float:
+    """Clip, then step the optimizer, then clear the gradients; return the pre-clip norm.
+
+    A non-finite norm raises `NonFiniteError` naming `where` (which update, mini-batch)
+    WITHOUT stepping: parameters and optimizer state stay as they were; the gradients are
+    cleared so the next update starts clean.
+    """
+    grad_norm = clip_grads(params, grad_clip)
+    if not math.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def check_finite_loss(loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, where: str) -> None:
+    """Raise `NonFiniteError` naming `where` if `loss` is NaN/inf (before its backward),
+    clearing the gradients accumulated so far."""
+    if not bool(torch.isfinite(loss)):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"{where}: loss is {float(loss.detach())}; optimizer not stepped")
+
+
+@dataclass
+class LRSchedule:
+    """The base learning rate and the count of training steps taken (checkpointed)."""
+
+    base_lr: float
+    warmup_steps: int
+    total_steps: int
+    schedule: str
+    step: int = 0
+
+    def lr(self) -> float:
+        """The learning rate of the current training step."""
+        return self.base_lr * lr_multiplier(
+            self.step, warmup_steps=self.warmup_steps, total_steps=self.total_steps, schedule=self.schedule
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.step = int(state["step"])

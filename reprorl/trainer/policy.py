@@ -1,0 +1,295 @@
+"""The policy worker: the actor (trainable) or the reference model (frozen).
+
+A worker is an object with plain methods that take and return `Batch`es and dicts, so a
+multi-GPU worker group can replace it without changing the fit loop.
+
+The batch it reads, in sample order (from the rollout):
+- `input_ids`, `attention_mask`, `position_ids` `[B, P+R]`: left-padded prompt + right-
+  padded response;
+- `responses`, `response_mask` `[B, R]` (1 on tokens the policy generated);
+- for `update`: `old_log_probs`, `advantages` `[B, R]`, and `ref_log_probs` `[B, R]` for
+  the KL loss (or just the `actor/kl` metric when present).
+
+Log-probs follow the engine's definition (reprorl/rollout/sampling.py): the log-prob of
+response token j is `log_softmax(logits.float() / T)` at that token, where the logits are
+those at position P-1+j (the position that predicts it), T the rollout temperature, and
+T = 1 for greedy (temperature 0). With `batch_invariant=True` every forward pass runs in
+the op layer's batch-invariant mode, so a sample's log-probs do not depend on which
+micro-batch it sits in.
+
+One `update` call is one training step: `ppo_epochs` passes over the batch, each cut into
+consecutive mini-batches of `mini_batch_size` samples (sample order, no shuffling; the last
+may be smaller), one optimizer step per mini-batch. A mini-batch is cut into micro-batches
+of `micro_batch_size` samples for gradient accumulation; each micro-batch's loss is its
+share of the mini-batch loss (`agg_loss` with the mini-batch's token and sequence counts),
+so the accumulated gradient equals that of the whole mini-batch at once, whatever the
+micro-batch size. The learning rate is stepped once per `update` (see optim.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reprorl.algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from reprorl.models import ops
+from reprorl.models.hf_io import load_model, save_model
+from reprorl.protocol import Batch
+from reprorl.trainer.optim import (
+    LRSchedule,
+    OptimArgs,
+    check_finite_loss,
+    guarded_step,
+    make_adamw,
+    set_lr,
+)
+
+# Files copied from the model directory next to exported weights: the tokenizer (and
+# generation defaults), so the export is a complete HF model directory.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class PolicyLossArgs:
+    """The actor's loss settings (`actor.*` in the config)."""
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_type: str = "k3"
+    kl_loss_coef: float = 0.0
+    max_response_length: int | None = None
+    """Divisor of "seq-mean-token-sum-norm" (data.max_response_length); None = the batch's R."""
+
+
+def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
+    """"float32" / "bfloat16" (config values) -> torch dtype; a dtype or None passes."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}; got {name!r}")
+    return dtypes[name]
+
+
+def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:
+    """The logits that predict the response tokens, temperature-scaled, in float32.
+
+    logits: `[B, P+R, V]` of the whole sequence -> `[B, R, V]`: positions P-1 .. P+R-2
+    (position t predicts token t+1). temperature <= 0 (greedy) counts as 1, as the engine.
+    """
+    scaled = logits[:, -response_length - 1 : -1].float()
+    return scaled / temperature if temperature > 0 else scaled
+
+
+def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """`log_softmax(scaled_logits)` at `tokens`: `[B, R, V]`, `[B, R]` -> `[B, R]`."""
+    return ops.log_softmax(scaled_logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+class PolicyWorker:
+    """The actor (`optim` given: trainable) or the reference policy (`optim=None`: frozen).
+
+    `PolicyWorker(path, optim=OptimArgs(lr=1e-6, total_steps=100), batch_invariant=True)`.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        optim: OptimArgs | None = None,
+        dtype: str | torch.dtype | None = None,
+        batch_invariant: bool = False,
+        name: str | None = None,
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.trainable = optim is not None
+        self.name = name or ("actor" if self.trainable else "ref")
+        self.batch_invariant = batch_invariant
+        self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
+        # reprorl's models have no dropout; eval() everywhere keeps the update's forward
+        # identical to compute_log_probs' (the first mini-batch's ratio is exactly 1).
+        self.model.eval()
+        self.model.requires_grad_(self.trainable)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim_args = optim
+        self.optimizer = make_adamw(self.params, optim) if optim is not None else None
+        self.schedule = (
+            LRSchedule(optim.lr, optim.warmup_steps, optim.total_steps, optim.lr_schedule) if optim else None
+        )
+
+    # ---------------------------------------------------------------- forward
+
+    def _forward_mode(self) -> contextlib.AbstractContextManager:
+        return ops.batch_invariant(True) if self.batch_invariant else contextlib.nullcontext()
+
+    def _response_logits(self, micro: Batch, temperature: float) -> torch.Tensor:
+        """`[b, R, V]` float32 logits predicting each response token (differentiable)."""
+        with self._forward_mode():
+            logits = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        return response_logits(logits, micro["responses"].shape[1], temperature)
+
+    def compute_log_probs(
+        self, batch: Batch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob of every response token under this policy: `[B, R]` float32, 0 where
+        `response_mask` is 0; with `with_entropy`, also the entropy of each token's
+        distribution `[B, R]`. Micro-batches of `micro_batch_size` in sample order, no grad."""
+        check_positive(micro_batch_size=micro_batch_size)
+        log_probs, entropies = [], []
+        with torch.no_grad():
+            for micro in batch.split(micro_batch_size):
+                scaled = self._response_logits(micro, temperature)  # [b, R, V]
+                mask = micro["response_mask"] > 0
+                log_probs.append(torch.where(mask, token_log_probs(scaled, micro["responses"]), 0.0))
+                if with_entropy:
+                    entropies.append(torch.where(mask, entropy_from_logits(scaled), 0.0))
+        if with_entropy:
+            return torch.cat(log_probs), torch.cat(entropies)
+        return torch.cat(log_probs)
+
+    # ---------------------------------------------------------------- training
+
+    def update(
+        self,
+        batch: Batch,
+        loss: PolicyLossArgs,
+        *,
+        temperature: float,
+        ppo_epochs: int,
+        mini_batch_size: int,
+        micro_batch_size: int,
+    ) -> dict[str, float]:
+        """One training step of PPO on `batch`; returns its metrics.
+
+        `mini_batch_size` is in SAMPLES (verl's ppo_mini_batch_size in prompts times
+        rollout.n). Metrics: `actor/pg_loss`, `actor/entropy` (the entropy term of the loss),
+        `actor/kl` (the KL-loss term before its coefficient; present when the batch has
+        `ref_log_probs`), `actor/pg_clipfrac`, `actor/ppo_kl` (token means), each exact
+        per mini-batch whatever the micro-batch size, then the mean over the step's
+        mini-batches in order; `actor/grad_norm` (before clipping, mean over mini-batches);
+        `actor/lr`. A non-finite loss or gradient norm raises `NonFiniteError` naming the
+        update, epoch, mini-batch and micro-batch; the optimizer is not stepped for that
+        mini-batch (earlier mini-batches of the update have been) nor the schedule advanced.
+        """
+        self._require_trainable("update")
+        check_positive(ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size)
+        if loss.use_kl_loss and "ref_log_probs" not in batch:
+            raise ValueError(f"{self.name}: use_kl_loss needs 'ref_log_probs' in the batch; it has {batch.keys()}")
+        lr = self.schedule.lr()
+        set_lr(self.optimizer, lr)
+        records = []
+        for epoch in range(ppo_epochs):
+            for m, mini in enumerate(batch.split(mini_batch_size)):
+                where = f"{self.name} update {self.schedule.step} (epoch {epoch}, mini-batch {m})"
+                stats = self.accumulate_gradients(
+                    mini, loss, temperature=temperature, micro_batch_size=micro_batch_size, where=where
+                )
+                stats[f"{self.name}/grad_norm"] = guarded_step(
+                    self.optimizer, self.params, self.optim_args.grad_clip, where
+                )
+                records.append(stats)
+        self.schedule.step += 1
+        metrics = {key: sum(r[key] for r in records) / len(records) for key in records[0]}
+        metrics[f"{self.name}/lr"] = lr
+        return metrics
+
+    def accumulate_gradients(
+        self, mini: Batch, loss: PolicyLossArgs, *, temperature: float, micro_batch_size: int, where: str = ""
+    ) -> dict[str, float]:
+        """Forward and backward over one mini-batch, micro-batch by micro-batch, adding
+        into the parameters' `.grad` (the optimizer step is the caller's). Returns the
+        mini-batch's loss terms and token-mean stats (see `update`)."""
+        check_positive(micro_batch_size=micro_batch_size)
+        # The mini-batch's normalisers: each micro-batch's loss is its share of the whole.
+        num_tokens = mini["response_mask"].sum().to(torch.float32)
+        norms = {
+            "global_num_tokens": num_tokens,
+            "global_num_seqs": len(mini),
+            "max_response_length": loss.max_response_length or mini["responses"].shape[1],
+        }
+        has_ref = "ref_log_probs" in mini
+        keys = ["pg_loss", "entropy", "pg_clipfrac", "ppo_kl"] + (["kl"] if has_ref else [])
+        totals = dict.fromkeys(keys, 0.0)
+        for k, micro in enumerate(mini.split(micro_batch_size)):
+            mask = micro["response_mask"].to(torch.float32)  # [b, R]
+            scaled = self._response_logits(micro, temperature)  # [b, R, V]
+            log_probs = token_log_probs(scaled, micro["responses"])  # [b, R]
+            pg_loss, pg_stats = ppo_policy_loss(
+                micro["old_log_probs"], log_probs, micro["advantages"], mask,
+                loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,
+            )
+            # The entropy only takes part in the graph when it is in the loss.
+            with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
+                entropy = agg_loss(entropy_from_logits(scaled), mask, loss.loss_agg_mode, **norms)
+            total = pg_loss - loss.entropy_coeff * entropy
+            if has_ref:
+                kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], loss.kl_loss_type), mask,
+                              loss.loss_agg_mode, **norms)
+                if loss.use_kl_loss:
+                    total = total + loss.kl_loss_coef * kl
+                totals["kl"] += kl.item()
+            check_finite_loss(total, self.optimizer, f"{where}, micro-batch {k}")
+            total.backward()
+            share = (mask.sum() / num_tokens.clamp(min=1)).item()  # this micro-batch's share of the tokens
+            totals["pg_loss"] += pg_loss.item()
+            totals["entropy"] += entropy.item()
+            totals["pg_clipfrac"] += pg_stats["clipfrac"].item() * share
+            totals["ppo_kl"] += pg_stats["approx_kl"].item() * share
+        return {f"{self.name}/{key}": value for key, value in totals.items()}
+
+    # ---------------------------------------------------------------- weights and state
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, detached tensor) of every weight, to push to rollout replicas."""
+        for name, p in self.model.named_parameters():
+            yield name, p.detach()
+
+    def save_hf(self, out_dir: str | os.PathLike) -> Path:
+        """Export the current weights as a transformers-loadable directory (config.json,
+        model.safetensors) plus the tokenizer files of the model path."""
+        out = Path(out_dir)
+        save_model(self.model, self.model_args, out)
+        for name in TOKENIZER_FILES:
+            if (self.model_path / name).is_file():
+                shutil.copyfile(self.model_path / name, out / name)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """{"model", "optimizer", "scheduler"} (the model only for a reference). Tensors are
+        the live ones, as torch's state_dict: save them before the next update."""
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if self.trainable:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["scheduler"] = self.schedule.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.trainable:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.schedule.load_state_dict(state["scheduler"])
+
+    def _require_trainable(self, what: str) -> None:
+        if not self.trainable:
+            raise RuntimeError(f"{what}: the {self.name} worker is frozen (built without optim)")
+
+
+def check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,83 @@
+"""The learning-rate schedule, gradient clipping and the guarded optimizer step."""
+
+import math
+
+import pytest
+import torch
+
+from reprorl.trainer.optim import (
+    LRSchedule,
+    NonFiniteError,
+    OptimArgs,
+    clip_grads,
+    guarded_step,
+    lr_multiplier,
+    make_adamw,
+)
+
+
+def test_constant_with_warmup():
+    got = [lr_multiplier(s, warmup_steps=4, total_steps=10, schedule="constant") for s in range(6)]
+    assert got == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_multiplier(0, warmup_steps=0, total_steps=10, schedule="constant") == 1.0
+
+
+def test_cosine_with_warmup():
+    # warmup 2, total 6: after warm-up p = (s - 2) / 4 -> 0.5 * (1 + cos(pi p)).
+    got = [lr_multiplier(s, warmup_steps=2, total_steps=6, schedule="cosine") for s in range(8)]
+    half_sqrt2 = 0.5 + math.sqrt(2) / 4  # cos(pi/4) = sqrt(2)/2
+    expected = [0.5, 1.0, 1.0, half_sqrt2, 0.5, 1 - half_sqrt2, 0.0, 0.0]
+    assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_bad_schedule_name():
+    with pytest.raises(ValueError, match="constant, cosine"):
+        lr_multiplier(0, warmup_steps=0, total_steps=1, schedule="linear")
+    with pytest.raises(ValueError, match="lr_schedule"):
+        OptimArgs(lr=1.0, lr_schedule="linear")
+
+
+def test_lr_schedule_state():
+    s = LRSchedule(base_lr=2.0, warmup_steps=2, total_steps=4, schedule="constant")
+    assert s.lr() == 1.0
+    s.step += 1
+    t = LRSchedule(base_lr=2.0, warmup_steps=2, total_steps=4, schedule="constant")
+    t.load_state_dict(s.state_dict())
+    assert t.lr() == 2.0
+
+
+def _params_with_grads(grads):
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params
+
+
+def test_clip_grads_caps_the_norm():
+    # Norm sqrt(3^2 + 4^2 + 0^2) = 5 -> clipped to 1: every entry scaled by 1 / (5 + 1e-6).
+    params = _params_with_grads([torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])])
+    norm = clip_grads(params, max_norm=1.0)
+    assert norm == 5.0
+    after = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))
+    assert after <= 1.0 and after == pytest.approx(1.0, abs=1e-6)
+    assert params[0].grad[0] == pytest.approx(3.0 / 5.0, abs=1e-6)
+    # Under the cap: untouched.
+    params = _params_with_grads([torch.tensor([0.3, 0.4])])
+    assert clip_grads(params, max_norm=1.0) == pytest.approx(0.5)
+    assert torch.equal(params[0].grad, torch.tensor([0.3, 0.4]))
+
+
+def test_guarded_step_refuses_non_finite_gradients():
+    layer = torch.nn.Linear(2, 1)
+    opt = make_adamw(layer.parameters(), OptimArgs(lr=0.1))
+    params = list(layer.parameters())
+    layer(torch.ones(1, 2)).sum().backward()
+    guarded_step(opt, params, 1.0, "warm")  # creates the Adam state
+    before = [p.detach().clone() for p in params]
+    state_before = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    (layer(torch.ones(1, 2)) * float("nan")).sum().backward()
+    with pytest.raises(NonFiniteError, match="actor update 3, mini-batch 1: gradient norm is nan"):
+        guarded_step(opt, params, 1.0, "actor update 3, mini-batch 1")
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert all(torch.equal(opt.state[params[0]][k], v) for k, v in state_before.items())
+    assert all(p.grad is None for p in params)

@@ -1,0 +1,214 @@
+"""The policy worker (actor and reference) on a tiny model.
+
+Tolerances: the model runs in float32. Values computed by the same ops in a different
+grouping (a micro-batch loop vs one pass) differ by float rounding only: gradients within
+1e-5 of each tensor's largest entry (conftest's `assert_grads_close`), scalar stats within
+rel 1e-5.
+"""
+
+import pytest
+import torch
+
+from reprorl.algos import LOSS_AGG_MODES
+from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from reprorl.trainer.optim import NonFiniteError, OptimArgs, lr_multiplier
+from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker
+
+LOSS = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                      entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.1)
+STEP = dict(temperature=0.7, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
+
+
+def _actor(path, *, lr=1e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=0, schedule="constant",
+           batch_invariant=False):
+    # Batch-invariant mode only where a test needs it: its backward is several times slower.
+    return PolicyWorker(path, optim=OptimArgs(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
+                                              warmup_steps=warmup_steps, lr_schedule=schedule, total_steps=10),
+                        batch_invariant=batch_invariant)
+
+
+def _train_batch(worker, ref, rollout_batch, seed=0, batch_size=8):
+    batch = rollout_batch(batch_size, 6, 5, seed)
+    batch["old_log_probs"] = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=3)
+    batch["ref_log_probs"] = ref.compute_log_probs(batch, temperature=0.7, micro_batch_size=3)
+    return batch
+
+
+def _params(worker):
+    return [p.detach().clone() for p in worker.model.parameters()]
+
+
+def test_log_probs_equal_a_hand_computation(tiny_policy_dir, rollout_batch):
+    worker = PolicyWorker(tiny_policy_dir)
+    batch = rollout_batch(5, 6, 4, seed=1)
+    log_probs, entropy = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=2, with_entropy=True)
+    with torch.no_grad():
+        logits = worker.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    P = batch["prompts"].shape[1]
+    for b in range(5):
+        for j in range(4):
+            if batch["response_mask"][b, j] == 0:
+                assert log_probs[b, j] == 0 and entropy[b, j] == 0
+                continue
+            dist = torch.log_softmax(logits[b, P - 1 + j] / 0.7, dim=-1)  # position P-1+j predicts token j
+            expected = dist[batch["responses"][b, j]]
+            assert log_probs[b, j].item() == pytest.approx(expected.item(), abs=1e-6)
+            assert entropy[b, j].item() == pytest.approx(-(dist.exp() * dist).sum().item(), abs=1e-5)
+    # Greedy (temperature 0) scores with T = 1, as the engine.
+    greedy = worker.compute_log_probs(batch, temperature=0.0, micro_batch_size=5)
+    assert torch.equal(greedy, worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=5))
+
+
+def test_log_probs_do_not_depend_on_the_micro_batch_or_threads(tiny_policy_dir, rollout_batch):
+    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    batch = rollout_batch(8, 7, 5, seed=2)
+    ref = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=1)
+    for micro in (3, 4, 8):
+        assert torch.equal(worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=micro), ref)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        assert torch.equal(worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=4), ref)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_update_changes_every_parameter_and_not_the_reference(tiny_policy_dir, rollout_batch):
+    actor = _actor(tiny_policy_dir, batch_invariant=True)
+    ref = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    weights_file = sorted(tiny_policy_dir.glob("*.safetensors"))[0]
+    file_bytes = weights_file.read_bytes()
+    batch = _train_batch(actor, ref, rollout_batch)
+    ref_before, actor_before = _params(ref), _params(actor)
+    metrics = actor.update(batch, LOSS, **STEP)
+    for (name, p), before in zip(actor.model.named_parameters(), actor_before):
+        assert not torch.equal(p, before), f"{name} did not change"
+    assert all(torch.equal(p, b) for p, b in zip(ref.model.parameters(), ref_before))
+    assert all(not p.requires_grad for p in ref.model.parameters())
+    assert weights_file.read_bytes() == file_bytes
+    assert torch.equal(ref.compute_log_probs(batch, temperature=0.7, micro_batch_size=8), batch["ref_log_probs"])
+    assert sorted(metrics) == sorted(f"actor/{k}" for k in
+                                     ("pg_loss", "entropy", "kl", "pg_clipfrac", "ppo_kl", "grad_norm", "lr"))
+    assert metrics["actor/lr"] == 1e-3
+    # One mini-batch: the update's first forward equals the old log-probs bit for bit
+    # (batch-invariant mode, another micro-batch size), so the ratio is exactly 1.
+    assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/kl"] == 0.0  # actor == reference before the step
+    with pytest.raises(RuntimeError, match="frozen"):
+        ref.update(batch, LOSS, **STEP)
+
+
+def _grads(worker, mini, loss, micro_batch_size):
+    worker.optimizer.zero_grad(set_to_none=True)
+    stats = worker.accumulate_gradients(mini, loss, temperature=0.7, micro_batch_size=micro_batch_size)
+    grads = [p.grad.clone() for p in worker.params]
+    worker.optimizer.zero_grad(set_to_none=True)
+    return grads, stats
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gradient_accumulation_equals_one_micro_batch(tiny_policy_dir, rollout_batch, assert_grads_close, mode):
+    actor = _actor(tiny_policy_dir)
+    batch = _train_batch(actor, actor, rollout_batch, seed=3)
+    # Move the old and reference policies off the current one so that the ratio, clipping
+    # and KL terms are not trivial.
+    noise = torch.randn(batch["old_log_probs"].shape, generator=torch.Generator().manual_seed(0))
+    batch["old_log_probs"] = batch["old_log_probs"] + 0.3 * noise * batch["response_mask"]
+    batch["ref_log_probs"] = batch["ref_log_probs"] - 0.2 * noise.abs() * batch["response_mask"]
+    loss = PolicyLossArgs(**{**LOSS.__dict__, "loss_agg_mode": mode, "max_response_length": 7})
+    full_grads, full_stats = _grads(actor, batch, loss, micro_batch_size=8)
+    assert 0 < full_stats["actor/pg_clipfrac"] < 1 and full_stats["actor/kl"] > 0
+    for micro in (1, 3):  # 3: uneven micro-batches (3, 3, 2)
+        grads, stats = _grads(actor, batch, loss, micro_batch_size=micro)
+        for g, f in zip(grads, full_grads):
+            assert_grads_close(g, f)
+        assert stats.keys() == full_stats.keys()
+        for key in stats:
+            assert stats[key] == pytest.approx(full_stats[key], rel=1e-5, abs=1e-7), key
+
+
+def test_non_finite_loss_raises_and_keeps_optimizer_state(tiny_policy_dir, rollout_batch):
+    actor = _actor(tiny_policy_dir)
+    batch = _train_batch(actor, actor, rollout_batch)
+    actor.update(batch, LOSS, **STEP)
+    params = _params(actor)
+    adam = {k: v.clone() for k, v in actor.optimizer.state[actor.params[0]].items()}
+    bad = batch.index(list(range(len(batch))))  # a copy
+    bad["advantages"][5, 0] = float("nan")  # micro-batch 1 of mini-batch 0 (micro size 4)
+    with pytest.raises(NonFiniteError, match=r"actor update 1 \(epoch 0, mini-batch 0\), micro-batch 1: loss is nan"):
+        actor.update(bad, LOSS, **STEP)
+    assert all(torch.equal(p, b) for p, b in zip(actor.model.parameters(), params))
+    assert all(torch.equal(actor.optimizer.state[actor.params[0]][k], v) for k, v in adam.items())
+    assert all(p.grad is None for p in actor.params)
+    assert actor.schedule.step == 1  # the failed step is not counted
+
+
+def test_grad_norm_is_reported_before_clipping(tiny_policy_dir, rollout_batch):
+    actor = _actor(tiny_policy_dir, grad_clip=1e-4)
+    batch = _train_batch(actor, actor, rollout_batch)
+    grads, _ = _grads(actor, batch, LOSS, micro_batch_size=4)
+    expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+    assert expected > 1e-4  # so the clip is active
+    metrics = actor.update(batch, LOSS, **STEP)
+    assert metrics["actor/grad_norm"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_lr_steps_once_per_update(tiny_policy_dir, rollout_batch):
+    actor = _actor(tiny_policy_dir, warmup_steps=2, schedule="cosine")
+    batch = _train_batch(actor, actor, rollout_batch)
+    lrs = [actor.update(batch, LOSS, **{**STEP, "mini_batch_size": 4})["actor/lr"] for _ in range(3)]
+    assert lrs == [1e-3 * lr_multiplier(s, warmup_steps=2, total_steps=10, schedule="cosine") for s in range(3)]
+
+
+def test_checkpoint_round_trip_gives_the_same_next_update(tiny_policy_dir, rollout_batch, tmp_path):
+    ref = PolicyWorker(tiny_policy_dir)
+    actor = _actor(tiny_policy_dir, weight_decay=0.01, warmup_steps=3)
+    batch1 = _train_batch(actor, ref, rollout_batch, seed=4)
+    actor.update(batch1, LOSS, **{**STEP, "ppo_epochs": 2, "mini_batch_size": 4})
+    torch.manual_seed(123)
+    save_checkpoint(tmp_path, 1, {"actor": actor.state_dict(), "rng": capture_rng_state()})
+
+    def next_step(worker):
+        noise = torch.rand(())  # stands in for anything that draws from the global RNG
+        batch2 = _train_batch(worker, ref, rollout_batch, seed=5)
+        metrics = worker.update(batch2, LOSS, **{**STEP, "ppo_epochs": 2, "mini_batch_size": 4})
+        return noise, metrics
+
+    noise_a, metrics_a = next_step(actor)
+    resumed = _actor(tiny_policy_dir, weight_decay=0.01, warmup_steps=3)
+    torch.manual_seed(999)
+    step, state = load_checkpoint(tmp_path)
+    resumed.load_state_dict(state["actor"])
+    restore_rng_state(state["rng"])
+    noise_b, metrics_b = next_step(resumed)
+    assert step == 1 and torch.equal(noise_a, noise_b)
+    assert metrics_a == metrics_b
+    for (name, a), b in zip(actor.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), name
+    for p_a, p_b in zip(actor.params, resumed.params):
+        for key, value in actor.optimizer.state[p_a].items():
+            assert torch.equal(value, resumed.optimizer.state[p_b][key])
+
+
+def test_named_weights_and_save_hf(tiny_policy_dir, rollout_batch, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = _actor(tiny_policy_dir)
+    actor.update(_train_batch(actor, actor, rollout_batch), LOSS, **STEP)
+    names = [name for name, _ in actor.named_weights()]
+    assert "model.embed_tokens.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    out = actor.save_hf(tmp_path / "export")
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf_state = hf.state_dict()
+    for name, tensor in actor.named_weights():
+        assert torch.equal(hf_state[name], tensor), name
+    batch = rollout_batch(4, 6, 5, seed=6)
+    with torch.no_grad():
+        ours = actor.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"]).logits
+    real = batch["attention_mask"].bool()
+    # Two implementations of the same float32 math: rounding differences only.
+    torch.testing.assert_close(ours[real], theirs[real], rtol=0, atol=1e-5)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template is not None
