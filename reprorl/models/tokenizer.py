@@ -1,14 +1,16 @@
 """The tokenizer of the project's tiny models: one token per character, ChatML turns.
 
 Character-level keeps the vocabulary at 128 (small models, vLLM's CPU build loads it)
-and makes every string encodable without a trained merge table. It is a normal
-`PreTrainedTokenizerFast`, saved with `save_pretrained`, so transformers, vLLM and our
-own loader read it like any HF tokenizer.
+and makes every string encodable without a trained merge table. It is a byte-level BPE
+with NO merges, the form of Qwen2's tokenizer: transformers 5 rebuilds any `qwen2`
+model's tokenizer as `Qwen2Tokenizer` from the vocabulary, whatever the saved class,
+so the vocabulary spells space and newline the byte-level way (`Ġ`, `Ċ`); with raw
+" " and "\n" those characters were silently dropped by `AutoTokenizer`.
 """
 
 from __future__ import annotations
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 VOCAB_SIZE = 128
@@ -20,7 +22,9 @@ SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, UNK_TOKEN]
 # Tool-call markers are whole tokens (as in Qwen's vocabulary) but not special, so they
 # survive decoding and the multi-turn loop can parse them out of the text.
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-CHARACTERS = ["\n"] + [chr(c) for c in range(32, 127)]
+# Byte-level spelling (GPT-2's bytes_to_unicode): newline is "Ċ", space is "Ġ", the other
+# printable ASCII characters are themselves. Ids: "\n" 8, " " 9, "!".."~" 10..103.
+CHARACTERS = ["\u010a", "\u0120"] + [chr(c) for c in range(33, 127)]
 
 # ChatML, as Qwen2 uses it.
 CHAT_TEMPLATE = (
@@ -39,10 +43,10 @@ def _vocab() -> dict[str, int]:
 
 
 def make_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Build the character-level ChatML tokenizer (vocab 128, eos `<|im_end|>`)."""
-    tok = Tokenizer(models.WordLevel(vocab=_vocab(), unk_token=UNK_TOKEN))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    """Build the character-level ChatML tokenizer (vocab 128, eos `<|im_end|>`, pad `<|endoftext|>`)."""
+    tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[], unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens(TOOL_TOKENS)
     return PreTrainedTokenizerFast(
