@@ -1,0 +1,244 @@
+"""A served reward model: batched, batch-invariant scoring, on Ray replicas.
+
+- `RewardModelScorer`: loads an HF sequence-classification directory (`reprorl make-tiny
+  --kind reward` writes one) and scores (prompt messages, response text) pairs. The
+  input is the RM's own chat template over `messages + [assistant: response]`; the score
+  is the head's output at the last token.
+- `RewardReplica`: one scorer in one Ray actor; it checks the run's determinism
+  environment before anything else.
+- `RewardModelPool`: `num_replicas` replicas; a batch is cut into contiguous chunks, one
+  per replica, and the scores are concatenated back in sample order.
+
+Determinism. verl serialises its reward model (`max_num_seqs=1`) so that a score cannot
+depend on its batch. Here each forward packs several sequences one after another
+through the engine path (`forward_packed`, a fresh KV cache per sequence, no padding), and with `batch_invariant=True` the op layer computes every row with a fixed
+reduction order: a sample's score is then bitwise the same alone or in any batch, at any
+position, on any replica, with any thread count. Batching only changes speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from reprorl.determinism import (
+    ENV_SEED,
+    check_worker_env,
+    determinism_env,
+    enable_full_determinism,
+    is_full_determinism,
+    ray_runtime_env,
+)
+from reprorl.errors import ReproRLError
+from reprorl.models import ops
+from reprorl.models.hf_io import load_model
+from reprorl.models.transformer import KVCache
+from reprorl.rollout.replica import init_ray
+
+
+# Measured on a 2-core CPU: packing more tokens than this into one forward got slower
+# (the activations outgrow the cache), and fewer gave away the batching gain.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class RewardModelScorer:
+    """Scores (prompt messages, response) pairs with a sequence-classification model.
+
+    Args:
+        model_path: an HF-format directory: config.json with `num_labels` 1, weights
+            (`score.weight` head) and the RM's tokenizer with a chat template.
+        max_num_seqs: the most sequences packed into one forward.
+        max_num_batched_tokens: the most tokens in one forward (a longer sequence goes alone).
+        batch_invariant: run under the op layer's batch-invariant mode (on with
+            full determinism), so a score does not depend on the batch around it.
+        dtype: load the weights in this dtype (None: as saved).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        batch_invariant: bool = True,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}; "
+                             "expected both >= 1")
+        self.model_path = str(model_path)
+        self.model, self.args = load_model(self.model_path, kind="reward", dtype=dtype)
+        if self.args.num_labels != 1:
+            raise ReproRLError(f"reward model {self.model_path}: num_labels={self.args.num_labels}; "
+                               "a reward model gives one score (num_labels 1)")
+        self.model.eval()
+        self.tokenizer = _load_tokenizer(self.model_path)
+        if self.tokenizer.chat_template is None:
+            raise ReproRLError(f"reward model {self.model_path}: its tokenizer has no chat template")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.batch_invariant = batch_invariant
+        self.dtype = next(self.model.parameters()).dtype
+
+    def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
+        """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
+        messages = [*prompt, {"role": "assistant", "content": response}]
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
+        """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+        return self.score_ids([self.input_ids(p, r) for p, r in zip(prompts, responses)])
+
+    def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[B] float32 scores of token-id sequences, in order, packed in order into forwards
+        of at most `max_num_seqs` sequences and `max_num_batched_tokens` tokens."""
+        for i, s in enumerate(sequences):
+            if len(s) == 0:
+                raise ValueError(f"score: sequence {i} is empty")
+            if len(s) > self.args.max_position_embeddings:
+                raise ValueError(f"score: sequence {i} has {len(s)} tokens, over the reward model's "
+                                 f"max_position_embeddings={self.args.max_position_embeddings}")
+        chunks = forward_chunks([len(s) for s in sequences], self.max_num_seqs, self.max_num_batched_tokens)
+        parts = [self._forward(sequences[start:end]) for start, end in chunks]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+    def _forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One packed forward: [b] float32 scores of b <= max_num_seqs non-empty sequences."""
+        lens = [len(s) for s in sequences]
+        ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)  # [N]
+        positions = torch.cat([torch.arange(n) for n in lens])  # [N]
+        last = torch.tensor(list(itertools.accumulate(lens))) - 1  # [b] each sequence's last token
+        caches = [KVCache.for_model(self.args, n, self.dtype) for n in lens]  # fresh: nothing cached
+        with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
+            hidden = self.model.forward_packed(ids, positions, lens, caches)  # [N, H]
+            scores = self.model.scores(hidden[last])  # [b, 1]
+        return scores[:, 0].float()
+
+
+def forward_chunks(lengths: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
+    """`[start, end)` ranges cutting the sequences, in order, into forwards of at most
+    `max_num_seqs` sequences and `max_num_batched_tokens` tokens; a sequence longer than
+    the token budget goes alone.
+
+    >>> forward_chunks([30, 30, 50, 200, 10, 10, 10], max_num_seqs=2, max_num_batched_tokens=100)
+    [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
+    """
+    chunks, start = [], 0
+    while start < len(lengths):
+        end, tokens = start + 1, lengths[start]
+        while end < len(lengths) and end - start < max_num_seqs and tokens + lengths[end] <= max_num_batched_tokens:
+            tokens += lengths[end]
+            end += 1
+        chunks.append((start, end))
+        start = end
+    return chunks
+
+
+def _load_tokenizer(path: str) -> Any:
+    """The tokenizer saved in `path`: its tokenizer.json as is, when there is one.
+
+    transformers 5's AutoTokenizer maps model_type qwen2 to Qwen2Tokenizer, which rebuilds
+    a byte-level BPE from the vocabulary and ignores tokenizer.json's pre-tokenizer: the
+    tiny models' character tokenizer then drops every space and newline.
+    """
+    # Imported here: transformers' auto classes cost seconds at every replica's start.
+    if (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class RewardReplica:
+    """One reward-model scorer; create with `ray.remote(RewardReplica)` (as the pool does).
+
+    `scorer_options` go to `RewardModelScorer` (max_num_seqs, max_num_batched_tokens,
+    batch_invariant, dtype);
+    `expected_env` is the run's `determinism_env(...)`, checked before anything else.
+    """
+
+    def __init__(self, replica_id: int, model_path: str, scorer_options: Mapping[str, Any],
+                 expected_env: Mapping[str, str]) -> None:
+        check_worker_env(expected_env, where=f"reward replica {replica_id}")
+        if is_full_determinism():
+            enable_full_determinism(int(os.environ[ENV_SEED]))
+        self.replica_id = replica_id
+        self.scorer = RewardModelScorer(model_path, **scorer_options)
+
+    def ready(self) -> int:
+        """The replica id, once the constructor ran (surfaces start-up errors)."""
+        return self.replica_id
+
+    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
+        return self.scorer.score(prompts, responses)
+
+
+class RewardModelPool:
+    """`num_replicas` reward-model replicas on Ray, started with the run's determinism env.
+
+    `score(prompts, responses)` gives replica k the k-th contiguous chunk of the batch
+    and concatenates the chunks' scores in order; with `batch_invariant` (default: on
+    with full determinism) the result does not depend on `num_replicas`. CPUs per
+    replica default as for rollout replicas: together at most half the cluster's CPUs,
+    at most one each. `runtime_env` is the user's, merged with the determinism variables.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        num_replicas: int,
+        *,
+        seed: int,
+        full_determinism: bool,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        batch_invariant: bool | None = None,
+        num_cpus_per_replica: float | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        ray_address: str | None = None,
+    ) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"RewardModelPool: num_replicas={num_replicas}; expected >= 1")
+        self.env = determinism_env(seed, full_determinism)
+        self.runtime_env = ray_runtime_env(self.env, runtime_env)
+        init_ray(ray_address)
+        if num_cpus_per_replica is None:
+            num_cpus_per_replica = min(1.0, ray.cluster_resources().get("CPU", 1.0) / (2 * num_replicas))
+        options = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
+        }
+        actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, runtime_env=self.runtime_env)
+        self.replicas = [actor.remote(i, str(model_path), options, self.env) for i in range(num_replicas)]
+        ray.get([r.ready.remote() for r in self.replicas])
+
+    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
+        """[B] float32 scores, in the order given."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+        if not prompts:
+            return torch.zeros(0, dtype=torch.float32)
+        # Contiguous chunks in sample order, sizes differing by at most one.
+        k = min(len(self.replicas), len(prompts))
+        bounds = [len(prompts) * i // k for i in range(k + 1)]
+        refs = [r.score.remote(list(prompts[a:b]), list(responses[a:b]))
+                for r, a, b in zip(self.replicas, bounds[:-1], bounds[1:])]
+        return torch.cat(ray.get(refs))
+
+    def shutdown(self) -> None:
+        """Kill every replica actor (Ray itself stays up: others may use it)."""
+        for r in self.replicas:
+            ray.kill(r)
+        self.replicas = []

@@ -1,0 +1,147 @@
+"""RewardLoop: decoding, rule scores in sample order, raising functions, weights, metrics."""
+
+import logging
+
+import pytest
+import torch
+
+from reprorl.data.rewards import compute_score
+from reprorl.errors import DataError
+from reprorl.protocol import Batch
+from reprorl.reward.loop import RewardLoop, decode_responses
+
+R = 12  # response length of the test batches
+
+
+def _batch(tok, responses, *, data_sources=None, ground_truths=None, masks=None, extra_infos=None):
+    """A rollout-like batch: `responses` are strings (each may end in <|im_end|>), right-padded."""
+    ids = torch.full((len(responses), R), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(responses), R), dtype=torch.long)
+    for i, text in enumerate(responses):
+        row = tok(text, add_special_tokens=False)["input_ids"]
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = torch.tensor(masks[i] if masks else [1] * len(row))
+    n = len(responses)
+    non_tensors = {
+        "data_source": data_sources or ["reprorl/arithmetic"] * n,
+        "ground_truth": ground_truths or ["7"] * n,
+        "raw_prompt": [[{"role": "user", "content": f"q{i}"}] for i in range(n)],
+    }
+    if extra_infos is not None:
+        non_tensors["extra_info"] = extra_infos
+    return Batch({"responses": ids, "response_mask": mask}, non_tensors)
+
+
+def test_decode_keeps_model_tokens_only(char_tokenizer):
+    tok = char_tokenizer
+    # Row 0: "12<|im_end|>" then pad. Row 1: a tool turn, "ab" is tool output (mask 0).
+    batch = _batch(tok, ["12<|im_end|>", "<tool_call>xab<|im_end|>y"],
+                   masks=[[1, 1, 1], [1, 1, 0, 0, 1, 1]])
+    assert decode_responses(batch["responses"], batch["response_mask"], tok) == ["12", "<tool_call>xy"]
+
+
+def test_rule_scores_in_sample_order(char_tokenizer):
+    batch = _batch(char_tokenizer, ["7<|im_end|>", "8<|im_end|>", " 7", "#### 7"],
+                   data_sources=["reprorl/arithmetic"] * 3 + ["openai/gsm8k"],
+                   extra_infos=[{"index": i} for i in range(4)])
+    scores, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
+    assert scores.dtype == torch.float32
+    assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    assert metrics == {"reward/fn_errors": 0.0, "reward/rule_mean": 0.75, "reward/mean": 0.75}
+
+
+def test_rule_fn_gets_its_row(char_tokenizer):
+    seen = []
+
+    def record(data_source, solution_str, ground_truth, extra_info):
+        seen.append((data_source, solution_str, ground_truth, extra_info))
+        return {"score": len(solution_str), "note": "verl-style dict"}
+
+    batch = _batch(char_tokenizer, ["ab", "cde"], data_sources=["s0", "s1"], ground_truths=["g0", "g1"],
+                   extra_infos=[{"i": 0}, None])
+    scores, _ = RewardLoop(record).compute(batch, char_tokenizer)
+    assert seen == [("s0", "ab", "g0", {"i": 0}), ("s1", "cde", "g1", None)]
+    assert torch.equal(scores, torch.tensor([2.0, 3.0]))
+    # Without an extra_info column the function gets None.
+    seen.clear()
+    RewardLoop(record).compute(_batch(char_tokenizer, ["x"]), char_tokenizer)
+    assert seen[0][3] is None
+
+
+def test_raising_fn_scores_zero_counted_and_logged_once(char_tokenizer, caplog):
+    def flaky(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str.startswith("bad"):
+            raise ValueError(f"cannot score {solution_str!r}")
+        return 1.0
+
+    loop = RewardLoop(flaky)
+    batch = _batch(char_tokenizer, ["ok", "bad1", "ok", "bad2"])
+    with caplog.at_level(logging.ERROR, logger="reprorl.reward.loop"):
+        scores, metrics = loop.compute(batch, char_tokenizer)
+        scores2, metrics2 = loop.compute(batch, char_tokenizer)  # the same run, a later step
+    assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert torch.equal(scores2, scores)
+    assert metrics["reward/fn_errors"] == 2.0 and metrics2["reward/fn_errors"] == 2.0
+    assert metrics["reward/rule_mean"] == 0.5
+    assert loop.fn_errors_total == 4
+    records = [r for r in caplog.records if r.name == "reprorl.reward.loop"]
+    assert len(records) == 1  # the first traceback of the run only
+    assert "sample 1" in records[0].getMessage()
+    assert records[0].exc_info is not None and "cannot score 'bad1'" in str(records[0].exc_info[1])
+
+
+def test_unknown_data_source_counts_as_an_error(char_tokenizer):
+    batch = _batch(char_tokenizer, ["7", "7"], data_sources=["reprorl/arithmetic", "nobody/knows"])
+    scores, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
+    assert torch.equal(scores, torch.tensor([1.0, 0.0]))
+    assert metrics["reward/fn_errors"] == 1.0
+
+
+class FixedModel:
+    """A stand-in reward model: fixed scores, and a record of what it was asked."""
+
+    def __init__(self, scores):
+        self.scores = torch.tensor(scores, dtype=torch.float32)
+        self.calls = []
+
+    def score(self, prompts, responses):
+        self.calls.append((prompts, responses))
+        return self.scores
+
+
+def test_weights_combine(char_tokenizer):
+    batch = _batch(char_tokenizer, ["7", "8", "7<|im_end|>"])
+    model = FixedModel([0.5, -2.0, 0.25])
+    scores, metrics = RewardLoop(compute_score, model, rule_weight=2.0, model_weight=0.5).compute(batch, char_tokenizer)
+    # rule [1, 0, 1] * 2 + model [0.5, -2, 0.25] * 0.5 (all exact in float32)
+    assert torch.equal(scores, torch.tensor([2.25, -1.0, 2.125]))
+    assert metrics == {"reward/fn_errors": 0.0, "reward/rule_mean": 2 / 3, "reward/model_mean": -1.25 / 3,
+                       "reward/mean": 3.375 / 3}
+    prompts, responses = model.calls[0]
+    assert responses == ["7", "8", "7"]
+    assert prompts == [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+
+
+def test_model_only_skips_the_rule_fn(char_tokenizer):
+    def never(**kwargs):
+        raise AssertionError("the rule function must not run with rule_weight=0")
+
+    batch = _batch(char_tokenizer, ["a", "b"], ground_truths=[None, None])
+    scores, metrics = RewardLoop(never, FixedModel([3.0, 4.0]), rule_weight=0.0).compute(batch, char_tokenizer)
+    assert torch.equal(scores, torch.tensor([3.0, 4.0]))
+    assert "reward/rule_mean" not in metrics and metrics["reward/model_mean"] == 3.5
+
+
+def test_missing_columns(char_tokenizer):
+    batch = _batch(char_tokenizer, ["7"])
+    batch.pop(non_tensor_keys=["ground_truth"])
+    with pytest.raises(DataError, match="no non-tensor column 'ground_truth'"):
+        RewardLoop(compute_score).compute(batch, char_tokenizer)
+    batch = _batch(char_tokenizer, ["7"])
+    batch.pop(tensor_keys=["response_mask"])
+    with pytest.raises(DataError, match="no tensor 'response_mask'"):
+        RewardLoop(compute_score).compute(batch, char_tokenizer)
+    batch = _batch(char_tokenizer, ["7"])
+    batch.pop(non_tensor_keys=["raw_prompt"])
+    with pytest.raises(DataError, match="needs the non-tensor column 'raw_prompt'"):
+        RewardLoop(compute_score, FixedModel([1.0])).compute(batch, char_tokenizer)
