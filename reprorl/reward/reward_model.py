@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -78,7 +77,9 @@ class RewardModelScorer:
             raise ReproRLError(f"reward model {self.model_path}: num_labels={self.args.num_labels}; "
                                "a reward model gives one score (num_labels 1)")
         self.model.eval()
-        self.tokenizer = _load_tokenizer(self.model_path)
+        from transformers import AutoTokenizer  # here: its auto classes cost seconds at import
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if self.tokenizer.chat_template is None:
             raise ReproRLError(f"reward model {self.model_path}: its tokenizer has no chat template")
         self.max_num_seqs = max_num_seqs
@@ -141,23 +142,6 @@ def forward_chunks(lengths: Sequence[int], max_num_seqs: int, max_num_batched_to
         chunks.append((start, end))
         start = end
     return chunks
-
-
-def _load_tokenizer(path: str) -> Any:
-    """The tokenizer saved in `path`: its tokenizer.json as is, when there is one.
-
-    transformers 5's AutoTokenizer maps model_type qwen2 to Qwen2Tokenizer, which rebuilds
-    a byte-level BPE from the vocabulary and ignores tokenizer.json's pre-tokenizer: the
-    tiny models' character tokenizer then drops every space and newline.
-    """
-    # Imported here: transformers' auto classes cost seconds at every replica's start.
-    if (Path(path) / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class RewardReplica:
