@@ -1,0 +1,147 @@
+"""Read and write HF-format model directories: config.json + safetensors.
+
+Our modules use transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`,
+`lm_head.weight`, `score.weight`), so loading is a name-by-name copy with checks, and a
+saved directory loads in transformers and vLLM. Tokenizers are transformers' business
+(`AutoTokenizer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from reprorl.errors import ReproRLError
+from reprorl.models.arch import ModelArgs
+from reprorl.models.transformer import CausalLM, SequenceClassifier, ValueModel
+
+MODEL_CLASSES = {"causal_lm": CausalLM, "reward": SequenceClassifier, "critic": ValueModel}
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ReproRLError):
+    """A model directory that is missing, incomplete or does not match its config.json."""
+
+
+def load_model(
+    path: str | os.PathLike, *, kind: str = "causal_lm", dtype: torch.dtype | None = None
+) -> tuple[nn.Module, ModelArgs]:
+    """Load an HF-format directory as `kind`: "causal_lm" | "reward" | "critic".
+
+    dtype: None keeps config.json's torch_dtype. Returns (model, args).
+    Allowed differences between checkpoint and model, everything else is an error:
+    - `lm_head.weight` is ignored when embeddings are tied, and for reward/critic models
+      (so a critic or reward model can start from a policy checkpoint);
+    - a critic's `score.weight`/`score.bias` may be absent: a critic starting from a policy
+      gets a zero value head (value 0 everywhere), one starting from a reward model takes
+      its `score.weight` and a zero bias.
+    """
+    if kind not in MODEL_CLASSES:
+        raise ValueError(f"kind {kind!r}; expected one of {sorted(MODEL_CLASSES)}")
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model path {path} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"model path {path} has no config.json")
+    args = ModelArgs.from_hf_config(json.loads(config_file.read_text()))
+    model = MODEL_CLASSES[kind](args, dtype)
+    _copy_tensors(model, _read_tensors(path), kind, path)
+    return model, args
+
+
+def save_model(model: nn.Module, args: ModelArgs, out_dir: str | os.PathLike) -> Path:
+    """Write `model` as config.json + model.safetensors under HF names; returns out_dir.
+
+    Each file is written to a temporary file in out_dir and moved into place with
+    os.replace, so a reader never sees half a file. Other files in out_dir are left alone.
+    """
+    kind = next((k for k, cls in MODEL_CLASSES.items() if type(model) is cls), None)
+    if kind is None:
+        raise TypeError(
+            f"cannot save a {type(model).__name__}; expected one of CausalLM, SequenceClassifier, ValueModel"
+        )
+    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    config = dataclasses.replace(args, torch_dtype=dtype).to_hf_config(kind)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _atomic_path(out_dir / WEIGHTS_FILE) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        # safetensors creates its file with mode 0600; give it the mode of any new file.
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+    with _atomic_path(out_dir / "config.json") as tmp:
+        Path(tmp).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
+
+
+@contextmanager
+def _atomic_path(target: Path) -> Iterator[Path]:
+    """A temporary path next to `target`, moved onto it when the block succeeds."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    if (path / WEIGHTS_FILE).is_file():
+        return load_file(path / WEIGHTS_FILE)
+    index_file = path / INDEX_FILE
+    if not index_file.is_file():
+        raise CheckpointError(f"model path {path} has no {WEIGHTS_FILE} and no {INDEX_FILE}")
+    weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+    tensors: dict[str, Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise CheckpointError(f"{index_file} lists shard {shard}, which does not exist")
+        tensors.update(load_file(path / shard))
+    listed_missing = sorted(set(weight_map) - set(tensors))
+    if listed_missing:
+        raise CheckpointError(
+            f"{index_file} maps {listed_missing[0]} to {weight_map[listed_missing[0]]}, which lacks it"
+        )
+    return tensors
+
+
+def _copy_tensors(model: nn.Module, tensors: dict[str, Tensor], kind: str, path: Path) -> None:
+    params = model.state_dict()
+    ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}
+    if kind != "causal_lm" or model.args.tie_word_embeddings:
+        ignored.add("lm_head.weight")
+    optional = {"score.weight", "score.bias"} if kind == "critic" else set()
+    missing = sorted(set(params) - set(tensors) - optional)
+    unexpected = sorted(set(tensors) - set(params) - ignored)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]}{more} needed by a {kind} model")
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(
+            f"checkpoint {path} has tensor {unexpected[0]}{more}, "
+            f"which a {kind} model of this config.json does not have"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if name not in tensors:
+                continue  # an optional critic head: stays zero
+            if tensors[name].shape != param.shape:
+                raise CheckpointError(
+                    f"tensor {name} in {path} has shape {list(tensors[name].shape)}, "
+                    f"expected {list(param.shape)} from config.json"
+                )
+            param.copy_(tensors[name])

@@ -1,0 +1,315 @@
+"""The op layer: every linear, norm, softmax, rotary embedding and attention of a model.
+
+This module is the ONE place where batch invariance lives. Outside the mode each op is
+the plain, fastest torch call. Inside it (`batch_invariant()`), each output row depends
+only on that row's inputs: not on how many rows are in the call, where the row sits, what
+the other rows hold, or the number of CPU threads. The engine's rollouts, the reward
+model and the trainer's log-probs all run through here, which is what lets a token's
+log-prob be the same bits whatever it was batched with (DESIGN.md, contract point 2).
+
+How each op gets there (CPU, torch 2.13 + MKL; measured, and tested in
+tests/models/test_ops.py):
+- matmul: MKL's sgemm takes one kernel for 1 row, another for 2-3 rows and a third for
+  4 or more, and rows past a multiple of 4 go to the small kernels; with N or K not a
+  multiple of its blocking, the thread split changes some columns' results. Padding M to
+  a multiple of 4 and N, K to multiples of 16 gave the same bits for a row in every M
+  tried (1..2048), at every position, with 1..6 threads, for K up to 65536 and N up to
+  32000; batched matmul entries give the same bits as 2-D ones. So no fixed row tile is
+  needed: ~1.0x the plain cost from 8 rows up (`_matmul_rows`).
+- attention: scores and p v are such matmuls. p v sums over keys, and a sum longer than
+  MKL's K block is grouped by that block, so it is cut into fixed KEY_BLOCK chunks.
+  Masked keys get probability exactly 0, so extra keys change no bit.
+- sums over the last dim (RMSNorm, softmax): a fixed pairwise tree of elementwise adds
+  (`_pairwise_sum`), so the order is ours, not the reduction kernel's.
+- exp and log are elementwise and position-independent here (MKL VML); `F.silu` and
+  `torch.sigmoid` are NOT (their vector and scalar-tail paths round differently), so
+  SiLU is built from exp and IEEE ops.
+- +, -, *, /, sqrt, max and gathers are exact, so they never depend on the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_BATCH_INVARIANT = False
+
+# MKL picks its sgemm kernel from M (1, 2-3, >=4 rows) and splits columns across threads
+# in blocks; padding to these quanta keeps every row on the same kernel and block edges.
+ROW_QUANTUM = 4
+COL_QUANTUM = 16
+# Batch-invariant attention works on blocks of queries (bounds the [rows, keys] score
+# matrix) and sums p v over fixed chunks of keys (see `_attend_invariant`).
+QUERY_BLOCK = 256
+KEY_BLOCK = 256
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turn batch-invariant mode on or off for the whole process."""
+    global _BATCH_INVARIANT
+    _BATCH_INVARIANT = bool(enabled)
+
+
+def is_batch_invariant() -> bool:
+    """Whether batch-invariant mode is on."""
+    return _BATCH_INVARIANT
+
+
+@contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Run a block with batch-invariant mode set to `enabled`, restoring the previous mode."""
+    previous = _BATCH_INVARIANT
+    set_batch_invariant(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)
+
+
+def _check_cpu(x: Tensor) -> None:
+    # The quanta above were measured for MKL on the CPU; a GPU needs its own kernels.
+    if x.device.type != "cpu":
+        raise NotImplementedError(f"batch-invariant ops are implemented for CPU tensors only, got {x.device}")
+
+
+def _matmul_rows(a: Tensor, b: Tensor) -> Tensor:
+    """`a @ b.T` with each output row independent of the other rows and the thread count.
+
+    a [M, K], b [N, K] -> [M, N]. Zero padding changes no real entry: padded rows and
+    columns are dropped, and a zero pair adds an exact 0 to each dot product.
+    """
+    _check_cpu(a)
+    m, k = a.shape
+    n = b.shape[0]
+    pad_m, pad_k, pad_n = -m % ROW_QUANTUM, -k % COL_QUANTUM, -n % COL_QUANTUM
+    # Always hand MKL the same layout (contiguous a, contiguous b used transposed).
+    a = F.pad(a, (0, pad_k, 0, pad_m)) if pad_m or pad_k else a.contiguous()
+    b = F.pad(b, (0, pad_k, 0, pad_n)) if pad_k or pad_n else b.contiguous()
+    out = a @ b.t()
+    return out[:m, :n] if pad_m or pad_n else out
+
+
+class _PairwiseSum(torch.autograd.Function):
+    """Sum over the last dim in a fixed pairwise order: [..., n] -> [..., 1].
+
+    The order is that of zero-padding n to a power of two and adding the upper half onto
+    the lower half until one column is left. Extra zero columns only add exact zeros, so
+    a row gives the same bits whatever width it was padded to (attention rows padded with
+    masked keys rely on it). The folds run in place in one buffer (fresh buffers cost page
+    faults); the gradient of a sum is 1 for every element, so backward needs no graph.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        n = ctx.width = x.shape[-1]
+        if n == 1:
+            return x.clone()
+        half = 1 << ((n - 1).bit_length() - 1)  # the first fold point: the largest power of two below n
+        buf = x[..., :half].clone()
+        buf[..., : n - half] += x[..., half:]  # columns past n would be zeros
+        while half > 1:
+            half //= 2
+            buf[..., :half] += buf[..., half : 2 * half]
+        return buf[..., :1]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.expand(*grad.shape[:-1], ctx.width)
+
+
+_pairwise_sum = _PairwiseSum.apply
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`x @ weight.T + bias`: x [..., K], weight [N, K], bias [N] | None -> [..., N]."""
+    if not _BATCH_INVARIANT:
+        return F.linear(x, weight, bias)
+    out = _matmul_rows(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 (as transformers does).
+
+    x [..., H], weight [H] -> [..., H] in x's dtype times weight's.
+    y = weight * (x / sqrt(mean(x^2) + eps)).  (Zhang & Sennrich 2019)
+    """
+    xf = x.float()
+    if _BATCH_INVARIANT:
+        variance = _pairwise_sum(xf * xf) / xf.shape[-1]
+        xf = xf / torch.sqrt(variance + eps)
+    else:
+        variance = xf.pow(2).mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(variance + eps)
+    return weight * xf.to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """The gated MLP activation silu(gate) * up: [..., I], [..., I] -> [..., I]. (Shazeer 2020)"""
+    if not _BATCH_INVARIANT:
+        return F.silu(gate) * up
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g))).to(gate.dtype) * up
+
+
+def softmax(x: Tensor) -> Tensor:
+    """Softmax over the last dim, in float32: [..., V] -> [..., V] float32."""
+    x = x.float()
+    if not _BATCH_INVARIANT:
+        return torch.softmax(x, dim=-1)
+    e = (x - x.detach().amax(dim=-1, keepdim=True)).exp_()  # in place: one [..., V] buffer less
+    return e / _pairwise_sum(e)
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """Log-softmax over the last dim, in float32: [..., V] -> [..., V] float32."""
+    x = x.float()
+    if not _BATCH_INVARIANT:
+        return torch.log_softmax(x, dim=-1)
+    m = x.detach().amax(dim=-1, keepdim=True)
+    logsumexp = m + torch.log(_pairwise_sum((x - m).exp_()))  # [..., 1]
+    return x - logsumexp
+
+
+def rope_tables(head_dim: int, theta: float, num_positions: int) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary embedding for positions 0..num_positions-1: ([P, D], [P, D]) float32.
+
+    Computed once per model, in float32 the way transformers computes them, so a
+    position's angles are constants: the same bits whatever batch asks for them.
+    (Su et al. 2021, RoFormer)
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # [P, D/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate query/key heads by their positions' angles (half-split layout, as HF).
+
+    x [..., H, D], cos/sin [..., D] (one row per token, broadcast over the H heads) -> [..., H, D].
+    """
+    cos = cos.to(x.dtype).unsqueeze(-2)
+    sin = sin.to(x.dtype).unsqueeze(-2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_start: int) -> Tensor:
+    """Causal attention of ONE sequence over its keys, with grouped-query heads.
+
+    q [Tq, Hq, D]: queries at cache positions q_start .. q_start+Tq-1.
+    k, v [Tk, Hkv, D]: keys/values at cache positions 0..Tk-1, Tk >= q_start + Tq, Hq % Hkv == 0.
+    Query i attends to keys 0..q_start+i; query head j reads key head j // (Hq // Hkv).
+    Returns [Tq, Hq, D]. In batch-invariant mode a query's output is the same bits whether
+    it came alone (decode), in any prefill chunk, or with more keys after it in the cache.
+    """
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    if hq % hkv != 0 or tk < q_start + tq:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, q_start {q_start} do not fit")
+    if not _BATCH_INVARIANT:
+        mask = None
+        if tq > 1 or tk != q_start + tq:
+            mask = torch.arange(tk, device=q.device)[None, :] <= q_start + torch.arange(tq, device=q.device)[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True
+        )  # [1, Hq, Tq, D]
+        return out[0].transpose(0, 1)
+    group = hq // hkv
+    keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, Tk, D]
+    blocks = []
+    for start in range(0, tq, QUERY_BLOCK):
+        n = min(QUERY_BLOCK, tq - start)
+        num_keys = q_start + start + n  # keys past the block's last query are left out
+        # rows of kv head h: its G query heads, each over the block's n queries: [Hkv, G*n, D]
+        rows = q[start : start + n].view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        q_pos = q_start + start + torch.arange(n, device=q.device).repeat(group)  # [G*n]
+        allowed = torch.arange(num_keys, device=q.device)[None, :] <= q_pos[:, None]  # [G*n, keys]
+        out = _attend_invariant(rows, keys[:, :num_keys], values[:, :num_keys], allowed)  # [Hkv, G*n, D]
+        blocks.append(out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d))
+    return torch.cat(blocks) if blocks else q.new_zeros(0, hq, d)
+
+
+def decode_attention(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+    """Attention of S sequences' newest tokens at once: one query each, over all its keys.
+
+    q [S, Hq, D]; keys[i], values[i] [L_i, Hkv, D], the query's own key last -> [S, Hq, D].
+    Row i is `attention(q[i:i+1], keys[i], values[i], L_i - 1)[0]`, bitwise in
+    batch-invariant mode: the engine's decode steps batch here, whatever the pack holds.
+    """
+    s, hq, d = q.shape
+    hkv = keys[0].shape[1]
+    lengths = torch.tensor([len(key) for key in keys], device=q.device)
+    k = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).transpose(1, 2)  # [S, Hkv, L, D]
+    v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True).transpose(1, 2)
+    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]  # [S, L]
+    if not _BATCH_INVARIANT:
+        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None, :], enable_gqa=True)
+        return out[:, :, 0]
+    rows = q.view(s, hkv, hq // hkv, d)  # [S, Hkv, G, D]
+    return _attend_invariant(rows, k, v, allowed[:, None, None, :]).reshape(s, hq, d)
+
+
+def _attend_invariant(rows: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
+    """The row-invariant core of attention, batched over leading dims [...]:
+    softmax(rows keys^T / sqrt(D), masked to `allowed`) values.
+
+    rows [..., R, D], keys/values [..., L, D], allowed [..., R, L] (broadcastable) -> [..., R, D].
+    Padding as in `_matmul_rows` (batched matmul entries give the same bits as 2-D ones).
+    Masked and padded keys get probability exactly 0, so they change no bit. p v sums
+    over keys, and MKL groups a long sum by its own K blocks, so it is cut into fixed
+    KEY_BLOCK chunks (every call the same K) added in order; chunks past a row's last key
+    add exact zeros.
+    """
+    _check_cpu(rows)
+    r, d = rows.shape[-2:]
+    length = keys.shape[-2]
+    pad_r, pad_d, pad_l = -r % ROW_QUANTUM, -d % COL_QUANTUM, -length % KEY_BLOCK
+    # Every matmul gets contiguous operands, so MKL always sees the same layout.
+    rows = F.pad(rows, (0, pad_d, 0, pad_r)).contiguous()
+    keys = F.pad(keys, (0, pad_d, 0, pad_l)).contiguous()
+    values_t = F.pad(values.transpose(-1, -2), (0, pad_l, 0, pad_d)).contiguous()  # [..., Dp, Lp]
+    allowed = F.pad(allowed, (0, pad_l), value=False)
+    if allowed.shape[-2] != 1:  # padding rows may see every key: no all -inf row, no NaN
+        allowed = F.pad(allowed, (0, 0, 0, pad_r), value=True)
+    scores = torch.matmul(rows, keys.transpose(-1, -2)).float() * d**-0.5  # [..., Rp, Lp]
+    probs = softmax(scores.masked_fill(~allowed, float("-inf"))).to(values.dtype)
+    out = None
+    for kb in range(0, length, KEY_BLOCK):
+        chunk = probs[..., kb : kb + KEY_BLOCK].contiguous()  # [..., Rp, KEY_BLOCK]
+        part = torch.matmul(chunk, values_t[..., kb : kb + KEY_BLOCK].contiguous().transpose(-1, -2))
+        out = part if out is None else out + part
+    return out[..., :r, :d]
+
+
+def padded_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> Tensor:
+    """Causal attention of a padded batch (left or right padding).
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D], attention_mask [B, T] (1 = real token) -> [B, T, Hq, D].
+    A query sees the real keys at or before it. Outputs at padding positions are not
+    meaningful (zeros in batch-invariant mode). In batch-invariant mode each sequence's
+    real tokens go through `attention` as one sequence from cache position 0, exactly as
+    the engine computes them, so the two paths give the same bits.
+    """
+    b, t, hq, d = q.shape
+    real = attention_mask.bool()
+    if _BATCH_INVARIANT:
+        out = q.new_zeros(b, t, hq, d)
+        for i in range(b):
+            idx = real[i].nonzero().squeeze(-1)
+            if idx.numel():
+                out[i, idx] = attention(q[i, idx], k[i, idx], v[i, idx], q_start=0)
+        return out
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    # Padding queries see only themselves, so no row is all -inf (which would give NaN).
+    mask = (causal & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+    )  # [B, Hq, T, D]
+    return out.transpose(1, 2)

@@ -1,0 +1,75 @@
+"""Fixtures for the model tests: random transformers reference models; thread count and
+batch-invariant mode restored after each test."""
+
+import pytest
+import torch
+import transformers
+
+from reprorl.models import ops
+
+# Small shapes that still exercise GQA (2 query heads per KV head), biases and qk-norm.
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=10000.0)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
+    "llama": (transformers.LlamaConfig, dict(head_dim=16, attention_bias=True, mlp_bias=True, rope_theta=5e5)),
+}
+HEADS = {
+    "causal_lm": "ForCausalLM",
+    "reward": "ForSequenceClassification",
+    "critic": "ForTokenClassification",
+}
+
+
+@pytest.fixture
+def make_hf_model():
+    """make_hf_model(family, kind="causal_lm", tie=False, seed=0) -> a random transformers model.
+
+    Every parameter (biases and norm weights included) is drawn from normal(0, 0.15) around
+    its init (norms around 1), so logits are O(1) and a dropped bias or norm would show.
+    """
+
+    def make(family: str, kind: str = "causal_lm", tie: bool = False, seed: int = 0):
+        config_cls, extra = FAMILIES[family]
+        kwargs = dict(SMALL, **extra, tie_word_embeddings=tie, pad_token_id=0, eos_token_id=2)
+        if kind != "causal_lm":
+            kwargs["num_labels"] = 1
+        config = config_cls(**kwargs)
+        model_cls = getattr(transformers, config_cls.__name__.replace("Config", HEADS[kind]))
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                base = 1.0 if name.endswith("norm.weight") else 0.0
+                param.copy_(base + 0.15 * torch.randn(param.shape, generator=generator))
+        return model
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Model tests run on 1 thread unless they set another count (the thread-invariance
+    checks do): on a loaded shared machine OpenMP's waiting threads make tiny ops 10-100x
+    slower. The original count comes back afterwards."""
+    count = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(count)
+
+
+@pytest.fixture(autouse=True)
+def _plain_mode_after_each_test():
+    """No test leaks batch-invariant mode into the next."""
+    yield
+    ops.set_batch_invariant(False)
