@@ -1,0 +1,209 @@
+"""Next-token sampling: per-request parameters, one generator per request.
+
+The determinism contract (DESIGN.md) needs a sampled token to be a pure function of
+(logits, params, request seed). Two choices make it so:
+
+- **One private generator per request, drawn a fixed number of times per token.** Every
+  token consumes exactly one float64 uniform from the request's `torch.Generator`,
+  whatever the params (greedy draws too and ignores it), so the stream position of token
+  t is always t and never depends on other requests or on the filter settings. The engine
+  draws them in blocks (`draw_uniforms`): the same values, fewer calls.
+- **Inverse-CDF sampling in vocabulary order.** The uniform `u` picks the first token
+  whose cumulative (filtered) probability exceeds `u * total`. Every op involved is
+  row-wise with a fixed order (softmax over the last dim, a stable sort, a serial cumsum,
+  a binary search), so a row gives the same bits alone or inside any batch and with any
+  thread count. We use this rather than vLLM's exponential race (V exponentials per
+  token) because the race needs an elementwise `log` over `[B, V]`, whose vectorised and
+  scalar-tail kernels may round differently depending on where a row falls in the
+  flattened batch; the CDF walk has no such op. Sampling in vocabulary order (not sorted
+  order) also makes `top_k=V` and `top_p=1` give exactly the unfiltered samples.
+
+Filtering follows vLLM: top-k first, then top-p on the distribution renormalised over the
+top-k set. Ties are broken by token id (lower id ranks first), via a stable sort.
+
+The returned log-prob is that of the sampled token under `log_softmax(logits / T)` in
+float32, WITHOUT top-k/top-p truncation, and with T = 1 for greedy: it is what the
+trainer recomputes from the same logits (reprorl/trainer/policy.py), through the same
+`ops.log_softmax`, so inside `ops.batch_invariant()` the two agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from reprorl.errors import ConfigError
+from reprorl.models import ops
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples; validated on construction (errors name the field)."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax, the seed is ignored)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens with mass >= top_p; 1 = off."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 = off."""
+    max_tokens: int = 16
+    """Most tokens to generate (the finish reason is "length" when reached)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation (finish reason "stop"); the stop token is kept in the output."""
+    ignore_eos: bool = False
+    """Keep generating past the engine's eos token (benchmarks: equal lengths)."""
+    logprobs: bool = True
+    """Return the log-prob of each generated token."""
+
+    def __post_init__(self) -> None:
+        # A list from YAML/JSON becomes a tuple so the params stay hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"SamplingParams.temperature={t!r}: expected a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ConfigError(f"SamplingParams.top_p={p!r}: expected a number in (0, 1]")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or (k != -1 and k < 1):
+            raise ConfigError(f"SamplingParams.top_k={k!r}: expected -1 (off) or an integer >= 1")
+        m = self.max_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"SamplingParams.max_tokens={m!r}: expected an integer >= 1")
+        for s in self.stop_token_ids:
+            if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+                raise ConfigError(
+                    f"SamplingParams.stop_token_ids={list(self.stop_token_ids)!r}: expected token ids >= 0"
+                )
+        for name in ("ignore_eos", "logprobs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"SamplingParams.{name}={getattr(self, name)!r}: expected true or false")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int) -> torch.Generator:
+    """The request's private CPU generator (CPU even for GPU logits: same stream everywhere)."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return g
+
+
+def _draw(generator: torch.Generator) -> float:
+    """The one draw a token consumes: a float64 uniform in [0, 1)."""
+    return torch.rand((), dtype=torch.float64, generator=generator).item()
+
+
+def draw_uniforms(generator: torch.Generator, n: int) -> list[float]:
+    """The uniforms of the next n tokens, in one call: the same values as n `_draw`s
+    (the CPU kernel fills a tensor one draw after another; tested)."""
+    return torch.rand(n, dtype=torch.float64, generator=generator).tolist()
+
+
+def _keep_mask(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Which tokens survive top-k then top-p, for one row. probs: [V] float64 -> bool [V]."""
+    V = probs.shape[0]
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k == -1 and top_p >= 1:
+        return keep
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)  # ties: lower id first
+    k = V if top_k == -1 else min(top_k, V)
+    keep_sorted = torch.arange(V) < k
+    if top_p < 1:
+        cum = sorted_probs.cumsum(0)  # [V]
+        mass_before = torch.cat([cum.new_zeros(1), cum[:-1]])  # mass ranked above token j
+        # Keep token j while the mass above it is short of top_p (of the top-k mass).
+        keep_sorted &= mass_before < top_p * cum[k - 1]
+    keep[order] = keep_sorted
+    return keep
+
+
+def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """First token whose cumulative probability exceeds u * total. probs: [V] float64, >= 0."""
+    cdf = probs.cumsum(0)
+    total = cdf[-1]
+    i = int(torch.searchsorted(cdf, u * total, right=True))
+    # u * total can round up to total; then take the last token with mass.
+    last = int(torch.nonzero(probs > 0)[-1])
+    return min(i, last)
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, float | None]:
+    """Sample one token for one request. The plain reference for `sample_batch`.
+
+    logits: [V] (any float dtype). Returns (token_id, log_prob); log_prob is
+    `log_softmax(logits.float() / T)[token]` (T = 1 for greedy), without top-k/top-p
+    truncation, or None when `params.logprobs` is off. Consumes one draw of `generator`.
+    """
+    u = _draw(generator)
+    logits = logits.float()
+    if params.greedy:
+        token = int(torch.argmax(logits))  # ties: lowest id
+        scaled = logits
+    else:
+        scaled = logits / params.temperature
+        probs = torch.softmax(scaled.double(), dim=-1)
+        probs = torch.where(_keep_mask(probs, params.top_k, params.top_p), probs, 0.0)
+        token = _inverse_cdf(probs, u)
+    log_prob = ops.log_softmax(scaled)[token].item() if params.logprobs else None
+    return token, log_prob
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    uniforms: Sequence[float],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row, vectorised; bitwise equal to `sample_next` row by row.
+
+    logits: [B, V]; uniforms: row b's draw for this token (the next value of its request's
+    generator, see `draw_uniforms`). Returns (tokens int64 [B], log_probs float32 [B]);
+    log_probs are computed for every row; callers drop those of requests with `logprobs` off.
+    """
+    B, V = logits.shape
+    u = torch.tensor(uniforms, dtype=torch.float64)  # [B]
+    greedy = torch.tensor([p.greedy for p in params])  # [B]
+    temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
+    logits = logits.float()
+    scaled = logits / temps[:, None]  # [B, V]; greedy rows: divided by 1, unchanged
+    log_probs_all = ops.log_softmax(scaled)  # [B, V]
+    tokens = torch.argmax(logits, dim=-1)  # [B], the greedy answer
+
+    sampled_rows = (~greedy).nonzero().flatten()
+    if len(sampled_rows) > 0:
+        rows = sampled_rows
+        probs = torch.softmax(scaled[rows].double(), dim=-1)  # [S, V]
+        top_k = [params[i].top_k for i in rows.tolist()]
+        top_p = [params[i].top_p for i in rows.tolist()]
+        if any(k != -1 for k in top_k) or any(p < 1 for p in top_p):
+            probs = torch.where(_keep_mask_batch(probs, top_k, top_p), probs, 0.0)
+        cdf = probs.cumsum(dim=-1)  # [S, V]
+        target = u[rows] * cdf[:, -1]  # [S]
+        idx = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)  # [S]
+        # Last token with mass: first positive from the right.
+        last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1)
+        tokens[rows] = torch.minimum(idx, last)
+    log_probs = log_probs_all.gather(1, tokens[:, None]).squeeze(1)  # [B]
+    return tokens, log_probs
+
+
+def _keep_mask_batch(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:
+    """`_keep_mask` for S rows at once. probs: [S, V] float64 -> bool [S, V]."""
+    S, V = probs.shape
+    k = torch.tensor([V if kk == -1 else min(kk, V) for kk in top_k])  # [S]
+    p = torch.tensor(list(top_p), dtype=torch.float64)  # [S]
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    keep_sorted = torch.arange(V)[None, :] < k[:, None]  # [S, V]
+    cum = sorted_probs.cumsum(dim=-1)  # [S, V]
+    kept_mass = cum.gather(1, (k - 1)[:, None]).squeeze(1)  # [S]
+    mass_before = torch.cat([cum.new_zeros(S, 1), cum[:, :-1]], dim=1)
+    # Rows with top_p = 1 skip the test (float sums may exceed 1 and cut the tail).
+    keep_sorted &= (mass_before < (p * kept_mass)[:, None]) | (p >= 1)[:, None]
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)

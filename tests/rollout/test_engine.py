@@ -1,0 +1,442 @@
+"""The engine on a tiny model: determinism under any batch, finish reasons, scheduling,
+abort, sleep, weight updates, and agreement with the model's own forward pass.
+
+Every determinism claim is checked with exact equality (tokens as lists, log-probs as
+float32 tensors with `torch.equal`).
+"""
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from reprorl.models import ops
+from reprorl.models.hf_io import load_model
+from reprorl.models.tiny import make_tiny
+from reprorl.rollout.engine import Engine, GenerateOutput, decode_attention
+from reprorl.rollout.sampling import SamplingParams
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny") / "policy"
+    make_tiny(str(out), kind="policy", seed=0)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    return load_model(tiny_dir)[0]
+
+
+def make_engine(model, **kwargs) -> Engine:
+    kwargs = {"batch_invariant": True, "eos_token_id": EOS, "max_num_seqs": 64, "max_num_batched_tokens": 256, **kwargs}
+    return Engine(model, **kwargs)
+
+
+def req(rid, prompt, seed=0, priority=0, **params):
+    return {
+        "request_id": rid,
+        "prompt_ids": prompt,
+        "sampling_params": SamplingParams(**params),
+        "seed": seed,
+        "priority": priority,
+    }
+
+
+def generate_all(engine, requests, delays=None) -> list[GenerateOutput]:
+    """Run requests concurrently (optionally staggered by `delays` seconds); outputs in request order."""
+
+    async def one(r, delay):
+        if delay:
+            await asyncio.sleep(delay)
+        return await engine.generate(**r)
+
+    async def main():
+        return await asyncio.gather(*[one(r, d) for r, d in zip(requests, delays or [0] * len(requests))])
+
+    return asyncio.run(main())
+
+
+def key(out: GenerateOutput):
+    """What must be bitwise equal between two runs of one request."""
+    return out.token_ids, torch.tensor(out.log_probs, dtype=torch.float32), out.finish_reason
+
+
+def assert_same(a: GenerateOutput, b: GenerateOutput):
+    ta, la, fa = key(a)
+    tb, lb, fb = key(b)
+    assert ta == tb and fa == fb
+    assert torch.equal(la, lb)
+
+
+def random_prompt(rng, lo=1, hi=40):
+    return [rng.randrange(3, 128) for _ in range(rng.randint(lo, hi))]
+
+
+def random_request(rng, rid):
+    return req(
+        rid,
+        random_prompt(rng),
+        seed=rng.randrange(2**31),
+        priority=rng.randint(-2, 2),
+        temperature=rng.choice([0.0, 0.7, 1.0, 1.3]),
+        top_k=rng.choice([-1, -1, 5]),
+        top_p=rng.choice([1.0, 1.0, 0.9]),
+        max_tokens=rng.randint(1, 24),
+        ignore_eos=rng.random() < 0.3,
+    )
+
+
+TARGET = req("target", [5, 17, 40, 99, 3, 64, 12, 88] * 6, seed=1234, temperature=0.9, top_p=0.95,
+             max_tokens=24, ignore_eos=True)  # a 48-token prompt: prefilled in chunks when the budget is small
+
+
+def crowd_trials(model, n_trials, max_others, seed):
+    alone = generate_all(make_engine(model), [TARGET])[0]
+    assert len(alone.token_ids) == 24
+    rng = random.Random(seed)
+    for _ in range(n_trials):
+        others = [random_request(rng, f"o{i}") for i in range(rng.randint(1, max_others))]
+        requests = others[:]
+        requests.insert(rng.randint(0, len(others)), TARGET)
+        delays = [rng.choice([0, 0, rng.random() * 0.02]) for _ in requests]
+        max_num_seqs = rng.choice([2, 8, 64])
+        engine = make_engine(
+            model,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_seqs, rng.choice([16, 64, 512])),
+        )
+        outs = generate_all(engine, requests, delays)
+        assert_same(outs[requests.index(TARGET)], alone)
+
+
+def test_same_request_alone_or_in_a_crowd(model):
+    crowd_trials(model, n_trials=6, max_others=12, seed=0)
+
+
+@pytest.mark.slow
+def test_same_request_alone_or_in_a_crowd_sweep(model):
+    crowd_trials(model, n_trials=50, max_others=63, seed=1)
+
+
+def test_two_engines_agree(tiny_dir, model):
+    rng = random.Random(3)
+    requests = [random_request(rng, f"r{i}") for i in range(16)]
+    a = generate_all(make_engine(model), requests)
+    b = generate_all(make_engine(load_model(tiny_dir)[0], max_num_seqs=4, max_num_batched_tokens=32), requests)
+    for x, y in zip(a, b):
+        assert_same(x, y)
+
+
+def test_thread_count_does_not_matter(model):
+    rng = random.Random(4)
+    requests = [random_request(rng, f"r{i}") for i in range(16)] + [TARGET]
+    one = generate_all(make_engine(model, num_threads=1), requests)
+    two = generate_all(make_engine(model, num_threads=2), requests)
+    for x, y in zip(one, two):
+        assert_same(x, y)
+
+
+def test_n_copies_with_different_seeds(model):
+    prompt = [10, 20, 30, 40, 50]
+    requests = [req(f"c{i}", prompt, seed=100 + i, temperature=1.0, max_tokens=16, ignore_eos=True) for i in range(4)]
+    first = generate_all(make_engine(model), requests)
+    samples = {tuple(o.token_ids) for o in first}
+    assert len(samples) == 4, "four seeds gave fewer than four different samples"
+    again = generate_all(make_engine(model), requests)
+    for x, y in zip(first, again):
+        assert_same(x, y)
+
+
+def reference_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] of the model's padded-batch forward pass (the trainer's path: no
+    cache, no engine), in batch-invariant mode as the trainer runs it under determinism."""
+    with torch.inference_mode(), ops.batch_invariant(True):
+        return model(torch.tensor([ids]))[0].float()
+
+
+def reference_log_probs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """The trainer's formula (reprorl/trainer/policy.py): ops.log_softmax at the tokens."""
+    with ops.batch_invariant(True):
+        return ops.log_softmax(logits).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def test_greedy_is_the_models_argmax_and_log_probs_match_forward(model):
+    prompt = [7, 8, 9, 10, 11, 12]
+    out = generate_all(make_engine(model), [req("g", prompt, temperature=0, max_tokens=20, ignore_eos=True)])[0]
+    logits = reference_logits(model, prompt + out.token_ids)[len(prompt) - 1 : -1]  # [20, V]
+    assert out.token_ids == logits.argmax(-1).tolist()
+    expected = reference_log_probs(logits, out.token_ids)
+    assert torch.equal(torch.tensor(out.log_probs, dtype=torch.float32), expected)
+
+
+def test_sampled_log_probs_match_forward(model):
+    prompt = [30, 31, 32]
+    r = req("s", prompt, seed=5, temperature=0.7, top_k=10, max_tokens=20, ignore_eos=True)
+    out = generate_all(make_engine(model), [r])[0]
+    logits = reference_logits(model, prompt + out.token_ids)[len(prompt) - 1 : -1]
+    expected = reference_log_probs(logits / 0.7, out.token_ids)
+    assert torch.equal(torch.tensor(out.log_probs, dtype=torch.float32), expected)
+
+
+def test_finish_reasons(model):
+    prompt = [40, 41, 42, 43]
+    free = generate_all(make_engine(model), [req("f", prompt, temperature=0, max_tokens=12, ignore_eos=True)])[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12 and free.num_prompt_tokens == 4
+    # Make the token produced at step j the engine's eos, then a stop token: generation ends there.
+    j = 5
+    tok = free.token_ids[j]
+    first = free.token_ids.index(tok)
+    eos_run = generate_all(make_engine(model, eos_token_id=tok), [req("e", prompt, temperature=0, max_tokens=12)])[0]
+    assert eos_run.finish_reason == "stop" and eos_run.token_ids == free.token_ids[: first + 1]
+    r = req("i", prompt, temperature=0, max_tokens=12, ignore_eos=True)
+    ignored = generate_all(make_engine(model, eos_token_id=tok), [r])[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == free.token_ids
+    r = req("s", prompt, temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[tok])
+    stop_run = generate_all(make_engine(model), [r])[0]
+    assert stop_run.finish_reason == "stop" and stop_run.token_ids == free.token_ids[: first + 1]
+    # The context is full before max_tokens.
+    r = req("m", prompt, temperature=0, max_tokens=12, ignore_eos=True)
+    short = generate_all(make_engine(model, max_model_len=7), [r])[0]
+    assert short.finish_reason == "length" and short.token_ids == free.token_ids[:3]
+    assert generate_all(make_engine(model), [req("l", prompt, logprobs=False, max_tokens=3)])[0].log_probs is None
+
+
+def test_admission_by_priority_then_arrival(model):
+    engine = make_engine(model, max_num_seqs=1, max_num_batched_tokens=16)
+    priorities = [3, 1, 2, 1, 0, 3]
+    done = []
+
+    async def one(i, p):
+        await engine.generate(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True), seed=i, priority=p)
+        done.append(i)
+
+    async def main():
+        await asyncio.gather(*[one(i, p) for i, p in enumerate(priorities)])
+
+    asyncio.run(main())
+    # One sequence at a time: completion order is admission order.
+    assert done == [4, 1, 3, 2, 0, 5]
+
+
+@pytest.mark.parametrize("starvation_steps, low_done_before", [(10, 6), (10**9, 30)])
+def test_low_priority_is_not_starved(model, starvation_steps, low_done_before):
+    # One low-priority request, then 30 high-priority ones, one sequence at a time, 2 steps
+    # each (the prefill samples the first token). Strict priority serves "low" last; with
+    # starvation_steps=10 it jumps the queue at the first admission after step 10, i.e.
+    # after h0..h5 (steps 1-12).
+    engine = make_engine(model, max_num_seqs=1, max_num_batched_tokens=16, starvation_steps=starvation_steps)
+    done = []
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def one(rid, priority):
+        await engine.generate(rid, [9, 9, 9], params, seed=0, priority=priority)
+        done.append(rid)
+
+    async def main():
+        await asyncio.gather(one("low", 5), *[one(f"h{i}", 0) for i in range(30)])
+
+    asyncio.run(main())
+    assert done.index("low") == low_done_before, done
+
+
+def test_abort_running_and_waiting(model):
+    engine = make_engine(model, max_num_seqs=1, max_num_batched_tokens=16)
+
+    async def main():
+        endless = SamplingParams(max_tokens=500, ignore_eos=True)
+        long = asyncio.create_task(engine.generate("long", [5, 6], endless, seed=0))
+        queued = asyncio.create_task(engine.generate("queued", [5, 6], SamplingParams(max_tokens=4), seed=0))
+        while engine.stats()["tokens_generated"] < 3:
+            await asyncio.sleep(0.001)
+        with pytest.raises(ValueError, match="already in flight"):
+            await engine.generate("long", [1], SamplingParams(), seed=0)
+        assert engine.abort("queued") and engine.abort("long")
+        assert not engine.abort("nobody")
+        return await long, await queued
+
+    long, queued = asyncio.run(main())
+    assert long.finish_reason == "abort" and 3 <= len(long.token_ids) < 500
+    assert len(long.log_probs) == len(long.token_ids)
+    assert queued.finish_reason == "abort" and queued.token_ids == []
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0 and engine.stats()["aborted"] == 2
+
+
+def test_cancelled_caller_frees_its_sequence(model):
+    engine = make_engine(model)
+
+    async def main():
+        endless = SamplingParams(max_tokens=500, ignore_eos=True)
+        task = asyncio.create_task(engine.generate("c", [5, 6], endless, seed=0))
+        while engine.stats()["tokens_generated"] < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(1000):
+            if engine.stats()["running"] == 0:
+                break
+            await asyncio.sleep(0.001)
+        return engine.stats()
+
+    stats = asyncio.run(main())
+    assert stats["running"] == 0 and stats["aborted"] == 1 and stats["tokens_generated"] < 500
+
+
+def test_sleep_and_wake_up(model):
+    engine = make_engine(model)
+    r = req("a", [1, 2, 3], seed=9, max_tokens=8)
+
+    async def main():
+        before = await engine.generate(**r)
+        await engine.sleep()
+        assert engine.stats()["asleep"]
+        with pytest.raises(RuntimeError, match="asleep"):
+            await engine.generate(**r)
+        await engine.wake_up()
+        after = await engine.generate(**r)
+        # Sleeping with a request in flight is refused.
+        task = asyncio.create_task(engine.generate(**{**r, "request_id": "b"}))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="in flight"):
+            await engine.sleep()
+        await task
+        return before, after
+
+    before, after = asyncio.run(main())
+    assert_same(before, after)
+
+
+def test_update_weights(tiny_dir):
+    model = load_model(tiny_dir)[0]
+    engine = make_engine(model)
+    requests = [req(f"r{i}", [10 + i, 20, 30], seed=i, max_tokens=10, ignore_eos=True) for i in range(4)]
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = generate_all(engine, requests)
+
+    async def update(named, version):
+        await engine.update_weights(named, version)
+
+    g = torch.Generator().manual_seed(0)
+    noisy = [(n, p + 0.5 * torch.randn(p.shape, generator=g)) for n, p in original.items()]
+    asyncio.run(update(noisy, 1))
+    assert engine.weight_version == 1 and engine.stats()["weight_version"] == 1
+    changed = generate_all(engine, requests)
+    assert [o.token_ids for o in changed] != [o.token_ids for o in before]
+    assert all(o.weight_version == 1 for o in changed)
+    for bad in (1, 0):
+        with pytest.raises(ValueError, match="must be greater"):
+            asyncio.run(update(original.items(), bad))
+    with pytest.raises(KeyError, match="no parameter"):
+        asyncio.run(update([("not.a.weight", torch.zeros(1))], 5))
+    # Back to the original weights: the original samples, bit for bit.
+    asyncio.run(update(original.items(), 7))
+    for x, y in zip(before, generate_all(engine, requests)):
+        assert_same(x, y)
+
+
+def test_fast_mode_matches_deterministic_mode_closely(model):
+    rng = random.Random(6)
+    requests = [req(f"r{i}", random_prompt(rng), temperature=0, max_tokens=12, ignore_eos=True) for i in range(8)]
+    det = generate_all(make_engine(model, batch_invariant=True), requests)
+    fast = generate_all(make_engine(model, batch_invariant=False), requests)
+    for x, y in zip(det, fast):
+        assert x.token_ids == y.token_ids
+        # Not bitwise: the fast kernels reduce in another order (float32 differences ~1e-6).
+        torch.testing.assert_close(torch.tensor(x.log_probs), torch.tensor(y.log_probs), rtol=0, atol=1e-4)
+
+
+def test_bad_requests(model):
+    engine = make_engine(model, max_model_len=16)
+
+    async def main():
+        with pytest.raises(ValueError, match="empty prompt"):
+            await engine.generate("a", [], SamplingParams(), seed=0)
+        with pytest.raises(ValueError, match="no room"):
+            await engine.generate("b", list(range(3, 19)), SamplingParams(), seed=0)
+        with pytest.raises(ValueError, match="token ids"):
+            await engine.generate("c", [500], SamplingParams(), seed=0)
+
+    asyncio.run(main())
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        make_engine(model, max_num_seqs=8, max_num_batched_tokens=4)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+@pytest.mark.parametrize("hq, hkv", [(2, 1), (14, 2), (4, 4)])
+def test_decode_attention_equals_ops_attention_per_sequence(hq, hkv, invariant):
+    # The batched decode path against its plain reference: ops.attention, one sequence at a
+    # time. Lengths cross KEY_BLOCK (256) so the chunked p v sum is exercised.
+    g = torch.Generator().manual_seed(hq)
+    s, d, lk = 6, 64, 768
+    keys = torch.randn(s, hkv, lk, d, generator=g)
+    values = torch.randn(s, hkv, d, lk, generator=g).transpose(2, 3)  # the engine's layout
+    q = torch.randn(s, hq, d, generator=g)
+    lengths = torch.tensor([1, 17, 255, 256, 257, 700])
+    with ops.batch_invariant(invariant):
+        out = decode_attention(q, keys, values, lengths)
+        for i, n in enumerate(lengths.tolist()):
+            k = keys[i, :, :n].transpose(0, 1)  # [n, Hkv, D]
+            v = values[i, :, :n].transpose(0, 1)
+            ref = ops.attention(q[i : i + 1], k, v, n - 1)[0]
+            if invariant:
+                assert torch.equal(out[i], ref)
+            else:  # different kernels (bmm vs SDPA): float32 rounding only
+                torch.testing.assert_close(out[i], ref, rtol=0, atol=1e-5)
+
+
+def test_long_prompts_chunked_or_whole_match_the_trainer(model):
+    # Past KEY_BLOCK keys, prefilled in 64-token chunks or at once, then decoded: the same
+    # bits as the trainer's padded forward.
+    rng = random.Random(8)
+    prompt = random_prompt(rng, 290, 290)
+    r = req("long", prompt, seed=3, temperature=1.0, max_tokens=12, ignore_eos=True)
+    chunked = generate_all(make_engine(model, max_num_batched_tokens=64), [r])[0]
+    whole = generate_all(make_engine(model, max_num_batched_tokens=512), [r])[0]
+    assert_same(chunked, whole)
+    logits = reference_logits(model, prompt + whole.token_ids)[len(prompt) - 1 : -1]
+    assert torch.equal(torch.tensor(whole.log_probs, dtype=torch.float32), reference_log_probs(logits, whole.token_ids))
+
+
+def test_kv_store_grows_while_sequences_run(model):
+    # Short requests start on a 256-position store; a long prompt arriving mid-run grows it
+    # (copying what the running ones cached). Every output equals its run alone.
+    rng = random.Random(9)
+    short = [req(f"s{i}", random_prompt(rng, 5, 20), seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    long = req("long", random_prompt(rng, 300, 300), seed=7, max_tokens=10, ignore_eos=True)
+    engine = make_engine(model)
+
+    async def main():
+        tasks = [asyncio.create_task(engine.generate(**r)) for r in short]
+        while engine.stats()["tokens_generated"] < 6:
+            await asyncio.sleep(0.001)
+        assert engine.stats()["kv_capacity"] == 256
+        tasks.append(asyncio.create_task(engine.generate(**long)))
+        return await asyncio.gather(*tasks)
+
+    together = asyncio.run(main())
+    assert engine.stats()["kv_capacity"] == 512
+    for r, out in zip(short + [long], together):
+        assert_same(out, generate_all(make_engine(model), [r])[0])
+
+
+def test_a_model_error_fails_the_requests_in_flight_and_the_engine_recovers(tiny_dir):
+    model = load_model(tiny_dir)[0]
+    engine = make_engine(model)
+    r = req("a", [4, 5, 6], max_tokens=4)
+    good = generate_all(engine, [r])[0]
+    norm = model.model.norm
+    model.model.norm = None  # calling None raises inside the step
+
+    async def main():
+        return await asyncio.gather(engine.generate(**r), engine.generate(**{**r, "request_id": "b"}),
+                                    return_exceptions=True)
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, TypeError) for e in errors) and engine.stats()["running"] == 0
+    model.model.norm = norm
+    assert_same(generate_all(engine, [r])[0], good)

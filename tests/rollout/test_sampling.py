@@ -1,0 +1,210 @@
+"""Sampling: seeds, greedy, filters, the returned log-prob, and batched == per-row."""
+
+import math
+
+import pytest
+import torch
+
+from reprorl.errors import ConfigError
+from reprorl.models import ops
+from reprorl.rollout.sampling import (
+    SamplingParams,
+    _keep_mask,
+    draw_uniforms,
+    make_generator,
+    sample_batch,
+    sample_next,
+)
+
+PROBS = torch.tensor([0.5, 0.3, 0.2])
+LOGITS = PROBS.log()
+
+
+def draw_many(logits, params, seed, n):
+    g = make_generator(seed)
+    return [sample_next(logits, params, g)[0] for _ in range(n)]
+
+
+def first_uniform(seed):
+    return torch.rand((), dtype=torch.float64, generator=make_generator(seed)).item()
+
+
+def test_same_seed_same_tokens():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    p = SamplingParams(temperature=1.0)
+    assert draw_many(logits, p, 7, 30) == draw_many(logits, p, 7, 30)
+
+
+def test_different_seeds_differ():
+    logits = torch.zeros(50)  # uniform over 50 tokens: 30 equal draws would be a broken RNG
+    p = SamplingParams(temperature=1.0)
+    assert draw_many(logits, p, 1, 30) != draw_many(logits, p, 2, 30)
+
+
+def test_greedy_ignores_seed_and_is_argmax():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    p = SamplingParams(temperature=0.0)
+    expected = int(torch.argmax(logits))
+    for seed in range(5):
+        assert draw_many(logits, p, seed, 3) == [expected] * 3
+
+
+def test_greedy_ties_pick_lowest_id():
+    logits = torch.tensor([0.0, 2.0, 1.0, 2.0])
+    assert sample_next(logits, SamplingParams(temperature=0), make_generator(0))[0] == 1
+
+
+def test_top_k_1_equals_greedy():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(4))
+    for seed in range(10):
+        tok, _ = sample_next(logits, SamplingParams(temperature=1.3, top_k=1), make_generator(seed))
+        assert tok == int(torch.argmax(logits))
+
+
+def test_inverse_cdf_by_hand():
+    # probs [0.5, 0.3, 0.2]: CDF [0.5, 0.8, 1.0]; the first uniform of the seed picks the slot.
+    p = SamplingParams(temperature=1.0)
+    for seed in range(20):
+        u = first_uniform(seed)
+        expected = 0 if u < 0.5 else (1 if u < 0.8 else 2)
+        assert sample_next(LOGITS, p, make_generator(seed))[0] == expected
+
+
+def test_keep_mask_by_hand():
+    # Binary fractions, so the sums are exact. top_p keeps the smallest top set whose
+    # mass reaches top_p.
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    assert _keep_mask(probs, -1, 0.5).tolist() == [True, False, False, False]
+    assert _keep_mask(probs, -1, 0.6).tolist() == [True, True, False, False]
+    assert _keep_mask(probs, -1, 0.75).tolist() == [True, True, False, False]
+    assert _keep_mask(probs, -1, 0.76).tolist() == [True, True, True, False]
+    assert _keep_mask(probs, 2, 1.0).tolist() == [True, True, False, False]
+    # Ties rank by token id: top_k=3 keeps id 2, not id 3.
+    assert _keep_mask(probs, 3, 1.0).tolist() == [True, True, True, False]
+    # top-p applies to the top-k set renormalised: {0.5, 0.25} -> {2/3, 1/3}.
+    assert _keep_mask(probs, 2, 0.66).tolist() == [True, False, False, False]
+    assert _keep_mask(probs, 2, 0.67).tolist() == [True, True, False, False]
+
+
+def test_top_p_samples_only_kept_tokens():
+    p = SamplingParams(temperature=1.0, top_p=0.6)
+    assert set(draw_many(LOGITS, p, 0, 200)) == {0, 1}
+
+
+def test_filters_off_equal_unfiltered():
+    # Sampling walks vocabulary order, so a no-op filter changes nothing.
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(5))
+    base = draw_many(logits, SamplingParams(), 11, 50)
+    assert draw_many(logits, SamplingParams(top_k=40), 11, 50) == base
+    assert draw_many(logits, SamplingParams(top_k=1000), 11, 50) == base
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), [0.5, 0.3, 0.2]),
+        # T=2: probs proportional to sqrt(p).
+        (SamplingParams(temperature=2.0), [math.sqrt(x) for x in (0.5, 0.3, 0.2)]),
+        (SamplingParams(temperature=1.0, top_k=2), [0.5, 0.3, 0.0]),
+    ],
+)
+def test_empirical_distribution(params, expected):
+    expected = torch.tensor(expected, dtype=torch.float64)
+    expected /= expected.sum()
+    tokens = torch.tensor(draw_many(LOGITS, params, 123, 2000))
+    freq = torch.bincount(tokens, minlength=3).double() / 2000
+    # Tolerance 0.04 is > 3.5 standard deviations of a frequency from 2,000 draws
+    # (sqrt(0.25 / 2000) = 0.011); the seed is fixed, so the test is deterministic.
+    assert (freq - expected).abs().max() < 0.04, freq
+
+
+def test_log_prob_is_untruncated_log_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0])
+    for params in [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=2, top_p=0.5),
+    ]:
+        tok, lp = sample_next(logits, params, make_generator(0))
+        assert lp == torch.log_softmax(logits / 0.7, dim=-1)[tok].item()
+    # Greedy: temperature 1. By hand: log(e^2 / (e^2 + e + e^0.5 + e^-1)).
+    tok, lp = sample_next(logits, SamplingParams(temperature=0), make_generator(0))
+    z = math.exp(2) + math.exp(1) + math.exp(0.5) + math.exp(-1)
+    assert tok == 0 and abs(lp - (2 - math.log(z))) < 1e-6  # float32 vs float64
+    assert sample_next(logits, SamplingParams(logprobs=False), make_generator(0))[1] is None
+
+
+def test_one_draw_per_token_whatever_the_params():
+    logits = torch.randn(30)
+    expected_state = make_generator(9)
+    torch.rand((), dtype=torch.float64, generator=expected_state)
+    for params in [SamplingParams(temperature=0), SamplingParams(), SamplingParams(top_k=3, top_p=0.3)]:
+        g = make_generator(9)
+        sample_next(logits, params, g)
+        assert torch.equal(g.get_state(), expected_state.get_state())
+
+
+def test_block_draws_equal_one_draw_per_token():
+    g_one, g_block = make_generator(5), make_generator(5)
+    one_by_one = [torch.rand((), dtype=torch.float64, generator=g_one).item() for _ in range(40)]
+    assert draw_uniforms(g_block, 16) + draw_uniforms(g_block, 24) == one_by_one
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("V", [3, 128, 1000])
+def test_batch_equals_per_row(V, invariant):
+    with ops.batch_invariant(invariant):
+        _check_batch_equals_per_row(V)
+
+
+def _check_batch_equals_per_row(V):
+    torch.manual_seed(V)
+    B = 24
+    logits = torch.randn(B, V) * 3
+    logits[5, :] = 1.0  # all ties
+    choices = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.6, top_k=5),
+        SamplingParams(temperature=1.2, top_p=0.9),
+        SamplingParams(temperature=0.8, top_k=2, top_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.05),
+    ]
+    params = [choices[i % len(choices)] for i in range(B)]
+    seeds = [1000 + i for i in range(B)]
+    for _ in range(5):  # several tokens: the generators advance in step
+        gens_row = [make_generator(s) for s in seeds]
+        uniforms = [draw_uniforms(make_generator(s), 1)[0] for s in seeds]
+        tokens, log_probs = sample_batch(logits, params, uniforms)
+        rows = [sample_next(logits[i], params[i], gens_row[i]) for i in range(B)]
+        assert torch.equal(tokens, torch.tensor([t for t, _ in rows]))
+        assert torch.equal(log_probs, torch.tensor([lp for _, lp in rows], dtype=torch.float32))
+        seeds = [s + 7 for s in seeds]
+    # A row's result does not depend on the rows around it.
+    sub = [3, 9, 17]
+    uniforms = [draw_uniforms(make_generator(s), 1)[0] for s in seeds]
+    t_sub, lp_sub = sample_batch(logits[sub], [params[i] for i in sub], [uniforms[i] for i in sub])
+    t_all, lp_all = sample_batch(logits, params, uniforms)
+    assert torch.equal(t_sub, t_all[sub]) and torch.equal(lp_sub, lp_all[sub])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop_token_ids": [3, -1]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_validation_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=f"SamplingParams.{field}="):
+        SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_become_a_tuple():
+    assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
