@@ -1,0 +1,8 @@
+"""Agent loops: how a prompt becomes a response (one turn, or several with tools).
+
+- `manager`: `AgentLoopManager.generate_sequences(batch) -> batch`, the rollout entry point
+  (per-sample identity, seeds and params; workers; padding, in sample order).
+- `single_turn`: `AgentSample` / `AgentOutput` and the single-turn loop.
+- `tool_loop`: the multi-turn loop with tool calls.
+- `tools`: the tool registry (a dict), the calculator, the tool-call format.
+"""

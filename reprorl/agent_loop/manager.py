@@ -1,0 +1,287 @@
+"""The agent-loop manager: a batch of prompts in, a batch of padded responses out.
+
+    AgentLoopManager.generate_sequences(batch)
+      -> plan_samples: per row, its identity (request id, seeds), params and priority
+      -> contiguous chunks of rows to `num_workers` AgentLoopWorker actors
+           -> each runs its rows' loops concurrently; every generate call goes through
+              the shared load balancer to a rollout replica
+      -> outputs concatenated back in row order -> assemble: padded tensors
+
+Determinism: everything that decides a sample (prompt ids, params, seeds) is fixed by
+`plan_samples` from the row alone, before any routing; workers and replicas only decide
+where and when it runs. So the output is the same for any number of workers or
+replicas, any batch around a row, and any retry after a replica died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from transformers import AutoTokenizer
+
+from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
+from reprorl.agent_loop.tool_loop import ToolAgentLoop
+from reprorl.determinism import check_worker_env
+from reprorl.errors import DataError
+from reprorl.protocol import Batch
+from reprorl.rollout.load_balancer import LoadBalancerActor, generate_balanced
+from reprorl.rollout.sampling import SamplingParams
+
+DO_SAMPLE = "__do_sample__"
+"""Control column: False marks a greedy row (ReMax's baseline) in a sampled batch."""
+AGENTS = ("single_turn", "tool")
+
+
+def greedy_params(params: SamplingParams) -> SamplingParams:
+    """`params` made greedy: temperature 0, no top-p/top-k (the seed is then ignored)."""
+    return dataclasses.replace(params, temperature=0.0, top_p=1.0, top_k=-1)
+
+
+def plan_samples(
+    batch: Batch,
+    *,
+    run_seed: int,
+    sampling_params: SamplingParams,
+    val_sampling_params: SamplingParams,
+    max_response_length: int,
+) -> list[AgentSample]:
+    """One `AgentSample` per row, in row order: the sample's whole identity, before routing.
+
+    Reads the non-tensor columns `uid`, `repeat_index`, `raw_prompt` (chat messages) or
+    `prompt_ids` (token ids), the optional control column `__do_sample__`, and meta
+    `step` (int) and `validate` (bool, default False). For row i:
+    - priority i (its row number) and request id "{phase}/{step}/{uid}/{repeat_index}";
+    - seeds `request_seed(run_seed, step, uid, repeat_index, turn, phase=phase)`, with
+      phase "val" when validating (apart from training's seeds, see `request_seed`);
+    - params: `val_sampling_params` when validating, else `sampling_params`; greedy where
+      `__do_sample__` is False; `max_tokens = max_response_length` in every case.
+    Other non-tensor columns go to the loop in `extra` (e.g. `agent_name`, which picks
+    the row's loop in the worker); control columns do not.
+    """
+    n = len(batch)
+    step, validate = batch.meta.get("step"), batch.meta.get("validate", False)
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise DataError(f"rollout batch meta 'step'={step!r}: expected an int")
+    if not isinstance(validate, (bool, np.bool_)):
+        raise DataError(f"rollout batch meta 'validate'={validate!r}: expected true or false")
+    phase = "val" if validate else "train"
+    for key in ("uid", "repeat_index"):
+        if key not in batch.non_tensors:
+            raise DataError(f"rollout batch has no non-tensor column {key!r}; columns: {batch.keys()}")
+    prompt_key = "raw_prompt" if "raw_prompt" in batch.non_tensors else "prompt_ids"
+    if prompt_key not in batch.non_tensors:
+        raise DataError(
+            f"rollout batch needs a non-tensor column 'raw_prompt' or 'prompt_ids'; columns: {batch.keys()}"
+        )
+    do_sample = batch.non_tensors.get(DO_SAMPLE, np.full(n, True, dtype=object))
+    base = val_sampling_params if validate else sampling_params
+    base = dataclasses.replace(base, max_tokens=max_response_length)
+    greedy = greedy_params(base)
+    skip = {DO_SAMPLE, "uid", "repeat_index", prompt_key}
+    extra_keys = [k for k in batch.non_tensors if k not in skip]
+
+    samples, seen = [], {}
+    for i in range(n):
+        uid, repeat = batch.non_tensors["uid"][i], batch.non_tensors["repeat_index"][i]
+        if isinstance(repeat, bool) or not isinstance(repeat, (int, np.integer)):
+            raise DataError(f"rollout batch row {i}: repeat_index={repeat!r}, expected an int")
+        if (uid, repeat) in seen:
+            # Same identity -> same seed and request id: a bug upstream (e.g. a ReMax
+            # baseline row that reuses a sampled row's repeat_index).
+            raise DataError(f"rollout batch rows {seen[(uid, repeat)]} and {i} have the same "
+                            f"(uid, repeat_index) = ({uid!r}, {repeat}); every row needs its own")
+        seen[(uid, repeat)] = i
+        flag = do_sample[i]
+        if not isinstance(flag, (bool, np.bool_)):
+            raise DataError(f"rollout batch row {i}: {DO_SAMPLE}={flag!r}, expected true or false")
+        agent_name = batch.non_tensors["agent_name"][i] if "agent_name" in batch.non_tensors else AGENTS[0]
+        if agent_name not in AGENTS:
+            raise DataError(f"rollout batch row {i}: agent_name={agent_name!r}, expected one of {AGENTS}")
+        prompt = batch.non_tensors[prompt_key][i]
+        samples.append(AgentSample(
+            index=i,
+            request_id=f"{phase}/{int(step)}/{uid}/{int(repeat)}",
+            prompt_ids=[int(t) for t in prompt] if prompt_key == "prompt_ids" else None,
+            raw_prompt=list(prompt) if prompt_key == "raw_prompt" else None,
+            sampling_params=base if flag else greedy,
+            seed_identity=(run_seed, int(step), uid, int(repeat), phase),
+            extra={k: batch.non_tensors[k][i] for k in extra_keys},
+        ))
+    return samples
+
+
+def split_contiguous(n: int, k: int) -> list[tuple[int, int]]:
+    """`[start, end)` ranges cutting `range(n)` into min(k, n) contiguous parts, sizes
+    differing by at most one (the first `n % k` parts are one longer).
+
+    >>> split_contiguous(7, 3)
+    [(0, 3), (3, 5), (5, 7)]
+    """
+    k = max(1, min(k, n))
+    bounds = [0]
+    for i in range(k):
+        bounds.append(bounds[-1] + n // k + (1 if i < n % k else 0))
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def assemble(
+    outputs: list[AgentOutput], *, pad_token_id: int, max_response_length: int, max_prompt_length: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The loops' outputs as padded tensors, rows in the order given.
+
+    P = `max_prompt_length` (or the longest prompt), R = `max_response_length`.
+    Returns `prompts` [B, P] (left-padded), `responses` [B, R] (right-padded),
+    `response_mask` [B, R] (1 on model tokens), `rollout_log_probs` [B, R] float32 (0 on
+    padding and tool tokens), `input_ids` / `attention_mask` / `position_ids` [B, P+R]
+    (attention 1 on every real prompt and response token; positions count real tokens
+    from 0, and stay 0 over the left padding).
+    """
+    B = len(outputs)
+    P = max_prompt_length if max_prompt_length is not None else max((len(o.prompt_ids) for o in outputs), default=0)
+    R = max_response_length
+    prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
+    prompt_attn = torch.zeros((B, P), dtype=torch.long)
+    responses = torch.full((B, R), pad_token_id, dtype=torch.long)
+    response_attn = torch.zeros((B, R), dtype=torch.long)
+    response_mask = torch.zeros((B, R), dtype=torch.long)
+    log_probs = torch.zeros((B, R), dtype=torch.float32)
+    for i, o in enumerate(outputs):
+        p, r = len(o.prompt_ids), len(o.response_ids)
+        if p > P:
+            raise DataError(f"rollout row {i}: prompt of {p} tokens is longer than max_prompt_length={P}")
+        if r > R:
+            raise RuntimeError(f"rollout row {i}: response of {r} tokens exceeds max_response_length={R}")
+        if p:
+            prompts[i, P - p :] = torch.tensor(o.prompt_ids, dtype=torch.long)
+            prompt_attn[i, P - p :] = 1
+        if r:
+            responses[i, :r] = torch.tensor(o.response_ids, dtype=torch.long)
+            response_attn[i, :r] = 1
+            response_mask[i, :r] = torch.tensor(o.response_mask, dtype=torch.long)
+            # float32 -> Python float -> float32 is exact: the engine's bits survive.
+            log_probs[i, :r] = torch.tensor(o.response_log_probs, dtype=torch.float32)
+    attention_mask = torch.cat([prompt_attn, response_attn], dim=1)  # [B, P+R]
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "rollout_log_probs": log_probs,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": torch.clamp(attention_mask.cumsum(dim=1) - 1, min=0),
+    }
+
+
+class AgentLoopWorker:
+    """Runs agent loops for a chunk of samples; create with `ray.remote(AgentLoopWorker)`.
+
+    A row's loop is its `agent_name` column ("single_turn" or "tool") if the batch has
+    one, else `agent`. Every generate call goes through `generate_balanced` (the shared
+    balancer actor; retry on a dead replica). The samples of one call run concurrently,
+    so the replicas see them all at once and batch them.
+    """
+
+    def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer_path: str,
+                 expected_env: Mapping[str, str], agent: str, max_turns: int):
+        check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
+        self.replicas = dict(replicas)
+        self.balancer = balancer
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.agent = agent
+        self.loops = {"single_turn": SingleTurnAgentLoop(), "tool": ToolAgentLoop(self.tokenizer, max_turns)}
+
+    async def generate(self, samples: list[AgentSample]) -> list[AgentOutput]:
+        """The loops' outputs, in the order of `samples`."""
+        return list(await asyncio.gather(*(self._run(s) for s in samples)))
+
+    async def _run(self, sample: AgentSample) -> AgentOutput:
+        if sample.prompt_ids is None:
+            ids = self.tokenizer.apply_chat_template(sample.raw_prompt, add_generation_prompt=True, tokenize=True)
+            sample = dataclasses.replace(sample, prompt_ids=list(ids["input_ids"]))
+        return await self.loops[sample.extra.get("agent_name", self.agent)].run(sample, self._generate)
+
+    async def _generate(self, request_id, prompt_ids, sampling_params, seed, priority):
+        return await generate_balanced(self.balancer, self.replicas, request_id, prompt_ids,
+                                       sampling_params, seed, priority)
+
+
+class AgentLoopManager:
+    """Rolls out batches over `num_workers` agent-loop workers and `pool`'s replicas.
+
+    `pool`: a `ReplicaPool` (its replicas, run seed and runtime_env are used).
+    `sampling_params` / `val_sampling_params`: the rollout's and validation's params
+    (validation defaults to the rollout's); `max_tokens` is overridden by
+    `max_response_length`. `agent`: the default loop, "single_turn" or "tool" (a row's
+    `agent_name` column overrides it); `max_turns` bounds the tool loop.
+    `routing`: the balancer's mode ("least_loaded" or "hash").
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        num_workers: int,
+        tokenizer_path: str,
+        *,
+        max_response_length: int,
+        sampling_params: SamplingParams,
+        val_sampling_params: SamplingParams | None = None,
+        max_prompt_length: int | None = None,
+        agent: str = "single_turn",
+        max_turns: int = 4,
+        routing: str = "least_loaded",
+    ):
+        if agent not in AGENTS:
+            raise ValueError(f"AgentLoopManager: agent={agent!r}; expected one of {AGENTS}")
+        if num_workers < 1:
+            raise ValueError(f"AgentLoopManager: num_workers={num_workers}; expected >= 1")
+        self.run_seed = pool.seed
+        self.max_response_length = max_response_length
+        self.max_prompt_length = max_prompt_length
+        self.sampling_params = sampling_params
+        self.val_sampling_params = val_sampling_params or sampling_params
+        self.pad_token_id = AutoTokenizer.from_pretrained(tokenizer_path).pad_token_id
+        self.num_generate_sequences_calls = 0
+        self.balancer = LoadBalancerActor.options(runtime_env=pool.runtime_env).remote(
+            pool.replica_ids(), routing, expected_env=pool.env)
+        # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
+        worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
+        self.workers = [
+            worker.remote(i, pool.replicas, self.balancer, tokenizer_path, pool.env, agent, max_turns)
+            for i in range(num_workers)
+        ]
+
+    def generate_sequences(self, batch: Batch) -> Batch:
+        """Responses for every row of `batch`, in row order (see `plan_samples`, `assemble`).
+
+        Returns the tensors of `assemble`, the input's non-tensor columns plus
+        `request_id`, `num_turns`, `finish_reason`, the input's tensor columns that
+        `assemble` does not replace, and its meta plus `num_generate_calls` (engine calls).
+        """
+        self.num_generate_sequences_calls += 1
+        samples = plan_samples(batch, run_seed=self.run_seed, sampling_params=self.sampling_params,
+                               val_sampling_params=self.val_sampling_params,
+                               max_response_length=self.max_response_length)
+        chunks = split_contiguous(len(samples), len(self.workers))
+        refs = [w.generate.remote(samples[a:b]) for w, (a, b) in zip(self.workers, chunks)]
+        outputs = [o for part in ray.get(refs) for o in part]
+        tensors = assemble(outputs, pad_token_id=self.pad_token_id, max_response_length=self.max_response_length,
+                           max_prompt_length=self.max_prompt_length)
+        tensors.update({k: t for k, t in batch.tensors.items() if k not in tensors})
+        non_tensors = dict(batch.non_tensors)
+        non_tensors["request_id"] = [s.request_id for s in samples]
+        non_tensors["num_turns"] = [o.num_turns for o in outputs]
+        non_tensors["finish_reason"] = [o.finish_reason for o in outputs]
+        meta = dict(batch.meta, num_generate_calls=sum(o.num_turns for o in outputs))
+        return Batch(tensors, non_tensors, meta)
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        ray.kill(self.balancer)
+        self.workers = []

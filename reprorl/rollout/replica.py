@@ -1,0 +1,195 @@
+"""Rollout replicas: the built-in engine as Ray actors, and the pool that owns them.
+
+- `RolloutReplica`: one `Engine` in one Ray actor (an async actor: concurrent
+  `generate` calls share the engine's continuous batching). Its constructor checks the
+  run's determinism environment before anything else, so a replica started without it
+  fails at once, naming the variable.
+- `ReplicaPool`: starts `num_replicas` of them with the run's `runtime_env`, pushes
+  versioned weights to all of them and checks every one serves the version, shuts down.
+
+Which replica serves a request only affects speed (DESIGN.md): a sample is a function of
+(weights, prompt ids, sampling params, request seed), and all of those travel with the
+request or are checked equal across replicas (the weight version).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import ray
+import torch
+
+from reprorl.determinism import (
+    ENV_SEED,
+    check_worker_env,
+    determinism_env,
+    enable_full_determinism,
+    is_full_determinism,
+    ray_runtime_env,
+)
+from reprorl.rollout.engine import Engine, GenerateOutput
+from reprorl.rollout.sampling import SamplingParams
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Connect to Ray unless this process already did.
+
+    `address` (or `RAY_ADDRESS`) joins a running cluster, as `ray.init(address=...)`;
+    without one, a local instance is started (`num_cpus` caps it; None = all cores).
+    Each actor gets the run's variables through its own `runtime_env`, so a Ray started
+    by someone else (tests, a notebook) works too.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False)
+
+
+class RolloutReplica:
+    """One inference engine; create with `ray.remote(RolloutReplica)` (as `ReplicaPool` does).
+
+    `engine_options` go to `Engine.from_path`: max_num_seqs, max_num_batched_tokens,
+    batch_invariant. `expected_env` is the run's `determinism_env(...)`.
+    """
+
+    def __init__(self, replica_id: int, model_path: str, engine_options: Mapping[str, Any],
+                 expected_env: Mapping[str, str]):
+        check_worker_env(expected_env, where=f"rollout replica {replica_id}")
+        if is_full_determinism():
+            enable_full_determinism(int(os.environ[ENV_SEED]))
+        self.replica_id = replica_id
+        self.engine = Engine.from_path(model_path, **engine_options)
+
+    async def ready(self) -> int:
+        """Returns the replica id once the constructor ran (surfaces start-up errors)."""
+        return self.replica_id
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams,
+                       seed: int, priority: int = 0) -> GenerateOutput:
+        return await self.engine.generate(request_id, prompt_ids, sampling_params, seed, priority)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        await self.engine.update_weights(named_tensors, version)
+        return self.engine.weight_version
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight here (its generate returns finish "abort"); False if unknown."""
+        return self.engine.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, **self.engine.stats()}
+
+    async def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def shutdown(self) -> None:
+        """Stop the engine's step loop (before the actor is killed)."""
+        self.engine.shutdown()
+
+
+class WeightVersionError(RuntimeError):
+    """A replica serves a different weight version from the one the trainer pushed."""
+
+
+class ReplicaPool:
+    """`num_replicas` rollout replicas on Ray, started with the run's determinism environment.
+
+    `num_cpus_per_replica` is a scheduling hint (the engine's threads come from Ray's
+    `OMP_NUM_THREADS`, 1 for a fractional share): by default the replicas together take
+    at most half of the CPUs still free in Ray, at most one each, leaving the rest to the
+    trainer and reward workers (on an idle 2-core machine: 1 replica -> 1 CPU, 3 -> 1/3
+    each). Counting free CPUs, not all of them, means a second pool (reward model, tests)
+    still gets scheduled instead of waiting forever.
+    `runtime_env` is the user's, merged with the determinism variables.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        num_replicas: int,
+        *,
+        seed: int,
+        full_determinism: bool,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        batch_invariant: bool | None = None,
+        num_cpus_per_replica: float | None = None,
+        runtime_env: Mapping[str, Any] | None = None,
+        ray_address: str | None = None,
+    ):
+        if num_replicas < 1:
+            raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
+        self.model_path = str(model_path)
+        self.seed = seed
+        self.env = determinism_env(seed, full_determinism)
+        self.runtime_env = ray_runtime_env(self.env, runtime_env)
+        init_ray(ray_address)
+        if num_cpus_per_replica is None:
+            free = ray.available_resources().get("CPU", 0.0)
+            num_cpus_per_replica = min(1.0, free / (2 * num_replicas))
+        self.num_cpus_per_replica = num_cpus_per_replica
+        engine_options = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            # Batch invariance is what makes a sample independent of its batch: on with determinism.
+            "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
+        }
+        actor = ray.remote(RolloutReplica).options(num_cpus=num_cpus_per_replica, runtime_env=self.runtime_env)
+        self.replicas: dict[int, Any] = {
+            i: actor.remote(i, self.model_path, engine_options, self.env) for i in range(num_replicas)
+        }
+        ray.get([r.ready.remote() for r in self.replicas.values()])
+
+    def replica_ids(self) -> list[int]:
+        return sorted(self.replicas)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Push the same weights to every replica as `version`, then check they all serve it.
+
+        The tensors are put in Ray's object store once and shared by all replicas. A
+        replica that died raises here (`RayActorError`): a pool does not replace replicas.
+        """
+        ref = ray.put([(name, t.detach().cpu()) for name, t in named_tensors])
+        ray.get([r.update_weights.remote(ref, version) for r in self.replicas.values()])
+        self.check_weight_version(version)
+
+    def weight_versions(self) -> dict[int, int]:
+        ids = self.replica_ids()
+        return dict(zip(ids, ray.get([self.replicas[i].weight_version.remote() for i in ids])))
+
+    def check_weight_version(self, version: int) -> None:
+        """Raise `WeightVersionError` naming every replica that does not serve `version`."""
+        stale = {i: v for i, v in self.weight_versions().items() if v != version}
+        if stale:
+            raise WeightVersionError(
+                "rollout replicas on the wrong weight version (expected "
+                f"{version}): " + ", ".join(f"replica {i} serves {v}" for i, v in stale.items())
+            )
+
+    def sleep(self) -> None:
+        ray.get([r.sleep.remote() for r in self.replicas.values()])
+
+    def wake_up(self) -> None:
+        ray.get([r.wake_up.remote() for r in self.replicas.values()])
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([self.replicas[i].stats.remote() for i in self.replica_ids()])
+
+    def shutdown(self) -> None:
+        """Stop and kill every replica actor (Ray itself stays up: others may use it)."""
+        # A replica that already died answers with an error: it is being removed anyway.
+        ray.wait([r.shutdown.remote() for r in self.replicas.values()], num_returns=len(self.replicas), timeout=30)
+        for r in self.replicas.values():
+            ray.kill(r)
+        self.replicas = {}
