@@ -7,6 +7,7 @@ does the work; modules are imported lazily so `reprorl --help` stays fast.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from reprorl.errors import ReproRLError
@@ -25,6 +26,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
     path, overrides = _split_config_args(args.args)
     cfg = load_config(path, overrides)
     print(config_to_yaml(cfg), end="")
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from reprorl.config import load_config
+    from reprorl.trainer.default_run import prepare_default_assets
+    from reprorl.trainer.fit import train
+
+    path, overrides = _split_config_args(args.args)
+    cfg = load_config(path, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    prepare_default_assets(cfg)
+    run_dir = train(cfg)
+    print(f"run directory: {run_dir}")
     return 0
 
 
@@ -60,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    p = sub.add_parser("train", help="train: with no arguments, the embedded default run (GRPO on a tiny model)")
+    p.add_argument(
+        "args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
+        help="a YAML config file (optional), then overrides such as trainer.total_steps=10",
+    )
+    p.set_defaults(func=_cmd_train)
+
     p = sub.add_parser("config", help="print the resolved config (defaults, YAML file, key=value overrides)")
     p.add_argument(
         "args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
@@ -68,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("make-tiny", help="write a tiny HF-format model directory made from a seed")
-    p.add_argument("out_dir", help="directory to write (created; must be empty or absent)")
+    p.add_argument("out_dir", help="directory to write (created if absent; its model files are overwritten)")
     p.add_argument("--kind", choices=["policy", "reward"], default="policy", help="causal LM or reward model")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights; the same seed writes the same bytes")
     p.set_defaults(func=_cmd_make_tiny)

@@ -1,0 +1,66 @@
+"""The embedded default run's assets: the synthetic task and the warm-started tiny policy.
+
+`reprorl train` with the default config needs a model and data that no hub provides, so
+the project makes them, deterministically from fixed seeds, the first time they are
+missing, and reuses them after. They are made only when the config points at their
+default paths: a user's own path that does not exist stays an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from reprorl.config import Config
+
+logger = logging.getLogger(__name__)
+
+# Fixed seeds: the assets are part of the default job, not of a run; a run's own seed
+# (`seed=`) changes its sampling and data order, not the task or the starting model.
+DATA_SEED = 0
+MODEL_SEED = 0
+# The synthetic task: sums and differences of operands up to 20 (arithmetic_problems).
+NUM_TRAIN_ROWS = 2048
+NUM_VAL_ROWS = 128
+# The supervised warm start: enough that the policy writes answers in the right form and
+# gets some right, leaving room for RL to improve (see the README's default run).
+WARM_START_STEPS = 300
+WARM_START_BATCH_SIZE = 32
+WARM_START_LR = 3e-3
+
+
+def prepare_default_assets(cfg: Config) -> None:
+    """Make the default data and model if `cfg` uses their default paths and they are missing."""
+    defaults = Config()
+    data_files = [*cfg.data.train_files, *cfg.data.val_files]
+    if cfg.data.train_files == defaults.data.train_files and cfg.data.val_files == defaults.data.val_files:
+        if not all(Path(p).exists() for p in data_files):
+            make_default_data(Path(cfg.data.train_files[0]).parent)
+    if cfg.model.path == defaults.model.path and not Path(cfg.model.path).exists():
+        make_default_policy(Path(cfg.model.path), Path(cfg.data.train_files[0]))
+
+
+def make_default_data(out_dir: Path) -> dict[str, Path]:
+    from reprorl.data.synthetic import write_arithmetic_dataset
+
+    logger.info("making the default task's data in %s", out_dir)
+    return write_arithmetic_dataset(out_dir, num_train=NUM_TRAIN_ROWS, num_val=NUM_VAL_ROWS, seed=DATA_SEED)
+
+
+def make_default_policy(out_dir: Path, train_file: Path) -> Path:
+    """A tiny policy warm-started on the train split's (prompt, answer) pairs."""
+    from reprorl.data.dataset import read_rows
+    from reprorl.models.tiny import make_tiny
+    from reprorl.trainer.warm_start import warm_start
+
+    logger.info("making the default policy in %s (tiny model + %d warm-start steps)", out_dir, WARM_START_STEPS)
+    pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in read_rows(train_file)]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent) as scratch:
+        base = make_tiny(Path(scratch) / "base", kind="policy", seed=MODEL_SEED)
+        warm_start(
+            base, out_dir, pairs, steps=WARM_START_STEPS, batch_size=WARM_START_BATCH_SIZE,
+            lr=WARM_START_LR, seed=MODEL_SEED,
+        )
+    return out_dir

@@ -1,0 +1,10 @@
+"""A reward for trainer tests that varies between samples of an untrained model.
+
+A random tiny policy never solves the arithmetic task, so its rule reward is always 0 and
+every advantage is 0: nothing would train. This one scores the share of digits in the
+response, which differs from sample to sample.
+"""
+
+
+def digit_share(data_source, solution_str, ground_truth, extra_info=None):
+    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
