@@ -38,7 +38,7 @@ from reprorl.errors import ReproRLError
 from reprorl.models import ops
 from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
-from reprorl.rollout.replica import init_ray
+from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
 
 
 # Measured on a 2-core CPU: packing more tokens than this into one forward got slower
@@ -198,7 +198,7 @@ class RewardModelPool:
         self.runtime_env = ray_runtime_env(self.env, runtime_env)
         init_ray(ray_address)
         if num_cpus_per_replica is None:
-            num_cpus_per_replica = min(1.0, ray.cluster_resources().get("CPU", 1.0) / (2 * num_replicas))
+            num_cpus_per_replica = replica_cpus(num_replicas)
         options = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
@@ -206,7 +206,7 @@ class RewardModelPool:
         }
         actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, runtime_env=self.runtime_env)
         self.replicas = [actor.remote(i, str(model_path), options, self.env) for i in range(num_replicas)]
-        ray.get([r.ready.remote() for r in self.replicas])
+        wait_ready(self.replicas, "reward model replicas", num_cpus_per_replica)
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores, in the order given."""

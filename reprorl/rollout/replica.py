@@ -50,6 +50,36 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
+def replica_cpus(num_replicas: int) -> float:
+    """Ray CPUs to ask for each of `num_replicas` new replicas: half of what is free, at most 1 each.
+
+    A scheduling hint only (engine threads are set apart from it); counting FREE CPUs means a
+    second pool (reward model, another run's) is still schedulable next to the first.
+    """
+    free = ray.available_resources().get("CPU", 0.0)
+    return min(1.0, free / (2 * num_replicas))
+
+
+READY_TIMEOUT_S = 600.0
+
+
+def wait_ready(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until every actor answers `ready`; fail with the reason instead of hanging.
+
+    Ray keeps an actor pending forever when its resources are never free; this names the
+    pool, how many replicas are missing and the CPUs asked for and free.
+    """
+    refs = [a.ready.remote() for a in actors]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        free = ray.available_resources().get("CPU", 0.0)
+        raise RuntimeError(
+            f"{what}: {len(pending)} of {len(refs)} replicas not ready after {timeout_s:.0f} s; each asks for "
+            f"{num_cpus_each:g} CPU and Ray has {free:g} free (another pool may hold them)"
+        )
+    ray.get(done)  # raises the replica's own error if its start failed
+
+
 class RolloutReplica:
     """One inference engine; create with `ray.remote(RolloutReplica)` (as `ReplicaPool` does).
 
@@ -136,8 +166,7 @@ class ReplicaPool:
         self.runtime_env = ray_runtime_env(self.env, runtime_env)
         init_ray(ray_address)
         if num_cpus_per_replica is None:
-            free = ray.available_resources().get("CPU", 0.0)
-            num_cpus_per_replica = min(1.0, free / (2 * num_replicas))
+            num_cpus_per_replica = replica_cpus(num_replicas)
         self.num_cpus_per_replica = num_cpus_per_replica
         engine_options = {
             "max_num_seqs": max_num_seqs,
@@ -149,7 +178,7 @@ class ReplicaPool:
         self.replicas: dict[int, Any] = {
             i: actor.remote(i, self.model_path, engine_options, self.env) for i in range(num_replicas)
         }
-        ray.get([r.ready.remote() for r in self.replicas.values()])
+        wait_ready(list(self.replicas.values()), "rollout replicas", num_cpus_per_replica)
 
     def replica_ids(self) -> list[int]:
         return sorted(self.replicas)

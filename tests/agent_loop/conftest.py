@@ -1,4 +1,4 @@
-"""One tiny policy and rollout replica pools shared by the agent-loop tests of a session."""
+"""One tiny policy (per session) and rollout replica pools (per module) for the agent-loop tests."""
 
 import pytest
 
@@ -10,12 +10,11 @@ def tiny_policy(tmp_path_factory):
     return str(make_tiny(tmp_path_factory.mktemp("agent_loop") / "policy", kind="policy", seed=0))
 
 
-@pytest.fixture(scope="session")
-def pools(tiny_policy):
+@pytest.fixture(scope="module")
+def pools(tiny_policy, ray_local):
     """{1: a one-replica pool, 3: a three-replica pool}, full determinism on, run seed 1234."""
-    from reprorl.rollout.replica import ReplicaPool, init_ray
+    from reprorl.rollout.replica import ReplicaPool
 
-    init_ray(num_cpus=2)
     made = {n: ReplicaPool(tiny_policy, n, seed=1234, full_determinism=True, max_num_seqs=16,
                            max_num_batched_tokens=512) for n in (1, 3)}
     yield made

@@ -163,14 +163,6 @@ def test_routing_is_equal_across_interpreters_and_hash_seeds():
 # --- retries on real Ray actors ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    from reprorl.rollout.replica import init_ray
-
-    init_ray()
-    yield
-
-
 class _EchoReplica:
     """Stands in for a replica: the 'sample' is a pure function of the request's arguments."""
 

@@ -23,7 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pool(model_dir):
+def pool(model_dir, ray_local):
     from reprorl.rollout.replica import ReplicaPool
 
     p = ReplicaPool(model_dir, 3, seed=5, full_determinism=True, max_num_seqs=8, max_num_batched_tokens=256)
@@ -37,7 +37,7 @@ def _gen(replica, request_id, seed, prompt=PROMPT, params=PARAMS):
     return ray.get(replica.generate.remote(request_id, prompt, params, seed, 0))
 
 
-def test_replica_without_the_env_fails_naming_the_variable(model_dir):
+def test_replica_without_the_env_fails_naming_the_variable(model_dir, ray_local):
     from reprorl.rollout.replica import RolloutReplica
 
     expected = {"REPRORL_TEST_NOT_SET": "1"}

@@ -19,20 +19,15 @@ ESTIMATORS = ["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_base
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
+def assets(tmp_path_factory, ray_local):
     from reprorl.data.synthetic import write_arithmetic_dataset
     from reprorl.models.tiny import make_tiny
-    from reprorl.rollout.replica import init_ray
-
     root = tmp_path_factory.mktemp("fit")
     paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
     policy = make_tiny(root / "policy", kind="policy", seed=0)
     reward = make_tiny(root / "reward", kind="reward", seed=1)
-    init_ray(num_cpus=2)  # one Ray for the module: Trainer.close leaves a caller's Ray up
+    # One Ray for the module (ray_local): Trainer.close leaves a caller's Ray up.
     yield {"train": paths["train"], "val": paths["val"], "policy": policy, "reward": reward}
-    import ray
-
-    ray.shutdown()
 
 
 def small_config(assets, run_dir, *overrides):
