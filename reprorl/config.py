@@ -59,9 +59,9 @@ class DataConfig:
     )
     val_files: list[str] = _field(["data/arithmetic/val.parquet"], "validation prompts; [] = no validation")
     prompt_key: str = _field("prompt", "the row field that holds the chat messages of the prompt")
-    max_prompt_length: int = _field(128, "longest prompt in tokens, after the chat template", ge=1)
-    max_response_length: int = _field(32, "longest response in tokens; sets the trainer's tensor width", ge=1)
-    train_batch_size: int = _field(8, "prompts per training step (each sampled rollout.n times)", ge=1)
+    max_prompt_length: int = _field(64, "longest prompt in tokens, after the chat template", ge=1)
+    max_response_length: int = _field(8, "longest response in tokens; sets the trainer's tensor width", ge=1)
+    train_batch_size: int = _field(16, "prompts per training step (each sampled rollout.n times)", ge=1)
     val_batch_size: int | None = _field(None, "prompts per validation batch; null = the whole validation set", ge=1)
     overlong_prompts: Literal["error", "filter", "truncate_left", "truncate_right"] = _field(
         "error", "what to do with a prompt longer than max_prompt_length: fail naming the row, drop it, or cut it"
@@ -89,14 +89,14 @@ class RolloutValConfig:
 @dataclass
 class RolloutConfig:
     backend: Literal["native", "vllm"] = _field("native", "inference engine: the built-in one or vLLM")
-    n: int = _field(4, "responses sampled per prompt (GRPO group size)", ge=1)
+    n: int = _field(8, "responses sampled per prompt (GRPO group size)", ge=1)
     temperature: float = _field(1.0, "sampling temperature for training rollouts; 0 = greedy", ge=0)
     top_p: float = _field(1.0, "nucleus sampling: keep the smallest set of tokens with this mass", gt=0, le=1)
     top_k: int = _field(-1, "keep the k most likely tokens; -1 = off (0 is not allowed)", ge=-1)
     max_tokens: int | None = _field(
         None, "most new tokens per response; null = data.max_response_length (larger is an error)", ge=1
     )
-    num_replicas: int = _field(1, "inference replicas serving rollouts", ge=1)
+    num_replicas: int = _field(2, "inference replicas serving rollouts", ge=1)
     max_num_seqs: int = _field(64, "most sequences a replica runs at once", ge=1)
     max_num_batched_tokens: int = _field(4096, "most tokens a replica processes in one forward pass", ge=1)
     routing: Literal["least_loaded", "hash"] = _field(
@@ -148,15 +148,15 @@ class AlgorithmConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = _field(1e-5, "learning rate", gt=0)
+    lr: float = _field(5e-5, "learning rate", gt=0)
     optimizer: Literal["adamw"] = _field("adamw", "optimizer")
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
     lr_schedule: Literal["constant", "cosine"] = _field("constant", "learning-rate schedule after warm-up")
     ppo_epochs: int = _field(1, "passes over each step's batch", ge=1)
-    ppo_mini_batch_size: int = _field(4, "prompts per optimizer step (times rollout.n samples), as in verl", ge=1)
-    ppo_micro_batch_size: int = _field(8, "samples per forward/backward pass (gradient accumulation)", ge=1)
+    ppo_mini_batch_size: int = _field(16, "prompts per optimizer step (times rollout.n samples), as in verl", ge=1)
+    ppo_micro_batch_size: int = _field(32, "samples per forward/backward pass (gradient accumulation)", ge=1)
     clip_ratio_low: float = _field(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
     clip_ratio_high: float = _field(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
     # Dual-clip PPO bounds the loss of negative advantages by clip_ratio_c * |A|; at <= 1
@@ -192,8 +192,8 @@ class CriticConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = _field(20, "training steps", ge=1)
-    test_freq: int = _field(5, "validate every this many steps; 0 = never", ge=0)
+    total_steps: int = _field(30, "training steps", ge=1)
+    test_freq: int = _field(10, "validate every this many steps; 0 = never", ge=0)
     save_freq: int = _field(10, "checkpoint every this many steps; 0 = never", ge=0)
     run_dir: str | None = _field(None, "where checkpoints and logs go; null = runs/<project_name>/<experiment_name>")
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _field(["console", "jsonl"], "metric sinks")

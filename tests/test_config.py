@@ -37,11 +37,11 @@ def _write(tmp_path, text, name="run.yaml"):
 def test_defaults_resolve():
     cfg = load_config()
     assert cfg.seed == 42 and cfg.full_determinism is True
-    assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 4
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 8
     # derived values (the `_derive` step)
     assert cfg.model.ref_path == cfg.model.path == cfg.model.critic_path == "models/tiny-policy"
-    assert cfg.rollout.max_tokens == cfg.data.max_response_length == 32
-    assert (cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size) == (1, 4, 8)
+    assert cfg.rollout.max_tokens == cfg.data.max_response_length == 8
+    assert (cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size) == (1, 16, 32)
     assert cfg.trainer.run_dir == "runs/reprorl/tiny-grpo"
     assert cfg.actor.betas == (0.9, 0.999)
 
@@ -102,7 +102,7 @@ trainer:
     assert cfg.trainer.experiment_name == "no"
     assert cfg.model.ref_path == "my/model"  # derived after the file is read
     assert cfg.trainer.run_dir == "runs/reprorl/no"
-    assert cfg.data.max_prompt_length == 128  # untouched keys keep their defaults
+    assert cfg.data.max_prompt_length == 64  # untouched keys keep their defaults
 
 
 def test_overrides_alone_and_null_and_sections(tmp_path):
@@ -113,7 +113,7 @@ def test_overrides_alone_and_null_and_sections(tmp_path):
             "model.ref_path=b",
             "model.ref_path=null",  # back to "derive it"
             "rollout.val={n: 3, do_sample: true}",  # a mapping for a section sets each key
-            "rollout.max_tokens=16",
+            "rollout.max_tokens=6",
             "reward.fn=my_rewards.py:score",
             "data.val_files=[]",
             "trainer.experiment_name=x=y",  # only the first '=' splits
@@ -121,7 +121,7 @@ def test_overrides_alone_and_null_and_sections(tmp_path):
     )
     assert cfg.model.ref_path == "a"
     assert (cfg.rollout.val.n, cfg.rollout.val.do_sample, cfg.rollout.val.temperature) == (3, True, 0.0)
-    assert cfg.rollout.max_tokens == 16
+    assert cfg.rollout.max_tokens == 6
     assert cfg.reward.fn == "my_rewards.py:score"
     assert cfg.data.val_files == []
     assert cfg.trainer.experiment_name == "x=y"
@@ -190,20 +190,20 @@ OVERRIDE_ERRORS = [
     (["reward.fn=my_rewards"], "reward.fn: expected 'module:function' or 'path.py:function' or null, got 'my_rewards'"),
     (["trainer.resume=''"], "trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''"),
     # cross-field
-    (["actor.ppo_mini_batch_size=3"], "data.train_batch_size=8 must be divisible by actor.ppo_mini_batch_size=3"),
+    (["actor.ppo_mini_batch_size=3"], "data.train_batch_size=16 must be divisible by actor.ppo_mini_batch_size=3"),
     (
         ["actor.ppo_micro_batch_size=5"],
-        "actor.ppo_mini_batch_size * rollout.n = 4 * 4 = 16 samples must be divisible by actor.ppo_micro_batch_size=5",
+        "actor.ppo_mini_batch_size * rollout.n = 16 * 8 = 128 samples must be divisible by actor.ppo_micro_batch_size=5",
     ),
     (
         ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=3"],
-        "critic.ppo_mini_batch_size * rollout.n = 4 * 4 = 16 samples must be divisible by critic.ppo_micro_batch_size=3",
+        "critic.ppo_mini_batch_size * rollout.n = 16 * 8 = 128 samples must be divisible by critic.ppo_micro_batch_size=3",
     ),
     (
-        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=16"],
-        "data.train_batch_size=8 must be divisible by critic.ppo_mini_batch_size=16",
+        ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=32"],
+        "data.train_batch_size=16 must be divisible by critic.ppo_mini_batch_size=32",
     ),
-    (["rollout.max_tokens=33"], "rollout.max_tokens=33 must be <= data.max_response_length=32"),
+    (["rollout.max_tokens=9"], "rollout.max_tokens=9 must be <= data.max_response_length=8"),
     (["data.max_response_length=16", "rollout.max_tokens=32"], "rollout.max_tokens=32 must be <= data.max_response_length=16"),
     (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1"),
     (

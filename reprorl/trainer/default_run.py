@@ -25,7 +25,7 @@ NUM_TRAIN_ROWS = 2048
 NUM_VAL_ROWS = 128
 # The supervised warm start: enough that the policy writes answers in the right form and
 # gets some right, leaving room for RL to improve (see the README's default run).
-WARM_START_STEPS = 300
+WARM_START_STEPS = 1500
 WARM_START_BATCH_SIZE = 32
 WARM_START_LR = 3e-3
 
