@@ -2,6 +2,11 @@
 reproducible, and ReMax's sampled and greedy rows share one rollout call."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,8 +35,8 @@ def assets(tmp_path_factory, ray_local):
     yield {"train": paths["train"], "val": paths["val"], "policy": policy, "reward": reward}
 
 
-def small_config(assets, run_dir, *overrides):
-    return load_config(None, [
+def small_overrides(assets, run_dir, *overrides):
+    return [
         f"model.path={assets['policy']}",
         f"data.train_files=[{assets['train']}]",
         f"data.val_files=[{assets['val']}]",
@@ -43,7 +48,11 @@ def small_config(assets, run_dir, *overrides):
         "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
         "trainer.val_before_train=false", "trainer.loggers=[jsonl]", f"trainer.run_dir={run_dir}",
         *overrides,
-    ])
+    ]
+
+
+def small_config(assets, run_dir, *overrides):
+    return load_config(None, small_overrides(assets, run_dir, *overrides))
 
 
 def run(cfg) -> Trainer:
@@ -166,3 +175,32 @@ def test_missing_model_path_names_the_key(assets, tmp_path):
     cfg = small_config(assets, tmp_path / "run", f"model.path={tmp_path / 'nope'}", f"model.ref_path={tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match=r"model.path: '.*nope' does not exist"):
         check_paths(cfg)
+
+
+def _train_process(args):
+    # Its own session: SIGKILL to the group takes the driver and what it started down at once.
+    return subprocess.Popen([sys.executable, "-m", "reprorl.cli", "train", *args], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
+    """Kill -9 after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped."""
+    common = ("trainer.total_steps=4", "trainer.save_freq=1")
+    whole = _train_process(small_overrides(assets, tmp_path / "whole", *common))
+    assert whole.wait(timeout=600) == 0, whole.stderr.read()
+
+    killed = _train_process(small_overrides(assets, tmp_path / "killed", *common))
+    step_2 = tmp_path / "killed" / "checkpoints" / "step_2"
+    deadline = time.monotonic() + 600
+    while not step_2.exists() and killed.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert step_2.exists(), "the run ended or timed out before its step-2 checkpoint"
+    os.killpg(killed.pid, signal.SIGKILL)  # not a clean exit: no close(), no flush beyond what was fsynced
+    killed.wait(timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+
+    resumed = _train_process(small_overrides(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
+    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
+    result = compare_runs(tmp_path / "whole", tmp_path / "killed")
+    assert result.identical and result.common_steps == [1, 2, 3, 4], result
+    assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2, 3, 4]
