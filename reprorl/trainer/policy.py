@@ -137,11 +137,15 @@ class PolicyWorker:
     def _forward_mode(self) -> contextlib.AbstractContextManager:
         return ops.batch_invariant(True) if self.batch_invariant else contextlib.nullcontext()
 
-    def _response_logits(self, micro: Batch, temperature: float) -> torch.Tensor:
-        """`[b, R, V]` float32 logits predicting each response token (differentiable)."""
+    def _response_log_probs(self, micro: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`[b, R, V]` float32 logits predicting each response token, `[b, R]` log-probs of
+        the response tokens), differentiable. Both under the forward mode: in determinism
+        mode the log-softmax must be the op layer's invariant one, as in the engine, or the
+        rollout's and the trainer's log-probs part in the last bits."""
         with self._forward_mode():
             logits = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-        return response_logits(logits, micro["responses"].shape[1], temperature)
+            scaled = response_logits(logits, micro["responses"].shape[1], temperature)
+            return scaled, token_log_probs(scaled, micro["responses"])
 
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
@@ -153,9 +157,9 @@ class PolicyWorker:
         log_probs, entropies = [], []
         with torch.no_grad():
             for micro in batch.split(micro_batch_size):
-                scaled = self._response_logits(micro, temperature)  # [b, R, V]
+                scaled, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
                 mask = micro["response_mask"] > 0
-                log_probs.append(torch.where(mask, token_log_probs(scaled, micro["responses"]), 0.0))
+                log_probs.append(torch.where(mask, micro_log_probs, 0.0))
                 if with_entropy:
                     entropies.append(torch.where(mask, entropy_from_logits(scaled), 0.0))
         if with_entropy:
@@ -227,8 +231,7 @@ class PolicyWorker:
         totals = dict.fromkeys(keys, 0.0)
         for k, micro in enumerate(mini.split(micro_batch_size)):
             mask = micro["response_mask"].to(torch.float32)  # [b, R]
-            scaled = self._response_logits(micro, temperature)  # [b, R, V]
-            log_probs = token_log_probs(scaled, micro["responses"])  # [b, R]
+            scaled, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
             pg_loss, pg_stats = ppo_policy_loss(
                 micro["old_log_probs"], log_probs, micro["advantages"], mask,
                 loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,

@@ -96,6 +96,8 @@ def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
                 "timing/reward_s", "timing/update_s", "timing/step_s", "throughput/tokens_per_s"):
         assert key in records[-1], key
     assert all(r["rollout/num_generate_calls"] == 1 for r in records)
+    # Determinism mode: the engine's log-probs ARE the trainer's, bit for bit.
+    assert all(r["rollout/log_prob_max_gap"] == 0.0 for r in records)
 
 
 def test_reruns_are_bitwise_identical(assets, tmp_path):
