@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
 from reprorl.determinism import check_worker_env
+from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
 from reprorl.protocol import Batch
 from reprorl.rollout.load_balancer import LoadBalancerActor, generate_balanced
@@ -200,6 +201,10 @@ class AgentLoopWorker:
         """The loops' outputs, in the order of `samples`."""
         return list(await asyncio.gather(*(self._run(s) for s in samples)))
 
+    async def determinism_info(self) -> dict[str, Any]:
+        """Its process's determinism switches and variables (it runs no model)."""
+        return process_info()
+
     async def _run(self, sample: AgentSample) -> AgentOutput:
         if sample.prompt_ids is None:
             ids = self.tokenizer.apply_chat_template(sample.raw_prompt, add_generation_prompt=True, tokenize=True)
@@ -279,6 +284,10 @@ class AgentLoopManager:
         non_tensors["finish_reason"] = [o.finish_reason for o in outputs]
         meta = dict(batch.meta, num_generate_calls=sum(o.num_turns for o in outputs))
         return Batch(tensors, non_tensors, meta)
+
+    def determinism_info(self) -> dict[int, dict[str, Any]]:
+        """Each worker's `determinism_info()`, by worker index (for the determinism report)."""
+        return dict(enumerate(ray.get([w.determinism_info.remote() for w in self.workers])))
 
     def shutdown(self) -> None:
         for w in self.workers:

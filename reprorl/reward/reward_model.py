@@ -34,6 +34,7 @@ from reprorl.determinism import (
     is_full_determinism,
     ray_runtime_env,
 )
+from reprorl.determinism_report import model_part_info
 from reprorl.errors import ReproRLError
 from reprorl.models import ops
 from reprorl.models.hf_io import load_model
@@ -167,6 +168,11 @@ class RewardReplica:
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         return self.scorer.score(prompts, responses)
 
+    def determinism_info(self) -> dict[str, Any]:
+        """This replica's determinism mode (the keys of `reprorl.rollout.replica`'s replicas)."""
+        return model_part_info(backend="reprorl", batch_invariant=self.scorer.batch_invariant,
+                               dtype=self.scorer.dtype)
+
 
 class RewardModelPool:
     """`num_replicas` reward-model replicas on Ray, started with the run's determinism env.
@@ -220,6 +226,10 @@ class RewardModelPool:
         refs = [r.score.remote(list(prompts[a:b]), list(responses[a:b]))
                 for r, a, b in zip(self.replicas, bounds[:-1], bounds[1:])]
         return torch.cat(ray.get(refs))
+
+    def determinism_info(self) -> dict[int, dict[str, Any]]:
+        """Each replica's `determinism_info()`, by replica index."""
+        return dict(enumerate(ray.get([r.determinism_info.remote() for r in self.replicas])))
 
     def shutdown(self) -> None:
         """Kill every replica actor (Ray itself stays up: others may use it)."""

@@ -10,6 +10,18 @@
 Which replica serves a request only affects speed (DESIGN.md): a sample is a function of
 (weights, prompt ids, sampling params, request seed), and all of those travel with the
 request or are checked equal across replicas (the weight version).
+
+Every replica, whatever its backend, answers `determinism_info() -> dict` for the run's
+determinism report (`reprorl.determinism_report`), with at least these keys:
+    backend                   str: "reprorl" (the built-in engine), "vllm", ...
+    batch_invariant           bool: each row's result is independent of its batch
+    num_threads               int: CPU threads of the forward pass
+    dtype                     str: the weights' dtype, e.g. "float32"
+    deterministic_algorithms  bool: `torch.are_deterministic_algorithms_enabled()`
+    env                       dict[str, str]: the determinism variables the process sees
+`determinism_report.model_part_info(backend=..., batch_invariant=..., dtype=...,
+num_threads=...)` builds such a dict (adding pid, host and torch's flags); a backend may
+add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from reprorl.determinism import (
     is_full_determinism,
     ray_runtime_env,
 )
+from reprorl.determinism_report import model_part_info
 from reprorl.rollout.engine import Engine, GenerateOutput
 from reprorl.rollout.sampling import SamplingParams
 
@@ -119,6 +132,11 @@ class RolloutReplica:
 
     async def stats(self) -> dict[str, Any]:
         return {"replica_id": self.replica_id, **self.engine.stats()}
+
+    async def determinism_info(self) -> dict[str, Any]:
+        """This replica's determinism mode (keys: see the module doc)."""
+        return model_part_info(backend="reprorl", batch_invariant=self.engine.batch_invariant,
+                               dtype=self.engine.dtype, num_threads=self.engine.num_threads)
 
     async def weight_version(self) -> int:
         return self.engine.weight_version
@@ -214,6 +232,11 @@ class ReplicaPool:
 
     def stats(self) -> list[dict[str, Any]]:
         return ray.get([self.replicas[i].stats.remote() for i in self.replica_ids()])
+
+    def determinism_info(self) -> dict[int, dict[str, Any]]:
+        """Each replica's `determinism_info()`, by replica id."""
+        ids = self.replica_ids()
+        return dict(zip(ids, ray.get([self.replicas[i].determinism_info.remote() for i in ids])))
 
     def shutdown(self) -> None:
         """Stop and kill every replica actor (Ray itself stays up: others may use it)."""

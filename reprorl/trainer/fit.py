@@ -28,6 +28,7 @@ from reprorl import algos
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.determinism import determinism_env, enable_full_determinism
+from reprorl.determinism_report import build_report, format_report, model_part_info, write_report
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.protocol import Batch
@@ -239,6 +240,7 @@ class Trainer:
         rollout, num_sampled = self._rollout_batch(prompts)
         output = self.agent.generate_sequences(rollout)
         metrics["rollout/num_generate_calls"] = self.agent.num_generate_sequences_calls - calls_before
+        metrics["rollout/turns_mean"] = float(sum(output.non_tensors["num_turns"]) / len(output))  # > 1: tool turns ran
         batch = output.slice(0, num_sampled)
         baseline = output.slice(num_sampled, len(output)) if num_sampled < len(output) else None
         if baseline is not None:
@@ -431,6 +433,25 @@ class Trainer:
         logger.info("resumed from step %d (%s)", step, source)
         return step
 
+    # ------------------------------------------------------------------ determinism report
+
+    def report_determinism(self, step: int) -> dict[str, Any]:
+        """Ask every part for its determinism mode; write, log and return the report."""
+        parts: dict[str, dict[str, Any]] = {}
+        for name, worker in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
+            if worker is not None:
+                parts[name] = model_part_info(backend="torch", batch_invariant=worker.batch_invariant,
+                                              dtype=next(worker.model.parameters()).dtype)
+        parts.update({f"rollout replica {i}": info for i, info in self.pool.determinism_info().items()})
+        if self.reward_model is not None:
+            parts.update({f"reward replica {i}": info for i, info in self.reward_model.determinism_info().items()})
+        parts.update({f"agent-loop worker {i}": info for i, info in self.agent.determinism_info().items()})
+        report = build_report(parts, full_determinism=self.cfg.full_determinism, seed=self.cfg.seed)
+        report["started_at_step"] = step
+        write_report(self.run_dir, report)
+        logger.info("%s", format_report(report))
+        return report
+
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> Path:
@@ -444,6 +465,7 @@ class Trainer:
             experiment_name=cfg.experiment_name, config=dataclasses.asdict(self.cfg),
         )
         self.fingerprints = FingerprintWriter(self.run_dir)
+        self.report_determinism(start)
         if start >= cfg.total_steps:
             logger.info("run in %s is already at step %d of %d: nothing to do", self.run_dir, start, cfg.total_steps)
             return self.run_dir

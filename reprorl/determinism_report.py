@@ -1,0 +1,196 @@
+"""The determinism report: what determinism mode every part of a run is in, and a verdict.
+
+Two runs of one config can still differ if some part of the run is not in the mode the
+config asks for (a replica started without batch invariance, an actor missing a variable,
+a different thread count where results depend on it). At start, `reprorl train` asks
+every part what it runs with and writes the answers to the run directory:
+
+    run_dir/determinism.json   {"verdict", "full_determinism", "seed", "expected",
+                                "problems", "parts": {name: info}}
+    run_dir/determinism.txt    the same as a short block of text (also logged)
+
+Parts, by name: `actor`, `ref`, `critic` (the trainer's models, this process),
+`rollout replica <i>`, `reward replica <i>` (each answers its own `determinism_info()`,
+whose keys are documented in `reprorl.rollout.replica`), `agent-loop worker <i>` (only
+its environment: it tokenizes and routes, it runs no model).
+
+Every part's info holds `process_info()` (the torch switches and the determinism
+variables its process sees) plus, for parts that run a model, `backend`,
+`batch_invariant`, `num_threads` and `dtype`. `build_report` compares each part with
+what the config expects and the parts of one pool with each other; each mismatch is a
+one-line problem naming the part, the value and what was expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from reprorl.determinism import determinism_env
+
+REPORT_FILE = "determinism.json"
+TEXT_FILE = "determinism.txt"
+
+# What a process's results can depend on, besides its inputs: reprorl's own variables,
+# the hash seed, cuBLAS/NCCL reduction settings, thread counts, vLLM's invariance switch.
+ENV_KEYS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+ENV_PREFIXES = ("REPRORL_", "NCCL_", "VLLM_BATCH_INVARIANT")
+
+# Keys every model-serving part's info has (see `reprorl.rollout.replica`).
+MODEL_KEYS = ("backend", "batch_invariant", "num_threads", "dtype")
+PROCESS_KEYS = ("deterministic_algorithms", "env")
+
+
+def visible_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The determinism-relevant variables of `environ`, sorted by name."""
+    return {
+        k: environ[k] for k in sorted(environ) if k in ENV_KEYS or k.startswith(ENV_PREFIXES)
+    }
+
+
+def process_info() -> dict[str, Any]:
+    """This process's determinism switches: torch's flags, threads and visible variables.
+
+    `python_hash_randomization` is whether `PYTHONHASHSEED` was unset (or "random") when
+    this interpreter started: the variable acts only at start-up, so a driver that sets it
+    later shows it in `env` but still hashes randomly (harmless: no seed uses `hash()`).
+    """
+    import torch
+
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "torch_version": torch.__version__,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "num_threads": torch.get_num_threads(),
+        "python_hash_randomization": bool(sys.flags.hash_randomization),
+        "env": visible_env(),
+    }
+
+
+def model_part_info(*, backend: str, batch_invariant: bool, dtype: Any, num_threads: int | None = None) -> dict[str, Any]:
+    """A model-running part's info in this process: `process_info()` plus the model's mode."""
+    info = process_info()
+    info.update(
+        backend=backend,
+        batch_invariant=bool(batch_invariant),
+        num_threads=info["num_threads"] if num_threads is None else int(num_threads),
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    return info
+
+
+def _on(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, repr(value))
+
+
+def _pool(name: str) -> str:
+    """'rollout replica 2' -> 'rollout replica'; 'actor' -> 'actor'."""
+    head, _, tail = name.rpartition(" ")
+    return head if tail.isdigit() else name
+
+
+def find_problems(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: bool, seed: int) -> list[str]:
+    """One line per way a part differs from the mode the config asks for, or from its pool.
+
+    Checked for every part: each variable of `determinism_env(seed, full_determinism)`;
+    for model-running parts: batch invariance and torch's deterministic algorithms equal
+    `full_determinism`; within a pool (all `rollout replica *`, all `reward replica *`):
+    the same backend and dtype, and, where batch invariance is off, the same thread count
+    (results then depend on it, so on which replica served a request).
+    """
+    expected_env = determinism_env(seed, full_determinism)
+    problems: list[str] = []
+    for name, info in parts.items():
+        is_model = "backend" in info
+        missing = [k for k in (*PROCESS_KEYS, *(MODEL_KEYS if is_model else ())) if k not in info]
+        if missing:
+            problems.append(f"{name}: its determinism info lacks {', '.join(missing)}")
+            continue
+        env = info["env"]
+        for key, value in expected_env.items():
+            if key not in env:
+                problems.append(f"{name}: {key} is not set (expected {value!r})")
+            elif env[key] != value:
+                problems.append(f"{name}: {key}={env[key]!r} (expected {value!r})")
+        if not is_model:
+            continue
+        for key in ("batch_invariant", "deterministic_algorithms"):
+            if info[key] != full_determinism:
+                problems.append(f"{name}: {key} {_on(info[key])} (expected {_on(full_determinism)}, "
+                                f"as full_determinism={str(full_determinism).lower()})")
+
+    pools: dict[str, list[str]] = {}
+    for name in parts:
+        if name != _pool(name) and "backend" in parts[name]:
+            pools.setdefault(_pool(name), []).append(name)
+    for pool, names in pools.items():
+        keys = ["backend", "dtype"]
+        if not all(parts[n].get("batch_invariant") is True for n in names):
+            keys.append("num_threads")
+        for key in keys:
+            values = {n: parts[n].get(key) for n in names}
+            if len(set(map(repr, values.values()))) > 1:
+                seen = ", ".join(f"{n.rpartition(' ')[2]}: {v}" for n, v in values.items())
+                why = " without batch invariance" if key == "num_threads" else ""
+                problems.append(f"{pool}s differ in {key}{why} ({seen}): a result depends on which one served it")
+    return problems
+
+
+def build_report(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: bool, seed: int) -> dict[str, Any]:
+    """The report of a run whose parts answered `parts` (name -> info), with its verdict."""
+    problems = find_problems(parts, full_determinism=full_determinism, seed=seed)
+    if not full_determinism:
+        verdict = "full determinism: off (full_determinism=false): reruns are not expected to be bitwise identical"
+    elif not problems:
+        verdict = "full determinism: on, all parts agree"
+    else:
+        named = sorted({p.split(":", 1)[0] for p in problems})
+        verdict = f"full determinism: on, but {len(named)} part(s) differ: {'; '.join(named)}"
+    return {
+        "verdict": verdict,
+        "full_determinism": full_determinism,
+        "seed": seed,
+        "expected": {
+            "batch_invariant": full_determinism,
+            "deterministic_algorithms": full_determinism,
+            "env": determinism_env(seed, full_determinism),
+        },
+        "problems": problems,
+        "parts": {name: dict(info) for name, info in parts.items()},
+    }
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """A short human-readable block: the verdict, one line per part, the problems."""
+    lines = [f"determinism: {report['verdict']}"]
+    parts = report["parts"]
+    width = max((len(n) for n in parts), default=0)
+    for name, info in parts.items():
+        if "backend" in info:
+            mode = (f"{info['backend']}, batch-invariant {_on(info['batch_invariant'])}, deterministic algorithms "
+                    f"{_on(info['deterministic_algorithms'])}, {info['num_threads']} thread(s), {info['dtype']}")
+        else:
+            mode = "no model (environment only)"
+        lines.append(f"  {name:<{width}}  {mode}")
+    expected_env = report["expected"]["env"]
+    lines.append("  environment checked in every part: " + " ".join(f"{k}={v}" for k, v in expected_env.items()))
+    lines += [f"  problem: {p}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path, report: Mapping[str, Any]) -> Path:
+    """Write `determinism.json` and `determinism.txt` into `run_dir`; returns the JSON path."""
+    run_dir = Path(run_dir)
+    path = run_dir / REPORT_FILE
+    path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    (run_dir / TEXT_FILE).write_text(format_report(report) + "\n", encoding="utf-8")
+    return path
