@@ -19,8 +19,11 @@ tests/models/test_ops.py):
 - attention: scores and p v are such matmuls. p v sums over keys, and a sum longer than
   MKL's K block is grouped by that block, so it is cut into fixed KEY_BLOCK chunks.
   Masked keys get probability exactly 0, so extra keys change no bit.
-- sums over the last dim (RMSNorm, softmax): a fixed pairwise tree of elementwise adds
-  (`_pairwise_sum`), so the order is ours, not the reduction kernel's.
+- sums over the last dim: over a fixed width (RMSNorm, log-softmax over the vocabulary),
+  a product with a ones matrix through the invariant matmul (`_row_sum`, one call); over
+  keys, whose count varies (attention's softmax), a fixed pairwise tree of elementwise
+  adds (`_pairwise_sum`) that zero padding cannot change. Either way the order is fixed
+  per row, not the reduction kernel's.
 - exp and log are elementwise and position-independent here (MKL VML); `F.silu` and
   `torch.sigmoid` are NOT (their vector and scalar-tail paths round differently), so
   SiLU is built from exp and IEEE ops.
@@ -46,6 +49,9 @@ COL_QUANTUM = 16
 # matrix) and sums p v over fixed chunks of keys (see `_attend_invariant`).
 QUERY_BLOCK = 256
 KEY_BLOCK = 256
+# `batched_attention` takes sequences in groups whose score matrix holds at most this many
+# entries (16 MiB of float32): memory stays bounded, and no row's bits depend on the group.
+SCORE_ELEMENTS = 1 << 22
 
 
 def set_batch_invariant(enabled: bool) -> None:
@@ -123,6 +129,21 @@ class _PairwiseSum(torch.autograd.Function):
 
 _pairwise_sum = _PairwiseSum.apply
 
+_ONES: dict[tuple, Tensor] = {}
+
+
+def _row_sum(x: Tensor) -> Tensor:
+    """Sum over the last dim, for widths that never change (a hidden size, a vocabulary):
+    [..., n] -> [..., 1]. A sum is a dot product with ones, and `_matmul_rows` gives every
+    row's dot products a fixed order, in one call instead of `_pairwise_sum`'s log2(n).
+    Unlike `_pairwise_sum`, a row padded to another width may round differently."""
+    n = x.shape[-1]
+    key = (n, x.dtype, x.device)
+    if key not in _ONES:
+        with torch.inference_mode(False):  # a normal tensor: autograd may use it later
+            _ONES[key] = torch.ones(COL_QUANTUM, n, dtype=x.dtype, device=x.device)
+    return _matmul_rows(x.reshape(-1, n), _ONES[key])[:, :1].reshape(*x.shape[:-1], 1)
+
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`x @ weight.T + bias`: x [..., K], weight [N, K], bias [N] | None -> [..., N]."""
@@ -140,7 +161,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """
     xf = x.float()
     if _BATCH_INVARIANT:
-        variance = _pairwise_sum(xf * xf) / xf.shape[-1]
+        variance = _row_sum(xf * xf) / xf.shape[-1]
         xf = xf / torch.sqrt(variance + eps)
     else:
         variance = xf.pow(2).mean(-1, keepdim=True)
@@ -171,7 +192,7 @@ def log_softmax(x: Tensor) -> Tensor:
     if not _BATCH_INVARIANT:
         return torch.log_softmax(x, dim=-1)
     m = x.detach().amax(dim=-1, keepdim=True)
-    logsumexp = m + torch.log(_pairwise_sum((x - m).exp_()))  # [..., 1]
+    logsumexp = m + torch.log(_row_sum((x - m).exp_()))  # [..., 1]
     return x - logsumexp
 
 
@@ -236,24 +257,86 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_start: int) -> Tensor:
     return torch.cat(blocks) if blocks else q.new_zeros(0, hq, d)
 
 
-def decode_attention(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
-    """Attention of S sequences' newest tokens at once: one query each, over all its keys.
+def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+    """Causal attention of B sequences at once, with grouped-query heads (head-major layout).
 
-    q [S, Hq, D]; keys[i], values[i] [L_i, Hkv, D], the query's own key last -> [S, Hq, D].
-    Row i is `attention(q[i:i+1], keys[i], values[i], L_i - 1)[0]`, bitwise in
-    batch-invariant mode: the engine's decode steps batch here, whatever the pack holds.
+    q [B, Hq, Tq, D]: sequence b's queries, at positions q_start[b] .. q_start[b]+Tq-1.
+    k, v [B, Hkv, Tk, D]: keys/values at positions 0..Tk-1 (views of a KV cache are fine).
+    q_start [B] int64. A query at position p sees keys 0..min(p, Tk-1); keys past it are
+    masked out and must only be finite (stale cache entries, padding). Returns [B, Hq, Tq, D].
+    Query rows past a sequence's real ones (padding) give finite values the caller drops.
+
+    In batch-invariant mode row (b, head, t) is bitwise `attention` of that one query over
+    its sequence's keys (tested): the same arithmetic as `_attend_invariant`, vectorised
+    over sequences. A row's dot products have a fixed length (D), its softmax sums over
+    keys in our pairwise order (masked keys add exact zeros), and p v sums fixed KEY_BLOCK
+    chunks from key 0 in order; so neither B, Tq, Tk nor the other sequences reach its bits.
+    This is the engine's decode path (Tq = 1), its prefill and the reward model's (Tq > 1),
+    and the trainer's (`padded_attention`).
     """
-    s, hq, d = q.shape
-    hkv = keys[0].shape[1]
-    lengths = torch.tensor([len(key) for key in keys], device=q.device)
-    k = torch.nn.utils.rnn.pad_sequence(keys, batch_first=True).transpose(1, 2)  # [S, Hkv, L, D]
-    v = torch.nn.utils.rnn.pad_sequence(values, batch_first=True).transpose(1, 2)
-    allowed = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]  # [S, L]
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    if hq % hkv or k.shape != v.shape or k.shape[0] != b or q_start.shape != (b,):
+        raise ValueError(f"batched_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"q_start {tuple(q_start.shape)} do not fit")
+    if b == 0 or tq == 0:
+        return q.new_zeros(b, hq, tq, d)
+    group = hq // hkv
+    blocks = []
+    for qs in range(0, tq, QUERY_BLOCK):
+        qn = min(QUERY_BLOCK, tq - qs)
+        rows = q[:, :, qs : qs + qn].reshape(b, hkv, group * qn, d)  # [B, Hkv, G*qn, D]
+        per_seq = hkv * group * qn * min(tk, int(q_start.max()) + qs + qn)  # score entries per sequence
+        step = max(1, SCORE_ELEMENTS // per_seq)
+        outs = [
+            _attend_batch(rows[i : i + step], k[i : i + step], v[i : i + step], q_start[i : i + step] + qs, qn)
+            for i in range(0, b, step)
+        ]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # [B, Hkv, G*qn, D]
+        blocks.append(out.reshape(b, hq, qn, d))
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)
+
+
+def _attend_batch(rows: Tensor, k: Tensor, v: Tensor, first_pos: Tensor, qn: int) -> Tensor:
+    """rows [B, Hkv, G*qn, D] (row g*qn + t is query t, at position first_pos[b] + t),
+    k, v [B, Hkv, Tk, D] -> [B, Hkv, G*qn, D]. See `batched_attention`."""
+    b, hkv, r, d = rows.shape
+    # Keys any row here can see, in whole COL_QUANTUMs (a row's scores do not depend on
+    # how many columns the matmul has; masked columns are exact zeros after the softmax).
+    nk = min(int(first_pos.max()) + qn, k.shape[2])
+    t = torch.arange(r, device=rows.device) % qn
     if not _BATCH_INVARIANT:
-        out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=allowed[:, None, None, :], enable_gqa=True)
-        return out[:, :, 0]
-    rows = q.view(s, hkv, hq // hkv, d)  # [S, Hkv, G, D]
-    return _attend_invariant(rows, k, v, allowed[:, None, None, :]).reshape(s, hq, d)
+        allowed = torch.arange(nk, device=rows.device) <= (first_pos[:, None] + t)[:, None, :, None]
+        scores = torch.matmul(rows, k[:, :, :nk].transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, nk]
+        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).to(v.dtype)
+        return torch.matmul(probs, v[:, :, :nk])
+    _check_cpu(rows)
+    pad_r, pad_d = -r % ROW_QUANTUM, -d % COL_QUANTUM
+    nk_p = nk + (-nk % COL_QUANTUM)
+    nb = nk + (-nk % KEY_BLOCK)
+    rows = F.pad(rows, (0, pad_d, 0, pad_r)) if pad_r or pad_d else rows.contiguous()
+    k, v = _keys_upto(k, nk_p, pad_d), _keys_upto(v, nb, pad_d)  # [B, Hkv, nk_p | nb, Dp]
+    # Padding rows see every key, so no row is all -inf (no NaN).
+    pos = torch.where(torch.arange(r + pad_r, device=rows.device) < r, first_pos[:, None] + F.pad(t, (0, pad_r)), nk_p)
+    allowed = torch.arange(nk_p, device=rows.device) <= pos[:, None, :, None]  # [B, 1, Rp, nk_p]
+    scores = torch.matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, Rp, nk_p]
+    probs = softmax(scores.masked_fill_(~allowed, float("-inf"))).to(v.dtype)
+    if nb > nk_p:
+        probs = F.pad(probs, (0, nb - nk_p))
+    out = None
+    for kb in range(0, nb, KEY_BLOCK):
+        chunk = probs[..., kb : kb + KEY_BLOCK].contiguous()  # [B, Hkv, Rp, KEY_BLOCK]
+        part = torch.matmul(chunk, v[:, :, kb : kb + KEY_BLOCK])
+        out = part if out is None else out + part
+    return out[:, :, :r, :d]
+
+
+def _keys_upto(x: Tensor, n: int, pad_d: int) -> Tensor:
+    """x [B, Hkv, T, D] -> its first n positions (zero rows past T), D zero-padded by pad_d;
+    rows contiguous, the layout every invariant matmul reads."""
+    if n <= x.shape[2] and not pad_d and x.stride(-1) == 1:
+        return x[:, :, :n]
+    return F.pad(x[:, :, :n], (0, pad_d, 0, max(0, n - x.shape[2])))
 
 
 def _attend_invariant(rows: Tensor, keys: Tensor, values: Tensor, allowed: Tensor) -> Tensor:
@@ -271,10 +354,10 @@ def _attend_invariant(rows: Tensor, keys: Tensor, values: Tensor, allowed: Tenso
     r, d = rows.shape[-2:]
     length = keys.shape[-2]
     pad_r, pad_d, pad_l = -r % ROW_QUANTUM, -d % COL_QUANTUM, -length % KEY_BLOCK
-    # Every matmul gets contiguous operands, so MKL always sees the same layout.
+    # Every matmul gets row-major operands, so MKL always sees the same layout.
     rows = F.pad(rows, (0, pad_d, 0, pad_r)).contiguous()
     keys = F.pad(keys, (0, pad_d, 0, pad_l)).contiguous()
-    values_t = F.pad(values.transpose(-1, -2), (0, pad_l, 0, pad_d)).contiguous()  # [..., Dp, Lp]
+    values = F.pad(values, (0, pad_d, 0, pad_l)).contiguous()  # [..., Lp, Dp]
     allowed = F.pad(allowed, (0, pad_l), value=False)
     if allowed.shape[-2] != 1:  # padding rows may see every key: no all -inf row, no NaN
         allowed = F.pad(allowed, (0, 0, 0, pad_r), value=True)
@@ -283,7 +366,7 @@ def _attend_invariant(rows: Tensor, keys: Tensor, values: Tensor, allowed: Tenso
     out = None
     for kb in range(0, length, KEY_BLOCK):
         chunk = probs[..., kb : kb + KEY_BLOCK].contiguous()  # [..., Rp, KEY_BLOCK]
-        part = torch.matmul(chunk, values_t[..., kb : kb + KEY_BLOCK].contiguous().transpose(-1, -2))
+        part = torch.matmul(chunk, values[..., kb : kb + KEY_BLOCK, :])
         out = part if out is None else out + part
     return out[..., :r, :d]
 
@@ -294,18 +377,22 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) ->
     q [B, T, Hq, D], k/v [B, T, Hkv, D], attention_mask [B, T] (1 = real token) -> [B, T, Hq, D].
     A query sees the real keys at or before it. Outputs at padding positions are not
     meaningful (zeros in batch-invariant mode). In batch-invariant mode each sequence's
-    real tokens go through `attention` as one sequence from cache position 0, exactly as
-    the engine computes them, so the two paths give the same bits.
+    real tokens go through `batched_attention` as one sequence from position 0, the
+    arithmetic the engine uses, so the two paths give the same bits.
     """
     b, t, hq, d = q.shape
     real = attention_mask.bool()
     if _BATCH_INVARIANT:
-        out = q.new_zeros(b, t, hq, d)
-        for i in range(b):
-            idx = real[i].nonzero().squeeze(-1)
-            if idx.numel():
-                out[i, idx] = attention(q[i, idx], k[i, idx], v[i, idx], q_start=0)
-        return out
+        # Each row's real tokens moved to its front, in order (a stable sort puts real before
+        # padding), as one sequence from position 0; then moved back, zeros at padding.
+        order = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)  # [B, T]
+
+        def front(x: Tensor) -> Tensor:  # [B, T, H, D] -> [B, H, T, D]
+            return x.gather(1, order[:, :, None, None].expand_as(x)).transpose(1, 2)
+
+        out = batched_attention(front(q), front(k), front(v), q_start=order.new_zeros(b)).transpose(1, 2)
+        out = out.masked_fill(~real.gather(1, order)[:, :, None, None], 0.0)  # [B, T, Hq, D]
+        return torch.zeros_like(out).scatter(1, order[:, :, None, None].expand_as(out), out)
     causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     # Padding queries see only themselves, so no row is all -inf (which would give NaN).
     mask = (causal & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)

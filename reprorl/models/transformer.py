@@ -12,14 +12,17 @@ by parameter name alone:
 Two forward paths, both built only from `reprorl.models.ops`:
 - `forward(input_ids [B, T], attention_mask, position_ids)`: padded batches, differentiable
   (trainer log-probs, values, reward scores).
-- `forward_packed(input_ids [N], positions [N], seq_lens, caches)`: the engine's path: the
-  new tokens of several sequences packed back to back, each appending to its `KVCache`.
+- `forward_packed(input_ids [N], seq_lens, cache, slots)`: the engine's and the reward
+  model's path: the new tokens of several sequences packed back to back, each appending to
+  its slot of a `KVCache`; attention for all of them in one or two batched calls.
 In batch-invariant mode both compute every token with the same row-wise ops and the same
-per-sequence attention, so a token's hidden state is the same bits on either path,
-whatever it is batched or packed with and however its prompt was chunked.
+attention arithmetic (`ops.batched_attention`), so a token's hidden state is the same bits
+on either path, whatever it is batched or packed with and however its prompt was chunked.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -57,10 +60,14 @@ class RMSNorm(nn.Module):
 
 
 class KVCache:
-    """Keys and values of ONE sequence for every layer: [layers, capacity, kv_heads, head_dim].
+    """Keys and values of `num_slots` sequences for every layer, one row ("slot") each.
 
-    `length` counts the cached tokens; `forward_packed` appends after it and advances it.
-    The engine may set `length` back to rewind (the slots past it are simply overwritten).
+    `keys[layer]`, `values[layer]`: [slots, kv_heads, cap, head_dim], where `cap` is
+    `capacity` rounded up to whole `ops.KEY_BLOCK`s (the chunks attention reads, so a
+    decode step reads the store as a view, with no copy). `lengths[slot]` counts the
+    tokens cached for a slot: `forward_packed` appends after it and advances it; set it
+    back to rewind or to reuse the slot. Entries past a slot's length are stale but finite
+    (zeros at first), and attention masks them out.
     """
 
     def __init__(
@@ -69,25 +76,55 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         capacity: int,
+        num_slots: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.keys = torch.zeros(num_layers, capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.length = 0
+        self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
+        self.lengths = [0] * num_slots
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.capacity = 0
+        self._shape = (num_slots, num_kv_heads, head_dim)
+        self.grow(capacity)
 
     @classmethod
     def for_model(
-        cls, args: ModelArgs, capacity: int, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+        cls,
+        args: ModelArgs,
+        capacity: int,
+        num_slots: int = 1,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
     ) -> KVCache:
         """A cache shaped for `args`, in the model's dtype unless given."""
         return cls(
-            args.num_hidden_layers, args.num_key_value_heads, args.head_dim, capacity, _dtype(args, dtype), device
+            args.num_hidden_layers,
+            args.num_key_value_heads,
+            args.head_dim,
+            capacity,
+            num_slots,
+            _dtype(args, dtype),
+            device,
         )
 
     @property
-    def capacity(self) -> int:
-        return self.keys.shape[1]
+    def num_slots(self) -> int:
+        return len(self.lengths)
+
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` tokens per slot, keeping what is cached (a copy)."""
+        if capacity <= self.capacity:
+            return
+        cap = -(-capacity // ops.KEY_BLOCK) * ops.KEY_BLOCK
+        s, h, d = self._shape
+        old = self.keys[0].shape[2] if self.keys else 0
+        if cap > old:
+            new = [torch.zeros(s, h, cap, d, dtype=self.dtype, device=self.device) for _ in range(2 * self.num_layers)]
+            for buf, prev in zip(new, self.keys + self.values):
+                buf[:, :, :old] = prev
+            self.keys, self.values = new[: self.num_layers], new[self.num_layers :]
+        self.capacity = capacity
 
 
 class Attention(nn.Module):
@@ -142,39 +179,76 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.o_proj(ops.padded_attention(q, k, v, attention_mask).flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_packed(
-        self, x: Tensor, cos: Tensor, sin: Tensor, seq_lens: list[int], caches: list[KVCache], layer: int
-    ) -> Tensor:
-        """x [N, H], cos/sin [N, D] -> [N, H]; writes this layer's keys/values into the caches.
+    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int) -> Tensor:
+        """x [N, H], cos/sin [N, D] -> [N, H]; writes this layer's keys/values into the cache.
 
-        Sequences with one new token (decode steps) share one batched attention call; the
-        others (prompts, prefill chunks) go one by one. Both give the same bits per token.
+        Attention runs in one `ops.batched_attention` call per group of `plan` (the decode
+        tokens, the longer chunks), whatever the number of sequences.
         """
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        attn = torch.empty_like(q)  # [N, Hq, D]
-        single = []  # (row in the pack, sequence) of the one-token sequences
-        offset = 0
-        for i, (n, cache) in enumerate(zip(seq_lens, caches)):
-            start, end = cache.length, cache.length + n
-            cache.keys[layer, start:end] = k[offset : offset + n]
-            cache.values[layer, start:end] = v[offset : offset + n]
-            if n == 1:
-                single.append((offset, i))
-            elif n > 1:
-                attn[offset : offset + n] = ops.attention(
-                    q[offset : offset + n], cache.keys[layer, :end], cache.values[layer, :end], start
-                )
-            offset += n
-        if single:
-            rows = [row for row, _ in single]
-            ends = [caches[i].length + 1 for _, i in single]
-            attn[rows] = ops.decode_attention(
-                q[rows],
-                [caches[i].keys[layer, :end] for (_, i), end in zip(single, ends)],
-                [caches[i].values[layer, :end] for (_, i), end in zip(single, ends)],
-            )
+        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)  # [N, Hq|Hkv, D]
+        keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
+        keys[plan.token_slots, :, plan.token_pos] = k
+        values[plan.token_slots, :, plan.token_pos] = v
+        attn = q.new_empty(q.shape)  # [N, Hq, D]
+        q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row N: zeros for padding queries
+        for g in plan.groups:
+            qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
+            kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
+            out = ops.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
+            attn[g.rows] = out.permute(0, 2, 1, 3).reshape(-1, *q.shape[1:])[g.real]
         x = x + self.self_attn.o_proj(attn.flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Group:
+    """Sequences of one `ops.batched_attention` call: B rows of Tq queries each.
+
+    Row b reads cache slot lo + b (a view of the store; rows of slots not in the group are
+    computed with zero queries and dropped) or, with `index`, slot index[b] (a gather).
+    `gather` [B, Tq] picks each row's queries from the pack (N = a zero query), `q_start`
+    [B] is their first position, and `rows` [n] / `real` [n] map the n real outputs of the
+    flattened [B * Tq] result back to the pack.
+    """
+
+    def __init__(self, members: list[tuple[int, int, int, int]], num_tokens: int, device: torch.device) -> None:
+        # members: (first row in the pack, token count, slot, start position)
+        slots = [m[2] for m in members]
+        tq = max(m[1] for m in members)
+        self.lo, self.hi = min(slots), max(slots) + 1
+        if self.hi - self.lo <= 2 * len(slots):  # dense enough: a view of the slot range
+            self.index, place = None, [slot - self.lo for slot in slots]
+            size = self.hi - self.lo
+        else:
+            self.index, place, size = torch.tensor(slots, device=device), list(range(len(slots))), len(slots)
+        # Built as Python lists and converted once: a torch op per sequence would cost more
+        # than a decode step of a small model.
+        gather = [[num_tokens] * tq for _ in range(size)]
+        q_start = [0] * size
+        rows, real = [], []
+        for (first, n, _, start), b in zip(members, place):
+            gather[b][:n] = range(first, first + n)
+            q_start[b] = start
+            rows.extend(range(first, first + n))
+            real.extend(range(b * tq, b * tq + n))
+        self.gather = torch.tensor(gather, device=device)
+        self.q_start = torch.tensor(q_start, device=device)
+        self.rows, self.real = torch.tensor(rows, device=device), torch.tensor(real, device=device)
+
+
+class _PackPlan:
+    """Where the tokens of one `forward_packed` call go: each token's cache slot and position,
+    and the attention groups (one-token sequences, i.e. decode steps; and longer chunks)."""
+
+    def __init__(self, seq_lens: list[int], slots: list[int], starts: list[int], device: torch.device) -> None:
+        firsts = [0, *itertools.accumulate(seq_lens)][:-1]
+        n = sum(seq_lens)
+        self.token_slots = torch.tensor([s for s, k in zip(slots, seq_lens) for _ in range(k)], device=device)
+        self.positions = torch.tensor([p for p0, k in zip(starts, seq_lens) for p in range(p0, p0 + k)], device=device)
+        self.token_pos = self.positions
+        members = list(zip(firsts, seq_lens, slots, starts))
+        decode = [m for m in members if m[1] == 1]
+        longer = [m for m in members if m[1] > 1]
+        self.groups = [_Group(g, n, device) for g in (decode, longer) if g]
 
 
 class Transformer(nn.Module):
@@ -219,29 +293,38 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward_packed(
-        self, input_ids: Tensor, positions: Tensor, seq_lens: list[int], caches: list[KVCache]
+        self, input_ids: Tensor, seq_lens: list[int], cache: KVCache, slots: list[int] | None = None
     ) -> Tensor:
         """See `CausalLM.forward_packed`."""
-        if len(seq_lens) != len(caches) or sum(seq_lens) != input_ids.shape[0] or positions.shape != input_ids.shape:
+        slots = list(range(len(seq_lens))) if slots is None else list(slots)
+        if len(seq_lens) != len(slots) or sum(seq_lens) != input_ids.shape[0] or min(seq_lens, default=1) < 1:
             raise ValueError(
-                f"forward_packed: {input_ids.shape[0]} tokens, positions {tuple(positions.shape)}, "
-                f"seq_lens summing to {sum(seq_lens)} over {len(seq_lens)} sequences, {len(caches)} caches"
+                f"forward_packed: {input_ids.shape[0]} tokens, seq_lens {list(seq_lens)[:8]} summing to "
+                f"{sum(seq_lens)} over {len(seq_lens)} sequences, {len(slots)} slots; expected one slot and "
+                "at least one token per sequence"
             )
         shape = (self.args.num_hidden_layers, self.args.num_key_value_heads, self.args.head_dim)
-        for n, cache in zip(seq_lens, caches):
-            if (cache.keys.shape[0], *cache.keys.shape[2:]) != shape or cache.keys.dtype != self.norm.weight.dtype:
+        got = (len(cache.keys), cache.keys[0].shape[1], cache.keys[0].shape[3])
+        if got != shape or cache.dtype != self.embed_tokens.weight.dtype:
+            raise ValueError(
+                f"KVCache of {got[0]} layers x {got[1]} kv heads x head_dim {got[2]}, {cache.dtype}, does not "
+                f"fit this model: expected {shape[0]} x {shape[1]} x {shape[2]}, {self.embed_tokens.weight.dtype}"
+            )
+        if len(set(slots)) != len(slots) or not all(0 <= s < cache.num_slots for s in slots):
+            raise ValueError(f"forward_packed: slots {slots[:8]} must be distinct, in [0, {cache.num_slots})")
+        starts = [cache.lengths[s] for s in slots]
+        for n, s, start in zip(seq_lens, slots, starts):
+            if start + n > cache.capacity:
                 raise ValueError(
-                    f"KVCache {tuple(cache.keys.shape)} {cache.keys.dtype} does not fit this model: "
-                    f"expected [{shape[0]}, capacity, {shape[1]}, {shape[2]}] {self.norm.weight.dtype}"
+                    f"KVCache slot {s} of capacity {cache.capacity} holds {start} tokens; cannot add {n}"
                 )
-            if cache.length + n > cache.capacity:
-                raise ValueError(f"KVCache of capacity {cache.capacity} holds {cache.length} tokens; cannot add {n}")
-        cos, sin = self._rope(positions)
+        plan = _PackPlan(seq_lens, slots, starts, input_ids.device)
+        cos, sin = self._rope(plan.positions)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_packed(x, cos, sin, seq_lens, caches, i)
-        for n, cache in zip(seq_lens, caches):
-            cache.length += n
+            x = layer.forward_packed(x, cos, sin, plan, cache, i)
+        for n, s in zip(seq_lens, slots):
+            cache.lengths[s] += n
         return self.norm(x)
 
 
@@ -270,17 +353,18 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(
-        self, input_ids: Tensor, positions: Tensor, seq_lens: list[int], caches: list[KVCache]
+        self, input_ids: Tensor, seq_lens: list[int], cache: KVCache, slots: list[int] | None = None
     ) -> Tensor:
-        """The engine path: the new tokens of len(caches) sequences, packed back to back.
+        """The engine path: the new tokens of len(seq_lens) sequences, packed back to back.
 
-        input_ids [N], positions [N] (RoPE positions), seq_lens[i] tokens for sequence i (a
-        prompt, a prefill chunk or one decode token), caches[i] its KVCache. Each token attends
-        to its sequence's cached tokens and the new ones up to itself; the new keys/values are
-        appended and cache.length advances. Returns final-normed hidden states [N, H],
+        input_ids [N]; seq_lens[i] tokens for sequence i (a prompt, a prefill chunk or one
+        decode token), cached in slot slots[i] of `cache` (default: slot i), at positions
+        cache.lengths[slot] onwards (also their RoPE positions). Each token attends to its
+        sequence's cached tokens and the new ones up to itself; the new keys/values are
+        appended and the slot's length advances. Returns final-normed hidden states [N, H],
         created in inference mode: map them with `logits` under torch.inference_mode() too.
         """
-        return self.model.forward_packed(input_ids, positions, seq_lens, caches)
+        return self.model.forward_packed(input_ids, seq_lens, cache, slots)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V]."""
@@ -320,10 +404,10 @@ class SequenceClassifier(nn.Module):
 
     @torch.inference_mode()
     def forward_packed(
-        self, input_ids: Tensor, positions: Tensor, seq_lens: list[int], caches: list[KVCache]
+        self, input_ids: Tensor, seq_lens: list[int], cache: KVCache, slots: list[int] | None = None
     ) -> Tensor:
         """As `CausalLM.forward_packed`; score a sequence with `scores(hidden[its last token])`."""
-        return self.model.forward_packed(input_ids, positions, seq_lens, caches)
+        return self.model.forward_packed(input_ids, seq_lens, cache, slots)
 
     def scores(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> [..., num_labels]."""

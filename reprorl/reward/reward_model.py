@@ -11,8 +11,10 @@
 
 Determinism. verl serialises its reward model (`max_num_seqs=1`) so that a score cannot
 depend on its batch. Here each forward packs several sequences one after another
-through the engine path (`forward_packed`, a fresh KV cache per sequence, no padding), and with `batch_invariant=True` the op layer computes every row with a fixed
-reduction order: a sample's score is then bitwise the same alone or in any batch, at any
+through the engine path (`forward_packed`: one slot of a KV cache per sequence, linear
+layers over the packed tokens, attention for all sequences in one batched call), and
+with `batch_invariant=True` the op layer computes every row with a fixed reduction
+order: a sample's score is then bitwise the same alone or in any batch, at any
 position, on any replica, with any thread count. Batching only changes speed.
 """
 
@@ -87,6 +89,7 @@ class RewardModelScorer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_invariant = batch_invariant
         self.dtype = next(self.model.parameters()).dtype
+        self._cache: KVCache | None = None  # made by the first forward
 
     def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
         """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
@@ -117,11 +120,15 @@ class RewardModelScorer:
         """One packed forward: [b] float32 scores of b <= max_num_seqs non-empty sequences."""
         lens = [len(s) for s in sequences]
         ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)  # [N]
-        positions = torch.cat([torch.arange(n) for n in lens])  # [N]
         last = torch.tensor(list(itertools.accumulate(lens))) - 1  # [b] each sequence's last token
-        caches = [KVCache.for_model(self.args, n, self.dtype) for n in lens]  # fresh: nothing cached
+        # One cache for every forward (allocating it costs more than a tiny model's forward):
+        # slots 0..b-1 start empty; what earlier forwards left past them is masked out.
+        if self._cache is None:
+            self._cache = KVCache.for_model(self.args, max(lens), self.max_num_seqs, self.dtype)
+        self._cache.grow(max(lens))
+        self._cache.lengths = [0] * self.max_num_seqs
         with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
-            hidden = self.model.forward_packed(ids, positions, lens, caches)  # [N, H]
+            hidden = self.model.forward_packed(ids, lens, self._cache)  # [N, H]
             scores = self.model.scores(hidden[last])  # [b, 1]
         return scores[:, 0].float()
 

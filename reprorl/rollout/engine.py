@@ -4,15 +4,13 @@
 them: each step packs one decode token for every running sequence, then prefill chunks
 of sequences still reading their prompt, then prompts of newly admitted requests, within
 `max_num_seqs` sequences and `max_num_batched_tokens` tokens. Requests join and leave
-between steps. Keys and values live in one preallocated store with a row per running
-sequence (`_KVStore`), freed for the next request when a sequence finishes.
+between steps. Keys and values live in one preallocated `KVCache` with a slot per running
+sequence (`_SlotPool`), freed for the next request when a sequence finishes.
 
-The forward pass is the model's own (`reprorl.models.transformer`, every op from
-`reprorl.models.ops`), run layer by layer here so that attention can take two paths:
-prefill chunks go through `ops.attention` one sequence at a time, and all decode tokens
-go through `decode_attention` in a few batched matmuls (the hot path: a Python loop per
-sequence and layer costs more than the tiny model's matmuls). Both paths give the same
-bits as the trainer's padded forward in batch-invariant mode (tested).
+The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
+op from `reprorl.models.ops`): all decode tokens of a step share one batched attention
+call, prefill chunks another, and in batch-invariant mode both give the same bits as the
+trainer's padded forward (tested).
 
 Determinism (DESIGN.md): a sample is a pure function of (weights, prompt ids, sampling
 params, seed). The engine keeps it by (1) giving each request a private generator seeded
@@ -50,10 +48,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from reprorl.models import ops
+from reprorl.models.transformer import KVCache
 from reprorl.rollout.sampling import SamplingParams, draw_uniforms, make_generator, sample_batch
 
 # Uniforms drawn per call from a request's generator (one per token, see sampling.py).
@@ -117,99 +115,24 @@ class _Chunk:
         return self.start >= len(self.seq.prompt_ids)
 
 
-class _KVStore:
-    """Keys and values of every running sequence, one row ("slot") per sequence.
+class _SlotPool:
+    """The KV cache of every running sequence (the model's `KVCache`, one slot per sequence)
+    and which slots are free. Slots are taken lowest first, so running ones stay dense and
+    a decode step reads them as one view. The cache grows (copying) to the longest sequence
+    admitted, in whole `ops.KEY_BLOCK`s."""
 
-    Per layer, keys [slots, Hkv, cap, D] and values in the same logical shape (`values(i)`).
-    In batch-invariant mode values are stored transposed, [slots, Hkv, D, cap]: the layout
-    in which `ops.attention` hands v to MKL for p v (rows of v^T, used transposed), so the
-    batched p v runs the same gemm variant; otherwise plainly, as SDPA reads them. A decode
-    step reads the slots as a view, no gather. `cap` grows (copying) to the longest
-    sequence admitted, in whole `ops.KEY_BLOCK`s; slots are taken lowest first so running
-    ones stay dense. Entries past a sequence's length hold stale (finite) values that
-    attention masks out.
-    """
-
-    def __init__(self, args, num_slots: int, dtype: torch.dtype, device: torch.device, transpose_values: bool):
-        self.shape = (num_slots, args.num_key_value_heads, args.head_dim)
-        self.num_layers, self.dtype, self.device = args.num_hidden_layers, dtype, device
-        self.transpose_values = transpose_values
-        self.keys: list[Tensor] = []
-        self._values: list[Tensor] = []
-        self.cap = 0
+    def __init__(self, args, num_slots: int, dtype: torch.dtype, device: torch.device):
+        self.cache = KVCache.for_model(args, ops.KEY_BLOCK, num_slots, dtype, device)
         self.free = list(range(num_slots))  # a heap
 
-    def values(self, layer: int) -> Tensor:
-        """Layer `layer`'s values as [slots, Hkv, cap, D] (a view when stored transposed)."""
-        v = self._values[layer]
-        return v.transpose(2, 3) if self.transpose_values else v
-
     def alloc(self, capacity: int) -> int:
-        if capacity > self.cap:
-            self._grow(capacity)
-        return heapq.heappop(self.free)
+        self.cache.grow(-(-capacity // ops.KEY_BLOCK) * ops.KEY_BLOCK)
+        slot = heapq.heappop(self.free)
+        self.cache.lengths[slot] = 0
+        return slot
 
     def release(self, slot: int) -> None:
         heapq.heappush(self.free, slot)
-
-    def _grow(self, capacity: int) -> None:
-        cap = -(-capacity // ops.KEY_BLOCK) * ops.KEY_BLOCK
-        s, h, d = self.shape
-        keys = [torch.zeros(s, h, cap, d, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        vshape = (s, h, d, cap) if self.transpose_values else (s, h, cap, d)
-        values = [torch.zeros(vshape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        old_cap, old_values = self.cap, [self.values(i) for i in range(len(self._values))]
-        for old, new in zip(self.keys, keys):
-            new[:, :, :old_cap] = old
-        self.keys, self._values, self.cap = keys, values, cap
-        for i, old in enumerate(old_values):
-            self.values(i)[:, :, :old_cap] = old
-
-
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, lengths: Tensor) -> Tensor:
-    """Attention of one new query per sequence over its cached keys, all sequences at once.
-
-    q [S, Hq, D]: sequence s's query, at position lengths[s] - 1.
-    keys, values [S, Hkv, Lk, D]: positions 0..Lk-1; those >= lengths[s] are masked (they
-    must be finite). lengths [S] int64 in 1..Lk. Returns [S, Hq, D].
-
-    In batch-invariant mode this equals `ops.attention(q[s:s+1], k_s, v_s, lengths[s] - 1)`
-    for every s, bit for bit (tested), in batched matmuls instead of a Python loop per
-    sequence and key head: the pieces of `ops._attend_invariant` with its paddings (query
-    rows to ROW_QUANTUM, score columns to COL_QUANTUM, p v summed over zero-padded
-    KEY_BLOCK chunks in order; Lk must be a multiple of KEY_BLOCK). Chunks past a
-    sequence's last key add exact zeros. Outside the mode it is SDPA with a length mask.
-    """
-    s, hq, d = q.shape
-    hkv, lk = keys.shape[1], keys.shape[2]
-    if not ops.is_batch_invariant():
-        keep = torch.arange(lk, device=q.device)[None, :] < lengths[:, None]  # [S, Lk]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None], keys, values, attn_mask=keep[:, None, None], enable_gqa=True
-        )  # [S, Hq, 1, D]
-        return out[:, :, 0]
-    kb = ops.KEY_BLOCK
-    if lk % kb or d % ops.COL_QUANTUM:
-        raise ValueError(
-            f"decode_attention: {lk} keys and head_dim {d}; expected multiples of {kb} and {ops.COL_QUANTUM}"
-        )
-    g = hq // hkv
-    gp = -(-g // ops.ROW_QUANTUM) * ops.ROW_QUANTUM
-    qg = F.pad(q.view(s, hkv, g, d), (0, 0, 0, gp - g)).reshape(s * hkv, gp, d)
-    # Scores only up to the longest sequence (in whole COL_QUANTUMs): a row's scores do not
-    # depend on how many columns the matmul has.
-    nk = -(-int(lengths.max()) // ops.COL_QUANTUM) * ops.COL_QUANTUM
-    k = keys[:, :, :nk].reshape(s * hkv, nk, d)
-    scores = torch.bmm(qg, k.transpose(1, 2)).float() * d**-0.5  # [S*Hkv, Gp, nk]
-    past = torch.arange(nk, device=q.device)[None, :] >= lengths.repeat_interleave(hkv)[:, None]
-    probs = ops.softmax(scores.masked_fill(past[:, None, :], float("-inf"))).to(values.dtype)
-    nb = -(-nk // kb) * kb
-    probs = F.pad(probs, (0, nb - nk))  # [S*Hkv, Gp, nb]
-    v = values[:, :, :nb].reshape(s * hkv, nb, d)
-    out = torch.bmm(probs[..., :kb], v[:, :kb])
-    for start in range(kb, nb, kb):
-        out = out + torch.bmm(probs[..., start : start + kb], v[:, start : start + kb])
-    return out.view(s, hkv, gp, d)[:, :, :g].reshape(s, hq, d)
 
 
 class Engine:
@@ -263,7 +186,7 @@ class Engine:
 
         self.weight_version = 0
         self.asleep = False
-        self._kv: _KVStore | None = None  # made on first admission, dropped by sleep()
+        self._kv: _SlotPool | None = None  # made on first admission, dropped by sleep()
         self._waiting: list[tuple[int, int, _Sequence]] = []  # heap of (priority, arrival, seq)
         self._running: list[_Sequence] = []  # admission order
         self._by_id: dict[str, _Sequence] = {}
@@ -397,7 +320,7 @@ class Engine:
             "waiting": len(self._waiting),
             "weight_version": self.weight_version,
             "asleep": self.asleep,
-            "kv_capacity": self._kv.cap if self._kv is not None else 0,
+            "kv_capacity": self._kv.cache.capacity if self._kv is not None else 0,
             **self._stats,
         }
 
@@ -469,7 +392,7 @@ class Engine:
         while self._waiting and len(self._running) < self.max_num_seqs and budget > 0:
             _, _, seq = heapq.heappop(self._waiting)
             if self._kv is None:
-                self._kv = _KVStore(self.args, self.max_num_seqs, self.dtype, self.device, self.batch_invariant)
+                self._kv = _SlotPool(self.args, self.max_num_seqs, self.dtype, self.device)
             seq.slot = self._kv.alloc(seq.capacity)
             seq.weight_version = self.weight_version
             self._running.append(seq)
@@ -555,56 +478,9 @@ class Engine:
             return sample_batch(logits.float().cpu(), [s.params for s in sampled], [s.next_uniform() for s in sampled])
 
     def _forward(self, chunks: list[_Chunk]) -> Tensor:
-        """`Transformer.forward_packed`, with decode attention batched. Returns hidden [N, H].
-
-        Mirrors the model's layer (`DecoderLayer.forward_packed`) op for op; only where
-        keys/values are stored and how decode attention is batched differ.
-        """
-        backbone, kv, dev = self.model.model, self._kv, self.device
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=dev)  # [N]
-        positions = torch.tensor([c.start + i for c in chunks for i in range(len(c.token_ids))], device=dev)
-        slots = torch.tensor([c.slot for c in chunks for _ in c.token_ids], device=dev)  # [N]
-        decode = [c for c in chunks if c.is_decode]  # the first len(decode) tokens
-        prefill = chunks[len(decode) :]
-        nd = len(decode)
-        if nd:
-            # Decode reads the slot range [lo, hi) of the store as a view; free slots in it
-            # are computed and dropped (length 1 keeps their softmax finite). When the
-            # decoding slots are exactly lo..hi-1 in order (the common case), no scatter.
-            dec_slots = slots[:nd]
-            lo, hi = min(c.slot for c in decode), max(c.slot for c in decode) + 1
-            dense = [c.slot for c in decode] == list(range(lo, hi))
-            lengths = torch.ones(hi - lo, dtype=torch.long, device=dev)
-            lengths[dec_slots - lo] = positions[:nd] + 1
-            longest = max(c.start for c in decode) + 1
-            num_keys = min(-(-longest // ops.KEY_BLOCK) * ops.KEY_BLOCK, kv.cap) if self.batch_invariant else longest
-
-        x = F.embedding(ids, backbone.embed_tokens.weight)  # [N, H]
-        cos, sin = backbone.rope_cos[positions], backbone.rope_sin[positions]
-        for i, layer in enumerate(backbone.layers):
-            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)  # [N, Hq|Hkv, D]
-            keys, values = kv.keys[i], kv.values(i)  # [slots, Hkv, cap, D] each
-            keys[slots, :, positions] = k
-            values[slots, :, positions] = v
-            outs = []
-            if nd:
-                if dense:
-                    q_slots = q[:nd]
-                else:
-                    q_slots = q.new_zeros(hi - lo, *q.shape[1:])
-                    q_slots[dec_slots - lo] = q[:nd]
-                out = decode_attention(q_slots, keys[lo:hi, :, :num_keys], values[lo:hi, :, :num_keys], lengths)
-                outs.append(out if dense else out[dec_slots - lo])
-            offset = nd
-            for c in prefill:
-                n, end = len(c.token_ids), c.start + len(c.token_ids)
-                k_seq = keys[c.slot, :, :end].transpose(0, 1)  # [end, Hkv, D]
-                v_seq = values[c.slot, :, :end].transpose(0, 1)
-                outs.append(ops.attention(q[offset : offset + n], k_seq, v_seq, c.start))
-                offset += n
-            x = x + layer.self_attn.o_proj(torch.cat(outs).flatten(-2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return backbone.norm(x)
+        """The model's `forward_packed` over the chunks, each in its sequence's slot. -> hidden [N, H]."""
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
+        return self.model.forward_packed(ids, [len(c.token_ids) for c in chunks], self._kv.cache, [c.slot for c in chunks])
 
 
 def _eos_from_dir(path: str) -> int | list[int] | None:

@@ -75,6 +75,17 @@ def test_linear_example():
         assert torch.equal(out, torch.tensor([[1.0, -0.5, 0.0]]))
 
 
+def test_invariant_sums_differentiable_after_inference_mode():
+    """`_row_sum` caches its ones matrix: made under inference_mode, it must still serve autograd."""
+    x = torch.randn(3, 48)
+    with ops.batch_invariant():
+        with torch.inference_mode():
+            ops.rms_norm(x, torch.ones(48), 1e-6)
+        y = x.clone().requires_grad_()
+        ops.log_softmax(ops.rms_norm(y, torch.ones(48), 1e-6))[:, 0].sum().backward()
+    assert y.grad is not None and torch.isfinite(y.grad).all()
+
+
 def test_batch_invariant_context_restores_the_mode():
     assert not ops.is_batch_invariant()
     with ops.batch_invariant():
@@ -227,24 +238,64 @@ def test_attention_block_sizes_are_invisible(monkeypatch):
             assert torch.equal(ops.attention(q[i : i + 1], k[: i + 1], v[: i + 1], i)[0], small_chunks[i])
 
 
-def test_decode_attention_batches_like_single_calls():
-    """S sequences of different lengths, one new query each: each row equals the
-    single-sequence call, bitwise in batch-invariant mode, to rounding in plain mode."""
-    g = torch.Generator().manual_seed(10)
-    lengths = [1, 5, 16, 17, 300]
-    keys = [torch.randn(n, 2, 32, generator=g) for n in lengths]
-    values = [torch.randn(n, 2, 32, generator=g) for n in lengths]
-    q = torch.randn(len(lengths), 6, 32, generator=g)
+def batched_case(seed, hq, hkv, d, b, tq, max_start):
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] with random starts, and the starts."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, max_start + 1, (b,), generator=g)
+    tk = int(starts.max()) + tq + 5  # keys past the last query must be masked
+    return (
+        torch.randn(b, hq, tq, d, generator=g),
+        torch.randn(b, hkv, tk, d, generator=g),
+        torch.randn(b, hkv, tk, d, generator=g),
+        starts,
+    )
+
+
+def single(q, k, v, start, tq):
+    """Sequence b of a batched case through `attention` alone, over its own keys: [Hq, Tq, D]."""
+    keys = k[:, : start + tq].transpose(0, 1)
+    return ops.attention(q.transpose(0, 1), keys, v[:, : start + tq].transpose(0, 1), start).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,d,b,tq,max_start",
+    [
+        (2, 1, 64, 9, 1, 300),  # decode: lengths on both sides of KEY_BLOCK
+        (14, 2, 64, 5, 1, 700),
+        (4, 4, 40, 6, 3, 20),  # head_dim padded to COL_QUANTUM
+        (6, 2, 16, 4, 17, 260),  # prefill chunks after a cached prefix
+        (3, 1, 32, 3, 300, 0),  # whole prompts across a QUERY_BLOCK
+    ],
+)
+def test_batched_attention_rows_equal_single_sequence_attention(hq, hkv, d, b, tq, max_start):
+    """The vectorised path against its plain reference, `attention` one sequence at a time:
+    bitwise in batch-invariant mode, to float32 rounding in plain mode (SDPA vs matmuls)."""
+    q, k, v, starts = batched_case(hq * d + tq, hq, hkv, d, b, tq, max_start)
     for invariant in (False, True):
         with ops.batch_invariant(invariant):
-            batched = ops.decode_attention(q, keys, values)
-            for i, n in enumerate(lengths):
-                alone = ops.attention(q[i : i + 1], keys[i], values[i], n - 1)[0]
-                expected = reference_attention(q[i : i + 1], keys[i], values[i], n - 1)[0].float()
-                torch.testing.assert_close(batched[i], expected, rtol=1e-5, atol=1e-5)
+            out = ops.batched_attention(q, k, v, starts)
+            for i, start in enumerate(starts.tolist()):
+                alone = single(q[i], k[i], v[i], start, tq)
                 if invariant:
-                    assert torch.equal(batched[i], alone)
-                    assert torch.equal(ops.decode_attention(q[i : i + 1], keys[i : i + 1], values[i : i + 1])[0], alone)
+                    assert torch.equal(out[i], alone), (i, start)
+                    # and alone through the batched path itself
+                    assert torch.equal(ops.batched_attention(q[i : i + 1], k[i : i + 1], v[i : i + 1], starts[i : i + 1])[0], alone)
+                else:
+                    torch.testing.assert_close(out[i], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_attention_groups_and_extra_keys_are_invisible(monkeypatch):
+    """Splitting the batch into groups (a tiny SCORE_ELEMENTS), shorter query padding, and
+    stale keys past every query change no bit of a real row."""
+    q, k, v, starts = batched_case(11, 4, 2, 32, 7, 5, 280)
+    with ops.batch_invariant():
+        whole = ops.batched_attention(q, k, v, starts)
+        monkeypatch.setattr(ops, "SCORE_ELEMENTS", 1)  # one sequence per group
+        assert torch.equal(ops.batched_attention(q, k, v, starts), whole)
+        stale = torch.cat([k, torch.randn(7, 2, 300, 32)], dim=2), torch.cat([v, torch.randn(7, 2, 300, 32)], dim=2)
+        assert torch.equal(ops.batched_attention(q, *stale, starts), whole)
+        first = ops.batched_attention(q[:, :, :2], k, v, starts)  # the first 2 queries of each
+        assert torch.equal(first, whole[:, :, :2])
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
@@ -293,6 +344,19 @@ def test_linear_rows_invariant_wide(k, n):
 
 
 @pytest.mark.slow
+def test_batched_attention_threads():
+    q, k, v, starts = batched_case(12, 14, 2, 64, 24, 1, 600)
+    with ops.batch_invariant():
+        torch.set_num_threads(1)
+        alone = [single(q[i], k[i], v[i], int(s), 1) for i, s in enumerate(starts)]
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            out = ops.batched_attention(q, k, v, starts)
+            for i in range(len(starts)):
+                assert torch.equal(out[i], alone[i]), (threads, i)
+
+
+@pytest.mark.slow
 def test_attention_invariant_long_and_threads():
     q, k, v = random_qkv(600, 600, 14, 2, 64, seed=8)
     with ops.batch_invariant():
@@ -302,3 +366,23 @@ def test_attention_invariant_long_and_threads():
             torch.set_num_threads(threads)
             for i in (0, 17, 255, 256, 599):
                 assert torch.equal(ops.attention(q[i : i + 1], k[: i + 1], v[: i + 1], i)[0], whole[i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,width", [("log_softmax", 151936), ("log_softmax", 32000), ("rms_norm", 3584)])
+def test_fixed_width_sums_rows_invariant_wide(name, width):
+    """`_row_sum` (a matmul with ones) at a real vocabulary's and hidden size's width."""
+    fn = {"log_softmax": lambda x: ops.log_softmax(x * 3), "rms_norm": lambda x: ops.rms_norm(x, torch.ones(width), 1e-6)}[name]
+    g = torch.Generator().manual_seed(width)
+    row = torch.randn(1, width, generator=g)
+    rng = random.Random(width)
+    with ops.batch_invariant():
+        torch.set_num_threads(1)
+        alone = fn(row)[0]
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for m in (2, 3, 4, 5, 9, 17, 64):
+                batch = torch.randn(m, width, generator=g)
+                pos = rng.randrange(m)
+                batch[pos] = row[0]
+                assert torch.equal(fn(batch)[pos], alone), (threads, m, pos)

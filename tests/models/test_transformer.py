@@ -36,19 +36,17 @@ def build(cls=CausalLM, family="qwen2", seed=0):
     return model.eval()
 
 
-def prefill(model, prompts, caches):
-    """Pack whole prompts into one forward_packed call -> hidden [sum(len), H]."""
-    ids = torch.cat(prompts)
-    positions = torch.cat([torch.arange(c.length, c.length + len(p)) for p, c in zip(prompts, caches)])
-    return model.forward_packed(ids, positions, [len(p) for p in prompts], caches)
+def prefill(model, prompts, cache, slots=None):
+    """Pack whole prompts (or decode tokens) into one forward_packed call -> hidden [sum(len), H]."""
+    return model.forward_packed(torch.cat(prompts), [len(p) for p in prompts], cache, slots)
 
 
 def random_prompts(n, rng, vocab=96, max_len=20):
     return [torch.tensor([rng.randrange(3, vocab) for _ in range(rng.randint(1, max_len))]) for _ in range(n)]
 
 
-def new_cache(model, capacity=64):
-    return KVCache.for_model(model.args, capacity)
+def new_cache(model, capacity=64, num_slots=1):
+    return KVCache.for_model(model.args, capacity, num_slots)
 
 
 def check_companions(family, runs):
@@ -62,22 +60,24 @@ def check_companions(family, runs):
     with ops.batch_invariant(), torch.inference_mode():
         torch.set_num_threads(1)
         cache = new_cache(model)
-        alone = [prefill(model, [prompt], [cache])]
-        alone += [prefill(model, [tok], [cache]) for tok in steps]
+        alone = [prefill(model, [prompt], cache)]
+        alone += [prefill(model, [tok], cache) for tok in steps]
         for threads, companions in runs:
             torch.set_num_threads(threads)
             others = random_prompts(companions, rng)
             slot = rng.randrange(companions + 1)
-            caches = [new_cache(model) for _ in range(companions + 1)]
+            # Cache slots in a random order: some steps read the store as a view, some gather.
+            cache = new_cache(model, num_slots=2 * companions + 2)
+            slots = rng.sample(range(2 * companions + 2), companions + 1)
             order = others[:slot] + [prompt] + others[slot:]
-            hidden = prefill(model, order, caches)
+            hidden = prefill(model, order, cache, slots)
             start = sum(len(p) for p in order[:slot])
             assert torch.equal(hidden[start : start + len(prompt)], alone[0]), (threads, companions, slot)
             for step, tok in enumerate(steps):
                 # decode: one token per sequence; the companions draw theirs at random
                 tokens = [torch.tensor([rng.randrange(3, 96)]) for _ in order]
                 tokens[slot] = tok
-                hidden = prefill(model, tokens, caches)
+                hidden = prefill(model, tokens, cache, slots)
                 assert torch.equal(hidden[slot : slot + 1], alone[step + 1]), (threads, companions, step)
                 assert torch.equal(model.logits(hidden)[slot], model.logits(alone[step + 1])[0])
 
@@ -99,11 +99,11 @@ def test_prefill_chunking_is_invisible():
     prompt = torch.tensor(random_prompts(1, random.Random(1), max_len=40)[0].tolist() + [9] * 30)
     with ops.batch_invariant(), torch.inference_mode():
         cache = new_cache(model, 128)
-        whole = prefill(model, [prompt], [cache])
+        whole = prefill(model, [prompt], cache)
         for chunks in ([1] * 8 + [len(prompt) - 8], [5, 17, len(prompt) - 22]):
             cache, start, pieces = new_cache(model, 128), 0, []
             for n in chunks:
-                pieces.append(prefill(model, [prompt[start : start + n]], [cache]))
+                pieces.append(prefill(model, [prompt[start : start + n]], cache))
                 start += n
             assert torch.equal(torch.cat(pieces), whole)
 
@@ -127,8 +127,8 @@ def test_forward_agrees_with_forward_packed(family):
             for i, s in enumerate(seqs):
                 cache = new_cache(model)
                 cut = (len(s) + 1) // 2  # prefill the first half, decode the rest
-                hidden = [prefill(model, [s[:cut]], [cache])]
-                hidden += [prefill(model, [s[t : t + 1]], [cache]) for t in range(cut, len(s))]
+                hidden = [prefill(model, [s[:cut]], cache)]
+                hidden += [prefill(model, [s[t : t + 1]], cache) for t in range(cut, len(s))]
                 packed = model.logits(torch.cat(hidden))
                 if invariant:
                     assert torch.equal(packed, full[i, width - len(s) :])
@@ -179,7 +179,7 @@ def test_reward_head_reads_the_last_real_token():
             torch.tensor([[0, 0, 7, 3, 9, 30, 31], [7, 3, 9, 30, 31, 0, 0]]),
             torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0, 0]]),
         )
-        hidden = model.forward_packed(seq[0], torch.arange(5), [5], [new_cache(model)])
+        hidden = model.forward_packed(seq[0], [5], new_cache(model))
         assert torch.equal(model.scores(hidden[-1:]), score)
     assert score.shape == (1, 1)
     assert torch.equal(padded, score.expand(2, 1))
@@ -203,7 +203,7 @@ def test_bfloat16_plain_path_runs_close_to_float32():
         model_bf16 = model.to(torch.bfloat16)
         out = model_bf16(ids)
         cache = KVCache.for_model(model.args, 16, dtype=torch.bfloat16)
-        packed = model_bf16.logits(model_bf16.forward_packed(ids[0], torch.arange(6), [6], [cache]))
+        packed = model_bf16.logits(model_bf16.forward_packed(ids[0], [6], cache))
     assert out.dtype == torch.bfloat16
     # bfloat16 keeps 8 bits of mantissa (relative error 4e-3 per op, over ~20 ops): 1e-1 of O(1) logits.
     torch.testing.assert_close(out.float(), reference, rtol=0, atol=1e-1)
@@ -213,15 +213,25 @@ def test_bfloat16_plain_path_runs_close_to_float32():
 def test_cache_and_packing_errors():
     model = build()
     cache = new_cache(model, capacity=4)
-    with pytest.raises(ValueError, match="capacity 4 holds 0 tokens; cannot add 5"):
-        model.forward_packed(torch.arange(5), torch.arange(5), [5], [cache])
-    with pytest.raises(ValueError, match="seq_lens summing to 4 over 1 sequences, 2 caches"):
-        model.forward_packed(torch.arange(5), torch.arange(5), [4], [cache, cache])
+    with pytest.raises(ValueError, match="slot 0 of capacity 4 holds 0 tokens; cannot add 5"):
+        model.forward_packed(torch.arange(5), [5], cache)
+    with pytest.raises(ValueError, match="seq_lens .* summing to 4 over 1 sequences, 1 slots"):
+        model.forward_packed(torch.arange(5), [4], cache)
+    with pytest.raises(ValueError, match=r"slots \[0, 0\] must be distinct, in \[0, 1\)"):
+        model.forward_packed(torch.arange(5), [2, 3], cache, [0, 0])
+    with pytest.raises(ValueError, match=r"KVCache of 2 layers x 2 kv heads x head_dim 16, torch.bfloat16, does not fit"):
+        model.forward_packed(torch.arange(2), [2], KVCache.for_model(model.args, 8, dtype=torch.bfloat16))
+    long = new_cache(model, capacity=600)
+    long.lengths[0] = 511
     with pytest.raises(ValueError, match="position 512 is past max_position_embeddings=512"):
-        model.forward_packed(torch.arange(2), torch.tensor([0, 512]), [2], [cache])
-    with pytest.raises(ValueError, match=r"KVCache \(2, 8, 2, 16\) torch.bfloat16 does not fit"):
-        model.forward_packed(torch.arange(2), torch.arange(2), [2], [KVCache.for_model(model.args, 8, torch.bfloat16)])
-    assert cache.length == 0  # nothing was appended by the failed calls
+        model.forward_packed(torch.arange(2), [2], long)
+    assert cache.lengths == [0] and long.lengths == [511]  # nothing was appended by the failed calls
     with torch.inference_mode():
-        model.forward_packed(torch.arange(3), torch.arange(3), [3], [cache])
-    assert (cache.length, cache.capacity) == (3, 4)
+        model.forward_packed(torch.arange(3), [3], cache)
+    assert (cache.lengths, cache.capacity) == ([3], 4)
+    cache.grow(300)  # keeps what is cached
+    with torch.inference_mode():
+        grown = model.forward_packed(torch.tensor([3]), [1], cache)
+        fresh = new_cache(model, capacity=300)
+        model.forward_packed(torch.arange(3), [3], fresh)
+        assert torch.equal(grown, model.forward_packed(torch.tensor([3]), [1], fresh))

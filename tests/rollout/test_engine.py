@@ -14,7 +14,7 @@ import torch
 from reprorl.models import ops
 from reprorl.models.hf_io import load_model
 from reprorl.models.tiny import make_tiny
-from reprorl.rollout.engine import Engine, GenerateOutput, decode_attention
+from reprorl.rollout.engine import Engine, GenerateOutput
 from reprorl.rollout.sampling import SamplingParams
 
 EOS = 2
@@ -364,29 +364,6 @@ def test_bad_requests(model):
     asyncio.run(main())
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         make_engine(model, max_num_seqs=8, max_num_batched_tokens=4)
-
-
-@pytest.mark.parametrize("invariant", [True, False])
-@pytest.mark.parametrize("hq, hkv", [(2, 1), (14, 2), (4, 4)])
-def test_decode_attention_equals_ops_attention_per_sequence(hq, hkv, invariant):
-    # The batched decode path against its plain reference: ops.attention, one sequence at a
-    # time. Lengths cross KEY_BLOCK (256) so the chunked p v sum is exercised.
-    g = torch.Generator().manual_seed(hq)
-    s, d, lk = 6, 64, 768
-    keys = torch.randn(s, hkv, lk, d, generator=g)
-    values = torch.randn(s, hkv, d, lk, generator=g).transpose(2, 3)  # the engine's layout
-    q = torch.randn(s, hq, d, generator=g)
-    lengths = torch.tensor([1, 17, 255, 256, 257, 700])
-    with ops.batch_invariant(invariant):
-        out = decode_attention(q, keys, values, lengths)
-        for i, n in enumerate(lengths.tolist()):
-            k = keys[i, :, :n].transpose(0, 1)  # [n, Hkv, D]
-            v = values[i, :, :n].transpose(0, 1)
-            ref = ops.attention(q[i : i + 1], k, v, n - 1)[0]
-            if invariant:
-                assert torch.equal(out[i], ref)
-            else:  # different kernels (bmm vs SDPA): float32 rounding only
-                torch.testing.assert_close(out[i], ref, rtol=0, atol=1e-5)
 
 
 def test_long_prompts_chunked_or_whole_match_the_trainer(model):
