@@ -108,6 +108,16 @@ class RolloutConfig:
     num_agent_workers: int = _field(1, "agent-loop workers sending requests to the replicas", ge=1)
     max_turns: int = _field(4, "most assistant turns in the tool loop", ge=1)
     tools: list[str] = _field([], "tools the tool loop may call, by name")
+    vllm_gpu_memory_utilization: float = _field(
+        0.3, "backend=vllm: share of accelerator memory per replica for weights and KV cache (CPU: of host memory, "
+        "for the KV cache) when vllm_kv_cache_gib is null", gt=0, le=1
+    )
+    vllm_kv_cache_gib: float | None = _field(
+        None, "backend=vllm: KV-cache size per replica in GiB; null = sized by vllm_gpu_memory_utilization", gt=0
+    )
+    vllm_enforce_eager: bool = _field(
+        False, "backend=vllm: run eagerly, without torch.compile and CUDA graphs (faster start, slower steps)"
+    )
     val: RolloutValConfig = _section(RolloutValConfig, "sampling parameters for validation")
 
 
@@ -117,6 +127,9 @@ class RewardConfig:
         None, "rule reward function: 'module:function' or 'path.py:function'; null = chosen by each row's data_source"
     )
     model_path: str | None = _field(None, "a reward model (HF-format directory); null = no reward model")
+    backend: Literal["native", "vllm"] = _field(
+        "native", "reward-model engine: the built-in scorer or vLLM's pooling path (with rollout.vllm_* settings)"
+    )
     num_replicas: int = _field(1, "reward-model replicas", ge=1)
     max_num_seqs: int = _field(64, "most sequences a reward-model replica scores at once", ge=1)
     rule_weight: float = _field(1.0, "weight of the rule reward in the total reward")

@@ -166,7 +166,14 @@ class RewardReplica:
         if is_full_determinism():
             enable_full_determinism(int(os.environ[ENV_SEED]))
         self.replica_id = replica_id
-        self.scorer = RewardModelScorer(model_path, **scorer_options)
+        if scorer_options.get("backend") == "vllm":  # reprorl/reward/vllm_reward.py
+            from reprorl.reward.vllm_reward import VllmRewardScorer
+
+            options = {k: v for k, v in scorer_options.items() if k not in ("backend", "batch_invariant")}
+            self.scorer = VllmRewardScorer(model_path, expected_env=expected_env,
+                                           where=f"reward replica {replica_id}", **options)
+        else:
+            self.scorer = RewardModelScorer(model_path, **scorer_options)
 
     def ready(self) -> int:
         """The replica id, once the constructor ran (surfaces start-up errors)."""
@@ -177,6 +184,8 @@ class RewardReplica:
 
     def determinism_info(self) -> dict[str, Any]:
         """This replica's determinism mode (the keys of `reprorl.rollout.replica`'s replicas)."""
+        if hasattr(self.scorer, "determinism_info"):  # vLLM's, measured in its worker
+            return self.scorer.determinism_info()
         return model_part_info(backend="reprorl", batch_invariant=self.scorer.batch_invariant,
                                dtype=self.scorer.dtype)
 
@@ -204,9 +213,13 @@ class RewardModelPool:
         num_cpus_per_replica: float | None = None,
         runtime_env: Mapping[str, Any] | None = None,
         ray_address: str | None = None,
+        backend: str = "native",
+        vllm_options: Mapping[str, Any] | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"RewardModelPool: num_replicas={num_replicas}; expected >= 1")
+        if backend not in ("native", "vllm"):
+            raise ValueError(f"RewardModelPool: backend={backend!r}; expected 'native' or 'vllm'")
         self.env = determinism_env(seed, full_determinism)
         self.runtime_env = ray_runtime_env(self.env, runtime_env)
         init_ray(ray_address)
@@ -217,9 +230,20 @@ class RewardModelPool:
             "max_num_batched_tokens": max_num_batched_tokens,
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
         }
-        actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, runtime_env=self.runtime_env)
+        num_gpus = 0
+        if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
+            from reprorl.rollout.vllm_replica import replica_gpus
+
+            options.update(backend="vllm", **(vllm_options or {}))
+            num_gpus = replica_gpus()
+        actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
+                                                  runtime_env=self.runtime_env)
         self.replicas = [actor.remote(i, str(model_path), options, self.env) for i in range(num_replicas)]
         wait_ready(self.replicas, "reward model replicas", num_cpus_per_replica)
+        if backend == "vllm":
+            from reprorl.rollout.vllm_replica import warn_if_serialized
+
+            warn_if_serialized(ray.get(self.replicas[0].determinism_info.remote()), max_num_seqs, "reward model")
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores, in the order given."""

