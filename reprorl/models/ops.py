@@ -32,6 +32,7 @@ tests/models/test_ops.py):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -99,35 +100,48 @@ def _matmul_rows(a: Tensor, b: Tensor) -> Tensor:
     return out[:m, :n] if pad_m or pad_n else out
 
 
-class _PairwiseSum(torch.autograd.Function):
+def _pairwise_fold(x: Tensor) -> Tensor:
     """Sum over the last dim in a fixed pairwise order: [..., n] -> [..., 1].
 
     The order is that of zero-padding n to a power of two and adding the upper half onto
     the lower half until one column is left. Extra zero columns only add exact zeros, so
     a row gives the same bits whatever width it was padded to (attention rows padded with
     masked keys rely on it). The folds run in place in one buffer (fresh buffers cost page
-    faults); the gradient of a sum is 1 for every element, so backward needs no graph.
+    faults).
     """
+    n = x.shape[-1]
+    if n == 1:
+        return x.clone()
+    half = 1 << ((n - 1).bit_length() - 1)  # the first fold point: the largest power of two below n
+    buf = x[..., :half].clone()
+    buf[..., : n - half] += x[..., half:]  # columns past n would be zeros
+    while half > 1:
+        half //= 2
+        buf[..., :half] += buf[..., half : 2 * half]
+    return buf[..., :1]
+
+
+class _PairwiseSum(torch.autograd.Function):
+    """`_pairwise_fold` for autograd: the gradient of a sum is 1 for every element, so
+    backward needs no graph."""
 
     @staticmethod
     def forward(ctx, x: Tensor) -> Tensor:
-        n = ctx.width = x.shape[-1]
-        if n == 1:
-            return x.clone()
-        half = 1 << ((n - 1).bit_length() - 1)  # the first fold point: the largest power of two below n
-        buf = x[..., :half].clone()
-        buf[..., : n - half] += x[..., half:]  # columns past n would be zeros
-        while half > 1:
-            half //= 2
-            buf[..., :half] += buf[..., half : 2 * half]
-        return buf[..., :1]
+        ctx.width = x.shape[-1]
+        return _pairwise_fold(x)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         return grad.expand(*grad.shape[:-1], ctx.width)
 
 
-_pairwise_sum = _PairwiseSum.apply
+def _pairwise_sum(x: Tensor) -> Tensor:
+    """`_pairwise_fold`, through autograd only when a gradient is wanted (a decode step
+    makes many small calls, and the autograd.Function wrapper costs as much as the folds)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _PairwiseSum.apply(x)
+    return _pairwise_fold(x)
+
 
 _ONES: dict[tuple, Tensor] = {}
 
@@ -304,11 +318,11 @@ def _attend_batch(rows: Tensor, k: Tensor, v: Tensor, first_pos: Tensor, qn: int
     # Keys any row here can see, in whole COL_QUANTUMs (a row's scores do not depend on
     # how many columns the matmul has; masked columns are exact zeros after the softmax).
     nk = min(int(first_pos.max()) + qn, k.shape[2])
-    t = torch.arange(r, device=rows.device) % qn
     if not _BATCH_INVARIANT:
-        allowed = torch.arange(nk, device=rows.device) <= (first_pos[:, None] + t)[:, None, :, None]
+        pos = first_pos[:, None] + _row_offsets(r, qn, 0, 0, rows.device)  # [B, R]
+        masked = torch.arange(nk, device=rows.device) > pos[:, None, :, None]
         scores = torch.matmul(rows, k[:, :, :nk].transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, nk]
-        probs = torch.softmax(scores.masked_fill_(~allowed, float("-inf")), dim=-1).to(v.dtype)
+        probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1).to(v.dtype)
         return torch.matmul(probs, v[:, :, :nk])
     _check_cpu(rows)
     pad_r, pad_d = -r % ROW_QUANTUM, -d % COL_QUANTUM
@@ -316,11 +330,10 @@ def _attend_batch(rows: Tensor, k: Tensor, v: Tensor, first_pos: Tensor, qn: int
     nb = nk + (-nk % KEY_BLOCK)
     rows = F.pad(rows, (0, pad_d, 0, pad_r)) if pad_r or pad_d else rows.contiguous()
     k, v = _keys_upto(k, nk_p, pad_d), _keys_upto(v, nb, pad_d)  # [B, Hkv, nk_p | nb, Dp]
-    # Padding rows see every key, so no row is all -inf (no NaN).
-    pos = torch.where(torch.arange(r + pad_r, device=rows.device) < r, first_pos[:, None] + F.pad(t, (0, pad_r)), nk_p)
-    allowed = torch.arange(nk_p, device=rows.device) <= pos[:, None, :, None]  # [B, 1, Rp, nk_p]
+    pos = first_pos[:, None] + _row_offsets(r, qn, pad_r, nk_p if pad_r else 0, rows.device)  # [B, Rp]
+    masked = torch.arange(nk_p, device=rows.device) > pos[:, None, :, None]  # [B, 1, Rp, nk_p]
     scores = torch.matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, Rp, nk_p]
-    probs = softmax(scores.masked_fill_(~allowed, float("-inf"))).to(v.dtype)
+    probs = softmax(scores.masked_fill_(masked, float("-inf"))).to(v.dtype)
     if nb > nk_p:
         probs = F.pad(probs, (0, nb - nk_p))
     out = None
@@ -329,6 +342,14 @@ def _attend_batch(rows: Tensor, k: Tensor, v: Tensor, first_pos: Tensor, qn: int
         part = torch.matmul(chunk, v[:, :, kb : kb + KEY_BLOCK])
         out = part if out is None else out + part
     return out[:, :, :r, :d]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_offsets(r: int, qn: int, pad: int, see_all: int, device: torch.device) -> Tensor:
+    """[r + pad] int64: row i's query offset, i % qn; padding rows get `see_all`, so that
+    they see every key and no row is all -inf (no NaN). Cached: every layer asks again."""
+    with torch.inference_mode(False):
+        return torch.tensor([i % qn for i in range(r)] + [see_all] * pad, device=device)
 
 
 def _keys_upto(x: Tensor, n: int, pad_d: int) -> Tensor:
