@@ -86,10 +86,18 @@ def bench_model(name: str, path: Path, lengths: str, prompts, responses, *, batc
         ("batched, plain", batch, False),
     ]
     rows, scores = [], {}
+    scorers = {label: RewardModelScorer(str(path), max_num_seqs=max_num_seqs, batch_invariant=invariant)
+               for label, max_num_seqs, invariant in modes}
+    ids = [scorers[modes[0][0]].input_ids(p, r) for p, r in zip(prompts, responses)]
+    # The modes alternate, one measurement each per round, so load from other work on the
+    # machine hits them alike; each keeps its best.
+    best = {label: float("inf") for label, _, _ in modes}
+    for _ in range(repeats):
+        for label, _, _ in modes:
+            seconds, scores[label] = time_scoring(scorers[label], ids, 1)
+            best[label] = min(best[label], seconds)
     for label, max_num_seqs, invariant in modes:
-        scorer = RewardModelScorer(str(path), max_num_seqs=max_num_seqs, batch_invariant=invariant)
-        ids = [scorer.input_ids(p, r) for p, r in zip(prompts, responses)]
-        seconds, scores[label] = time_scoring(scorer, ids, repeats)
+        scorer, seconds = scorers[label], best[label]
         rows.append({
             "model": name, "hidden_size": scorer.args.hidden_size, "lengths": lengths, "mode": label,
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": scorer.max_num_batched_tokens,
@@ -114,6 +122,8 @@ def main() -> None:
     parser.add_argument("--wide-hidden", type=int, default=512, help="hidden size of the wide model (>= 512)")
     parser.add_argument("--wide-layers", type=int, default=4, help="layers of the wide model")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--models", nargs="*", default=["tiny", "wide"], help="which of: tiny wide")
+    parser.add_argument("--lengths", nargs="*", default=["short", "long"], help="which of: short long")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the JSON results")
     args = parser.parse_args()
     if args.quick:
@@ -124,14 +134,16 @@ def main() -> None:
     # Prompt + response characters (the char tokenizer: one token each, plus ~30 of template).
     # "short" is the arithmetic task's size; "long" a few sentences each side.
     regimes = {"short": (8, 40), "long": (100, 400)}
-    pairs = {name: make_pairs(args.num_seqs, seed=0, min_len=lo, max_len=hi) for name, (lo, hi) in regimes.items()}
+    pairs = {name: make_pairs(args.num_seqs, seed=0, min_len=lo, max_len=hi)
+             for name, (lo, hi) in regimes.items() if name in args.lengths}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {
-            "tiny": make_tiny(Path(tmp) / "tiny", kind="reward", seed=0),
-            f"wide-{args.wide_hidden}": make_wide_reward_model(Path(tmp) / "wide", args.wide_hidden,
-                                                               args.wide_layers, seed=0),
-        }
+        models = {}
+        if "tiny" in args.models:
+            models["tiny"] = make_tiny(Path(tmp) / "tiny", kind="reward", seed=0)
+        if "wide" in args.models:
+            models[f"wide-{args.wide_hidden}"] = make_wide_reward_model(Path(tmp) / "wide", args.wide_hidden,
+                                                                       args.wide_layers, seed=0)
         for name, path in models.items():
             for lengths, (prompts, responses) in pairs.items():
                 rows += bench_model(name, Path(path), lengths, prompts, responses, batch=args.batch,
