@@ -47,9 +47,11 @@ _BATCH_INVARIANT = False
 ROW_QUANTUM = 4
 COL_QUANTUM = 16
 # Batch-invariant attention works on blocks of queries (bounds the [rows, keys] score
-# matrix) and sums p v over fixed chunks of keys (see `_attend_invariant`).
+# matrix) and sums p v over fixed chunks of keys (see `_attend_invariant`). 128 keys: a
+# short sequence (a reward model's ~70 tokens) pads its p v to less; 30% faster there
+# than 256, the same for decode steps.
 QUERY_BLOCK = 256
-KEY_BLOCK = 256
+KEY_BLOCK = 128
 # `batched_attention` takes sequences in groups whose score matrix holds at most this many
 # entries (16 MiB of float32): memory stays bounded, and no row's bits depend on the group.
 SCORE_ELEMENTS = 1 << 22

@@ -209,7 +209,7 @@ def test_attention_matches_reference(hq, hkv, d, q_start):
 
 def test_attention_is_chunking_invariant():
     """A query gives the same bits in a whole prefill, in chunks, decoded alone, and with
-    keys after it present. 300 tokens cross both the 256-query block and the 256-key chunk."""
+    keys after it present. 300 tokens cross the 256-query block and several KEY_BLOCK key chunks."""
     q, k, v = random_qkv(300, 310, 4, 2, 32, seed=5)
     with ops.batch_invariant():
         whole = ops.attention(q, k[:300], v[:300], 0)

@@ -380,7 +380,7 @@ def test_long_prompts_chunked_or_whole_match_the_trainer(model):
 
 
 def test_kv_store_grows_while_sequences_run(model):
-    # Short requests start on a 256-position store; a long prompt arriving mid-run grows it
+    # Short requests start on a one-KEY_BLOCK store; a long prompt arriving mid-run grows it
     # (copying what the running ones cached). Every output equals its run alone.
     rng = random.Random(9)
     short = [req(f"s{i}", random_prompt(rng, 5, 20), seed=i, max_tokens=30, ignore_eos=True) for i in range(3)]
@@ -391,12 +391,12 @@ def test_kv_store_grows_while_sequences_run(model):
         tasks = [asyncio.create_task(engine.generate(**r)) for r in short]
         while engine.stats()["tokens_generated"] < 6:
             await asyncio.sleep(0.001)
-        assert engine.stats()["kv_capacity"] == 256
+        assert engine.stats()["kv_capacity"] == ops.KEY_BLOCK  # 50 positions, rounded up
         tasks.append(asyncio.create_task(engine.generate(**long)))
         return await asyncio.gather(*tasks)
 
     together = asyncio.run(main())
-    assert engine.stats()["kv_capacity"] == 512
+    assert engine.stats()["kv_capacity"] == -(-310 // ops.KEY_BLOCK) * ops.KEY_BLOCK
     for r, out in zip(short + [long], together):
         assert_same(out, generate_all(make_engine(model), [r])[0])
 
