@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import yaml
 
+from reprorl.agent_loop.tools import select_tools
 from reprorl.errors import ConfigError
 
 
@@ -98,7 +99,10 @@ class RolloutConfig:
     )
     num_replicas: int = _field(2, "inference replicas serving rollouts", ge=1)
     max_num_seqs: int = _field(64, "most sequences a replica runs at once", ge=1)
-    max_num_batched_tokens: int = _field(4096, "most tokens a replica processes in one forward pass", ge=1)
+    max_num_batched_tokens: int = _field(
+        4096, "most tokens a replica processes in one forward pass; at least max_num_seqs (each running sequence "
+        "decodes one token per pass); longer prompts are read in chunks", ge=1
+    )
     routing: Literal["least_loaded", "hash"] = _field(
         "least_loaded", "how requests pick a replica; either way results do not depend on it, only speed does"
     )
@@ -107,7 +111,10 @@ class RolloutConfig:
     )
     num_agent_workers: int = _field(1, "agent-loop workers sending requests to the replicas", ge=1)
     max_turns: int = _field(4, "most assistant turns in the tool loop", ge=1)
-    tools: list[str] = _field([], "tools the tool loop may call, by name")
+    tools: list[str] | None = _field(
+        None, "tools the tool loop may call, by name, from reprorl/agent_loop/tools.py TOOLS; null = all of them; "
+        "[] = none, an error with agent_loop=tool"
+    )
     vllm_gpu_memory_utilization: float = _field(
         0.3, "backend=vllm: share of accelerator memory per replica for weights and KV cache (CPU: of host memory, "
         "for the KV cache) when vllm_kv_cache_gib is null", gt=0, le=1
@@ -508,6 +515,20 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''")
 
     data, rollout, actor, critic, algo = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm
+    if rollout.max_num_batched_tokens < rollout.max_num_seqs:
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} must be >= "
+            f"rollout.max_num_seqs={rollout.max_num_seqs}: each running sequence decodes one token per forward pass"
+        )
+    try:
+        select_tools(rollout.tools)
+    except ValueError as err:
+        raise ConfigError(f"rollout.tools: {err}") from None
+    if rollout.tools == [] and rollout.agent_loop == "tool":
+        raise ConfigError(
+            "rollout.tools=[] with rollout.agent_loop=tool: the tool loop needs at least one tool; "
+            "name some, or null for all of them"
+        )
     if rollout.max_tokens > data.max_response_length:
         raise ConfigError(
             f"rollout.max_tokens={rollout.max_tokens} must be <= data.max_response_length={data.max_response_length}"

@@ -286,7 +286,7 @@ def test_round_trip_of_changed_values(tmp_path):
             "reward.model_path=rm",
             "reward.rule_weight=-0.25",
             "trainer.max_ckpt_to_keep=3",
-            "rollout.tools=[calc, search]",
+            "rollout.tools=[calculator]",
             "algorithm.adv_estimator=gae",
             "algorithm.use_kl_in_reward=true",
             "actor.use_kl_loss=false",

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer
 
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
+from reprorl.agent_loop.tools import select_tools
 from reprorl.determinism import check_worker_env
 from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
@@ -183,19 +184,21 @@ class AgentLoopWorker:
     """Runs agent loops for a chunk of samples; create with `ray.remote(AgentLoopWorker)`.
 
     A row's loop is its `agent_name` column ("single_turn" or "tool") if the batch has
-    one, else `agent`. Every generate call goes through `generate_balanced` (the shared
+    one, else `agent`. The tool loop may call the tools named in `tools` (None = every
+    tool in `TOOLS`). Every generate call goes through `generate_balanced` (the shared
     balancer actor; retry on a dead replica). The samples of one call run concurrently,
     so the replicas see them all at once and batch them.
     """
 
     def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer_path: str,
-                 expected_env: Mapping[str, str], agent: str, max_turns: int):
+                 expected_env: Mapping[str, str], agent: str, max_turns: int, tools: list[str] | None = None):
         check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
         self.replicas = dict(replicas)
         self.balancer = balancer
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.agent = agent
-        self.loops = {"single_turn": SingleTurnAgentLoop(), "tool": ToolAgentLoop(self.tokenizer, max_turns)}
+        self.loops = {"single_turn": SingleTurnAgentLoop(),
+                      "tool": ToolAgentLoop(self.tokenizer, max_turns, select_tools(tools))}
 
     async def generate(self, samples: list[AgentSample]) -> list[AgentOutput]:
         """The loops' outputs, in the order of `samples`."""
@@ -223,8 +226,9 @@ class AgentLoopManager:
     `sampling_params` / `val_sampling_params`: the rollout's and validation's params
     (validation defaults to the rollout's); `max_tokens` is overridden by
     `max_response_length`. `agent`: the default loop, "single_turn" or "tool" (a row's
-    `agent_name` column overrides it); `max_turns` bounds the tool loop.
-    `routing`: the balancer's mode ("least_loaded" or "hash").
+    `agent_name` column overrides it); `max_turns` bounds the tool loop, which may call
+    the tools named in `tools` (None = every tool in `TOOLS`; an unknown name is a
+    ValueError). `routing`: the balancer's mode ("least_loaded" or "hash").
     """
 
     def __init__(
@@ -240,9 +244,14 @@ class AgentLoopManager:
         agent: str = "single_turn",
         max_turns: int = 4,
         routing: str = "least_loaded",
+        tools: list[str] | None = None,
     ):
         if agent not in AGENTS:
             raise ValueError(f"AgentLoopManager: agent={agent!r}; expected one of {AGENTS}")
+        try:
+            select_tools(tools)  # here, before any worker starts
+        except ValueError as err:
+            raise ValueError(f"AgentLoopManager: tools: {err}") from None
         if num_workers < 1:
             raise ValueError(f"AgentLoopManager: num_workers={num_workers}; expected >= 1")
         self.run_seed = pool.seed
@@ -257,7 +266,7 @@ class AgentLoopManager:
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
         worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
         self.workers = [
-            worker.remote(i, pool.replicas, self.balancer, tokenizer_path, pool.env, agent, max_turns)
+            worker.remote(i, pool.replicas, self.balancer, tokenizer_path, pool.env, agent, max_turns, tools)
             for i in range(num_workers)
         ]
 

@@ -2,7 +2,8 @@
 
 A tool is a function of keyword arguments that returns a string (what the model reads
 back). `TOOLS` maps the name the model writes to the function; to add a tool, add an
-entry (no plugin system). Tool calls use the Qwen/Hermes format, one JSON object per
+entry (no plugin system). A run's tool loop may call the tools its config names
+(`rollout.tools`, see `select_tools`; null = all of them). Tool calls use the Qwen/Hermes format, one JSON object per
 call between markers (single tokens in the project's tokenizer):
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "3*(4+5)"}}</tool_call>
@@ -109,6 +110,22 @@ def calculator(expression: str) -> str:
 
 
 TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator}
+
+
+def select_tools(names: list[str] | None) -> dict[str, Callable[..., str]]:
+    """The tools named in `names` (`rollout.tools`), in that order; None = every tool in `TOOLS`.
+
+    An unknown name raises ValueError listing the known ones.
+
+    >>> list(select_tools(["calculator"])), select_tools(None) == TOOLS
+    (['calculator'], True)
+    """
+    if names is None:
+        return dict(TOOLS)
+    unknown = [name for name in names if name not in TOOLS]
+    if unknown:
+        raise ValueError(f"unknown tool {unknown[0]!r}; known tools: {', '.join(sorted(TOOLS))}")
+    return {name: TOOLS[name] for name in names}
 
 # --- the tool-call format -------------------------------------------------------------
 
