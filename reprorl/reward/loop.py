@@ -3,7 +3,8 @@
     RewardLoop.compute(batch, tokenizer) -> (scores [B] float32, metrics)
       1. decode each response (model tokens only, no eos/pad) -> solution_str
       2. rule reward per sample, in sample order, in this process's main thread
-         (math-verify's timeout needs signals); a function that raises scores 0.0
+         (math-verify's timeout needs signals); a function that raises, or returns NaN
+         or an infinity, scores 0.0 and is counted
       3. reward-model scores of (prompt messages, response text), if a model is given
       4. score = rule_weight * rule + model_weight * model
 
@@ -22,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from reprorl.errors import DataError
+from reprorl.errors import DataError, ReproRLError
 from reprorl.protocol import Batch
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,9 @@ class RewardLoop:
     A rule function that raises gives 0.0 for that sample and the run goes on: the
     count is the metric `reward/fn_errors`, and the FIRST such traceback of the run is
     logged (once per `RewardLoop`) with the sample's index, so a broken function is
-    seen without flooding the log.
+    seen without flooding the log. A NaN or infinite return counts the same way (it
+    would turn every advantage of its group, and the loss, into NaN). A reward model
+    that gives a non-finite score is an error (`ReproRLError` naming the samples).
     """
 
     def __init__(
@@ -101,6 +104,8 @@ class RewardLoop:
                 )
                 # verl's reward functions may return {"score": ..., other diagnostics}.
                 score = float(result["score"] if isinstance(result, dict) else result)
+                if not math.isfinite(score):
+                    raise ValueError(f"reward function returned {score}; expected a finite number")
             except Exception:  # any failure of user code: 0 for this sample, the run goes on
                 errors += 1
                 if self.fn_errors_total + errors == 1:
@@ -139,6 +144,12 @@ class RewardLoop:
             model = self.reward_model.score(list(batch.non_tensors["raw_prompt"]), solutions)
             if model.shape != (B,):
                 raise RuntimeError(f"reward model returned scores of shape {list(model.shape)}, expected [{B}]")
+            bad = (~torch.isfinite(model)).nonzero().flatten().tolist()
+            if bad:
+                raise ReproRLError(
+                    f"reward model returned non-finite scores for samples {bad[:8]} of {B} (first: "
+                    f"{model[bad[0]].item()}); expected finite scores: check reward.model_path's weights"
+                )
             total = total + self.model_weight * model.float()
             metrics["reward/model_mean"] = _mean(model)
         metrics["reward/mean"] = _mean(total)

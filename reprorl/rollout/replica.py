@@ -97,7 +97,7 @@ class RolloutReplica:
     """One inference engine; create with `ray.remote(RolloutReplica)` (as `ReplicaPool` does).
 
     `engine_options` go to `Engine.from_path`: max_num_seqs, max_num_batched_tokens,
-    batch_invariant. `expected_env` is the run's `determinism_env(...)`.
+    max_model_len, batch_invariant. `expected_env` is the run's `determinism_env(...)`.
     """
 
     def __init__(self, replica_id: int, model_path: str, engine_options: Mapping[str, Any],
@@ -159,7 +159,8 @@ class ReplicaPool:
     trainer and reward workers (on an idle 2-core machine: 1 replica -> 1 CPU, 3 -> 1/3
     each). Counting free CPUs, not all of them, means a second pool (reward model, tests)
     still gets scheduled instead of waiting forever.
-    `runtime_env` is the user's, merged with the determinism variables.
+    `runtime_env` is the user's, merged with the determinism variables. `max_model_len`:
+    the longest prompt plus response a replica serves (None: the engine's default).
     """
 
     def __init__(
@@ -171,6 +172,7 @@ class ReplicaPool:
         full_determinism: bool,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
         batch_invariant: bool | None = None,
         num_cpus_per_replica: float | None = None,
         runtime_env: Mapping[str, Any] | None = None,
@@ -193,6 +195,7 @@ class ReplicaPool:
         engine_options = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
             # Batch invariance is what makes a sample independent of its batch: on with determinism.
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
         }
@@ -202,7 +205,7 @@ class ReplicaPool:
 
             replica_cls, num_gpus = VllmReplica, replica_gpus()
             engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                              **(vllm_options or {})}
+                              "max_model_len": max_model_len, **(vllm_options or {})}
         actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
                                                 runtime_env=self.runtime_env)
         self.replicas: dict[int, Any] = {

@@ -129,7 +129,7 @@ class CriticWorker:
         records = []
         for epoch in range(ppo_epochs):
             for m, mini in enumerate(batch.split(mini_batch_size)):
-                where = f"critic update {self.schedule.step} (epoch {epoch}, mini-batch {m})"
+                where = f"critic update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"  # from 1, as steps
                 stats = self.accumulate_gradients(
                     mini, micro_batch_size=micro_batch_size, cliprange_value=cliprange_value,
                     loss_agg_mode=loss_agg_mode, max_response_length=max_response_length, where=where,

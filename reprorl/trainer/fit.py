@@ -15,6 +15,7 @@ comes from a seed named by its origin, so a run is a pure function of its config
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -31,13 +32,21 @@ from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, model_part_info, write_report
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
+from reprorl.models.arch import ModelArgs
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop, decode_responses
 from reprorl.reward.user_fn import resolve_reward_fn
+from reprorl.rollout.engine import _eos_from_dir
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from reprorl.trainer.checkpoint import (
+    capture_rng_state,
+    find_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
 from reprorl.trainer.critic import CriticWorker
-from reprorl.trainer.optim import OptimArgs
+from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
 
@@ -86,6 +95,88 @@ def check_paths(cfg: Config) -> None:
                 raise ConfigError(f"data.{key}: {path!r} does not exist")
 
 
+def _model_args(key: str, path: str) -> ModelArgs:
+    """The shape config.json gives the model at `path` (config key `key`), read without loading weights."""
+    try:
+        return ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
+    except ConfigError as err:  # a model type or setting reprorl's models do not support
+        raise ConfigError(f"{key}: {path!r}: {err}") from None
+    except KeyError as err:
+        raise ConfigError(f"{key}: {path!r} config.json has no {err}") from None
+    except ValueError as err:  # not JSON
+        raise ConfigError(f"{key}: {path!r} config.json is not valid JSON: {err}") from None
+
+
+def check_models(cfg: Config, tokenizer: Any) -> None:
+    """Fail before any model loads or Ray actor starts if a model cannot serve this run.
+
+    `tokenizer` is model.path's. Every model that reads its token ids (actor and rollout,
+    reference, critic) needs `vocab_size` >= the tokenizer's size (larger is normal:
+    padded embeddings, as in Qwen) and positions for a whole prompt plus response
+    (`data.max_prompt_length + data.max_response_length`); the tokenizer needs a pad
+    token (the rollout pads with it), and the eos ids the engine stops on must be ids the
+    model can produce. A reward model is checked against its own tokenizer.
+    """
+    data = cfg.data
+    length = data.max_prompt_length + data.max_response_length
+    if tokenizer.pad_token_id is None:
+        raise ConfigError(f"model.path: the tokenizer in {cfg.model.path!r} has no pad token; expected one "
+                          "(set pad_token in its tokenizer_config.json)")
+    models = {"model.path": cfg.model.path}
+    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        models["model.ref_path"] = cfg.model.ref_path
+    if cfg.algorithm.adv_estimator == "gae":
+        models["model.critic_path"] = cfg.model.critic_path
+    num_tokens = len(tokenizer)
+    shapes = {key: _model_args(key, path) for key, path in models.items()}
+    for key, path in models.items():
+        args = shapes[key]
+        if args.vocab_size < num_tokens:
+            raise ConfigError(
+                f"{key}: {path!r} has vocab_size={args.vocab_size} in config.json but the tokenizer of model.path "
+                f"has {num_tokens} tokens; expected vocab_size >= {num_tokens} (a model and the tokenizer it was "
+                "trained with)"
+            )
+        if length > args.max_position_embeddings:
+            raise ConfigError(
+                f"data.max_prompt_length + data.max_response_length = {data.max_prompt_length} + "
+                f"{data.max_response_length} = {length} tokens is more than {key} {path!r} holds "
+                f"(max_position_embeddings={args.max_position_embeddings}); expected at most "
+                f"{args.max_position_embeddings}"
+            )
+    vocab_size = shapes["model.path"].vocab_size
+    eos = _eos_from_dir(cfg.model.path)  # the ids the engine stops at
+    for token_id in [eos] if isinstance(eos, int) else eos or []:
+        if not 0 <= token_id < vocab_size:
+            raise ConfigError(
+                f"model.path: {cfg.model.path!r} stops generation at eos_token_id={token_id} "
+                f"(generation_config.json or config.json), which its vocab_size={vocab_size} cannot produce; "
+                f"expected an id in [0, {vocab_size})"
+            )
+    if cfg.reward.model_path is not None:
+        path = cfg.reward.model_path
+        args = _model_args("reward.model_path", path)
+        num_rm_tokens = len(AutoTokenizer.from_pretrained(path))
+        if args.vocab_size < num_rm_tokens:
+            raise ConfigError(
+                f"reward.model_path: {path!r} has vocab_size={args.vocab_size} in config.json but its tokenizer has "
+                f"{num_rm_tokens} tokens; expected vocab_size >= {num_rm_tokens}"
+            )
+
+
+def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
+    """Raise `NonFiniteError` naming the first of `keys` (those in `batch`) that holds NaN
+    or an infinity, and its samples: a clearer cause than the NaN loss it would become."""
+    for key in keys:
+        if key in batch:
+            rows = (~torch.isfinite(batch[key])).flatten(1).any(-1).nonzero().flatten().tolist()  # [B, R] -> rows
+            if rows:
+                raise NonFiniteError(
+                    f"{key} not finite in samples {rows[:8]} of {len(batch)} (diverged weights? check the "
+                    "learning rates); optimizer not stepped"
+                )
+
+
 class Trainer:
     """Builds every part of a run from its config and runs `fit()`.
 
@@ -94,6 +185,8 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         check_paths(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        check_models(cfg, self.tokenizer)
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +196,6 @@ class Trainer:
         else:
             torch.manual_seed(cfg.seed)  # weight init of fresh heads only; sampling seeds are per request
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         data = cfg.data
         self.train_set = PromptDataset(
             data.train_files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
@@ -178,8 +270,8 @@ class Trainer:
         self.pool = ReplicaPool(
             cfg.model.path, ro.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
-            backend=ro.backend, vllm_options=dict(_vllm_options(ro), max_model_len=data.max_prompt_length
-                                                  + data.max_response_length),
+            max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
+            backend=ro.backend, vllm_options=_vllm_options(ro),
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
         self.agent = AgentLoopManager(
@@ -188,7 +280,7 @@ class Trainer:
             max_prompt_length=data.max_prompt_length,
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
-            agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing,
+            agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
         )
         # The run's records are opened in `fit`, after `resume` has cut them to its step.
         self.tracker: Tracker | None = None
@@ -298,6 +390,7 @@ class Trainer:
         advantages, returns = self._advantages(batch, token_rewards, mask, reward_baselines)
         batch["advantages"] = advantages
         batch["returns"] = returns
+        _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
 
         t0 = time.perf_counter()
         if self.critic is not None:
@@ -405,6 +498,13 @@ class Trainer:
         logger.info("saved checkpoint %s", path)
         return path
 
+    def _checkpoint_note(self) -> str:
+        """Where a stopped run can continue from: the newest checkpoint on disk, untouched."""
+        ckpt = find_checkpoint(self.run_dir)
+        if ckpt is None:
+            return "No checkpoint was saved before it."
+        return f"The newest checkpoint, {str(ckpt)!r}, is unchanged; trainer.resume=auto continues from it."
+
     def _has_history(self) -> bool:
         return (self.run_dir / METRICS_FILE).exists() or (self.run_dir / "checkpoints").exists()
 
@@ -464,7 +564,12 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> Path:
-        """Train from the resumed step to `trainer.total_steps`; returns the run directory."""
+        """Train from the resumed step to `trainer.total_steps`; returns the run directory.
+
+        A NaN or infinity in a step raises `NonFiniteError` naming the step and where; the
+        step is not finished (no optimizer step for that mini-batch, no weights pushed, no
+        metrics or checkpoint written), so the newest checkpoint is the one to resume from.
+        """
         from tqdm import tqdm
 
         cfg = self.cfg.trainer
@@ -484,7 +589,10 @@ class Trainer:
                         desc="train", unit="step", dynamic_ncols=True)
         for step in progress:
             self.step = step
-            metrics = self.train_step(step, next(self.sampler))
+            try:
+                metrics = self.train_step(step, next(self.sampler))
+            except NonFiniteError as err:
+                raise NonFiniteError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
             last = step == cfg.total_steps
             if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
                 metrics.update(self.validate(step))

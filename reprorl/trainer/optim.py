@@ -15,11 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
+from reprorl.errors import ReproRLError
+
 LR_SCHEDULES = ("constant", "cosine")
 
 
-class NonFiniteError(RuntimeError):
-    """A loss or gradient norm was NaN or infinite; the optimizer was not stepped."""
+class NonFiniteError(ReproRLError, RuntimeError):
+    """A loss, gradient norm or other quantity of a step was NaN or infinite; the optimizer
+    was not stepped.
+
+    A user-facing error (one line from the CLI): it comes from the run's settings or
+    data (a learning rate that diverges, a reward that blows up), not from a bug.
+    """
 
 
 @dataclass(frozen=True)

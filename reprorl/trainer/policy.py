@@ -187,7 +187,7 @@ class PolicyWorker:
         per mini-batch whatever the micro-batch size, then the mean over the step's
         mini-batches in order; `actor/grad_norm` (before clipping, mean over mini-batches);
         `actor/lr`. A non-finite loss or gradient norm raises `NonFiniteError` naming the
-        update, epoch, mini-batch and micro-batch; the optimizer is not stepped for that
+        update (1-based: the trainer's step), epoch, mini-batch and micro-batch; the optimizer is not stepped for that
         mini-batch (earlier mini-batches of the update have been) nor the schedule advanced.
         """
         self._require_trainable("update")
@@ -199,7 +199,8 @@ class PolicyWorker:
         records = []
         for epoch in range(ppo_epochs):
             for m, mini in enumerate(batch.split(mini_batch_size)):
-                where = f"{self.name} update {self.schedule.step} (epoch {epoch}, mini-batch {m})"
+                # Updates count from 1, as the trainer's steps.
+                where = f"{self.name} update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"
                 stats = self.accumulate_gradients(
                     mini, loss, temperature=temperature, micro_batch_size=micro_batch_size, where=where
                 )

@@ -135,7 +135,7 @@ def test_non_finite_loss_raises_and_keeps_optimizer_state(tiny_policy_dir, rollo
     adam = {k: v.clone() for k, v in actor.optimizer.state[actor.params[0]].items()}
     bad = batch.index(list(range(len(batch))))  # a copy
     bad["advantages"][5, 0] = float("nan")  # micro-batch 1 of mini-batch 0 (micro size 4)
-    with pytest.raises(NonFiniteError, match=r"actor update 1 \(epoch 0, mini-batch 0\), micro-batch 1: loss is nan"):
+    with pytest.raises(NonFiniteError, match=r"actor update 2 \(epoch 0, mini-batch 0\), micro-batch 1: loss is nan"):
         actor.update(bad, LOSS, **STEP)
     assert all(torch.equal(p, b) for p, b in zip(actor.model.parameters(), params))
     assert all(torch.equal(actor.optimizer.state[actor.params[0]][k], v) for k, v in adam.items())

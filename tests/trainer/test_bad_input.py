@@ -1,0 +1,367 @@
+"""Bad input at the trainer level (issue 4, item 6): a clear one-line error, and the last
+checkpoint stays intact.
+
+- a model whose vocabulary cannot embed its tokenizer's ids, or whose positions cannot hold
+  a prompt plus its response: a ConfigError at start, before any model loads or actor starts;
+- replica settings no replica can run, unknown tools: a ConfigError when the config loads;
+- NaN or inf in a step: an error naming the step, the update, micro-batch and quantity; the
+  optimizer is not stepped, the checkpoint on disk is unchanged and `resume=auto` continues
+  from it exactly;
+- a reward function returning NaN counts as a failed reward function.
+"""
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprorl.agent_loop.manager import AgentLoopManager, AgentLoopWorker
+from reprorl.agent_loop.tools import TOOLS, calculator, parse_tool_calls, run_tool_call
+from reprorl.cli import main as cli_main
+from reprorl.compare import compare_runs
+from reprorl.config import load_config
+from reprorl.errors import ConfigError, ReproRLError
+from reprorl.models.hf_io import save_model
+from reprorl.models.tiny import init_weights, tiny_args
+from reprorl.models.tokenizer import make_char_tokenizer
+from reprorl.models.transformer import CausalLM
+from reprorl.protocol import Batch
+from reprorl.reward.loop import RewardLoop
+from reprorl.trainer.checkpoint import load_checkpoint
+from reprorl.trainer.fit import Trainer, check_models
+from reprorl.trainer.optim import NonFiniteError
+
+REWARD_FN = f"{Path(__file__).with_name('varied_reward.py')}:digit_share"
+
+
+def _tiny_policy(out: Path, tokenizer=None, **changes) -> Path:
+    """A tiny policy whose config differs from `make_tiny`'s by `changes` (e.g. vocab_size)."""
+    args = dataclasses.replace(tiny_args("policy"), **changes)
+    model = CausalLM(args)
+    init_weights(model, seed=0)
+    save_model(model, args, out)
+    (tokenizer or make_char_tokenizer()).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from reprorl.data.synthetic import write_arithmetic_dataset
+
+    root = tmp_path_factory.mktemp("bad-input")
+    paths = write_arithmetic_dataset(root / "data", num_train=16, num_val=4, seed=0)
+    no_pad = make_char_tokenizer()
+    no_pad.pad_token = None
+    eos_beyond = _tiny_policy(root / "eos-beyond")
+    (eos_beyond / "generation_config.json").write_text(json.dumps({"eos_token_id": 500}))
+    return {
+        "train": paths["train"], "val": paths["val"],
+        "policy": _tiny_policy(root / "policy"),  # vocab 128, as the char tokenizer
+        "small_vocab": _tiny_policy(root / "small-vocab", vocab_size=100),
+        "big_vocab": _tiny_policy(root / "big-vocab", vocab_size=160),  # padded embeddings: allowed
+        "eos_beyond": eos_beyond,
+        "no_pad": _tiny_policy(root / "no-pad", tokenizer=no_pad),
+    }
+
+
+def overrides(assets, run_dir, *extra):
+    return [
+        f"model.path={assets['policy']}",
+        f"data.train_files=[{assets['train']}]",
+        f"data.val_files=[{assets['val']}]",
+        f"reward.fn={REWARD_FN}",
+        "data.train_batch_size=2", "data.max_response_length=8", "data.max_prompt_length=64",
+        "rollout.n=2", "rollout.num_replicas=1", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
+        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2",
+        "actor.weight_decay=0.0", "critic.weight_decay=0.0", "actor.lr=1e-3", "critic.lr=1e-3",
+        "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
+        "trainer.val_before_train=false", "trainer.loggers=[jsonl]", f"trainer.run_dir={run_dir}",
+        *extra,
+    ]
+
+
+def config(assets, run_dir, *extra):
+    return load_config(None, overrides(assets, run_dir, *extra))
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if a Trainer gets as far as loading a model or starting a Ray actor."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded or a Ray actor started before the input was checked")
+
+    monkeypatch.setattr("reprorl.trainer.fit.PolicyWorker", refuse)
+    monkeypatch.setattr("reprorl.rollout.replica.ReplicaPool.__init__", refuse)
+    monkeypatch.setattr("reprorl.reward.reward_model.RewardModelPool.__init__", refuse)
+
+
+# ------------------------------------------------------------------ models that cannot serve the run
+
+
+@pytest.mark.parametrize("key", ["model.path", "model.ref_path", "model.critic_path"])
+def test_model_vocab_smaller_than_the_tokenizer_fails_at_start(assets, tmp_path, no_workers, key):
+    extra = [f"{key}={assets['small_vocab']}"]
+    if key == "model.critic_path":
+        extra.append("algorithm.adv_estimator=gae")
+    cfg = config(assets, tmp_path / "run", *extra)
+    path = str(assets["small_vocab"])
+    expected = (f"{key}: {path!r} has vocab_size=100 in config.json but the tokenizer of model.path has 128 tokens; "
+                "expected vocab_size >= 128")
+    with pytest.raises(ConfigError) as info:
+        Trainer(cfg)
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+    assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
+
+
+def test_model_vocab_larger_than_the_tokenizer_is_allowed(assets, tmp_path):
+    cfg = config(assets, tmp_path / "run", f"model.path={assets['big_vocab']}", "algorithm.adv_estimator=gae")
+    check_models(cfg, make_char_tokenizer())  # no error: padded embeddings (as Qwen's) are normal
+
+
+def test_eos_the_model_cannot_produce_fails_at_start(assets, tmp_path, no_workers):
+    cfg = config(assets, tmp_path / "run", f"model.path={assets['eos_beyond']}")
+    with pytest.raises(ConfigError, match=r"model.path: '.*eos-beyond' stops generation at eos_token_id=500 "
+                                          r"\(generation_config.json or config.json\), which its vocab_size=128 "
+                                          r"cannot produce; expected an id in \[0, 128\)"):
+        Trainer(cfg)
+
+
+def test_tokenizer_without_pad_token_fails_at_start(assets, tmp_path, no_workers):
+    cfg = config(assets, tmp_path / "run", f"model.path={assets['no_pad']}")
+    with pytest.raises(ConfigError, match=r"model.path: the tokenizer in '.*no-pad' has no pad token"):
+        Trainer(cfg)
+
+
+def test_prompt_plus_response_longer_than_the_model_fails_at_start(assets, tmp_path, no_workers):
+    # The tiny model has 2048 positions; the trainer's forward and the engine need P + R of them.
+    cfg = config(assets, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=16",
+                 "algorithm.adv_estimator=gae")
+    with pytest.raises(ConfigError, match=r"^data.max_prompt_length \+ data.max_response_length = 2040 \+ 16 = "
+                                          r"2056 tokens is more than model.path '.*policy' holds "
+                                          r"\(max_position_embeddings=2048\); expected at most 2048$"):
+        Trainer(cfg)
+    check_models(config(assets, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=8"),
+                 make_char_tokenizer())  # exactly 2048: fits
+
+
+def test_reprorl_train_prints_the_vocab_error_as_one_line(assets, tmp_path):
+    args = overrides(assets, tmp_path / "run", f"model.path={assets['small_vocab']}")
+    proc = subprocess.run([sys.executable, "-m", "reprorl.cli", "train", *args], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: model.path: ") and "vocab_size=100" in lines[0], lines
+
+
+# ------------------------------------------------------------------ replica settings and tools
+
+
+def test_batched_tokens_below_running_sequences_is_a_config_error(capsys):
+    with pytest.raises(ConfigError, match=r"^rollout.max_num_batched_tokens=32 must be >= rollout.max_num_seqs=64: "
+                                          r"each running sequence decodes one token per forward pass$"):
+        load_config(None, ["rollout.max_num_batched_tokens=32"])
+    assert cli_main(["config", "rollout.max_num_seqs=8", "rollout.max_num_batched_tokens=4"]) == 2
+    assert capsys.readouterr().err.startswith("error: rollout.max_num_batched_tokens=4 must be >= ")
+    assert load_config(None, ["rollout.max_num_seqs=8", "rollout.max_num_batched_tokens=8"])  # equal is enough
+
+
+def test_rollout_tools_are_checked_by_name():
+    assert load_config().rollout.tools is None  # null: every tool
+    assert load_config(None, ["rollout.tools=[calculator]"]).rollout.tools == ["calculator"]
+    with pytest.raises(ConfigError, match=r"^rollout.tools: unknown tool 'search'; known tools: calculator$"):
+        load_config(None, ["rollout.tools=[calculator, search]"])
+    with pytest.raises(ConfigError, match=r"^rollout.tools=\[\] with rollout.agent_loop=tool: the tool loop needs "):
+        load_config(None, ["rollout.tools=[]", "rollout.agent_loop=tool"])
+    assert load_config(None, ["rollout.tools=[]"]).rollout.tools == []  # no tool loop: nothing to call
+    with pytest.raises(ValueError, match="AgentLoopManager: tools: unknown tool 'search'"):
+        AgentLoopManager(None, 1, "unused", max_response_length=8, sampling_params=None, tools=["search"])
+
+
+def test_the_tool_loop_calls_only_the_configured_tools(tiny_policy_dir):
+    call = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')[0]
+    by_tools = {}
+    for tools in (None, ["calculator"], []):
+        worker = AgentLoopWorker(0, {}, None, str(tiny_policy_dir), {}, "tool", 2, tools)
+        by_tools[str(tools)] = worker.loops["tool"].tools
+        by_tools[f"{tools} answer"] = run_tool_call(call, worker.loops["tool"].tools)
+    assert by_tools["None"] == TOOLS and by_tools["['calculator']"] == {"calculator": calculator}
+    assert by_tools["[]"] == {}
+    assert by_tools["None answer"] == "5" and by_tools["[] answer"] == "error: unknown tool 'calculator'; available: "
+
+
+# ------------------------------------------------------------------ non-finite rewards
+
+
+def _reward_batch(n: int) -> Batch:
+    return Batch({"responses": torch.full((n, 2), 5), "response_mask": torch.ones(n, 2, dtype=torch.long)},
+                 {"data_source": ["s"] * n, "ground_truth": ["g"] * n, "raw_prompt": [[]] * n})
+
+
+def test_a_nan_or_inf_reward_counts_as_a_failed_reward_function(char_tokenizer):
+    returns = iter([0.5, float("nan"), float("-inf"), {"score": float("inf")}, 1.0])
+    loop = RewardLoop(lambda **kw: next(returns))
+    scores, metrics = loop.compute(_reward_batch(5), char_tokenizer)
+    assert torch.equal(scores, torch.tensor([0.5, 0.0, 0.0, 0.0, 1.0]))
+    assert metrics["reward/fn_errors"] == 3.0 and metrics["reward/mean"] == 0.3
+
+
+def test_a_non_finite_reward_model_score_is_an_error(char_tokenizer):
+    class NanModel:
+        def score(self, prompts, responses):
+            return torch.tensor([1.0, float("nan"), 0.0, float("inf")])
+
+    loop = RewardLoop(lambda **kw: 0.0, NanModel())
+    with pytest.raises(ReproRLError, match=r"^reward model returned non-finite scores for samples \[1, 3\] of 4 "
+                                           r"\(first: nan\); expected finite scores"):
+        loop.compute(_reward_batch(4), char_tokenizer)
+
+
+# ------------------------------------------------------------------ NaN / inf in a training step
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity forward; the backward turns the gradient infinite (a finite loss, a non-finite grad norm)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def _run(cfg) -> Trainer:
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return trainer
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exactly(
+    assets, tmp_path, ray_local, monkeypatch
+):
+    import reprorl.trainer.policy as policy
+
+    run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
+    common = ("trainer.total_steps=3", "trainer.save_freq=1")
+    saved = {}
+    real_save = Trainer.save
+
+    def save_and_digest(self, step):
+        path = real_save(self, step)
+        saved[step] = _file_digests(path)
+        return path
+
+    trainer = Trainer(config(assets, run_dir, *common))
+    calls_at_step_2 = []
+    real_loss = policy.ppo_policy_loss
+
+    def nan_in_micro_batch_1_of_step_2(*args, **kwargs):
+        pg_loss, stats = real_loss(*args, **kwargs)
+        if trainer.step == 2:
+            calls_at_step_2.append(1)
+            if len(calls_at_step_2) == 2:  # micro-batch 1 (4 samples in micro-batches of 2)
+                pg_loss = pg_loss * float("nan")
+        return pg_loss, stats
+
+    monkeypatch.setattr(policy, "ppo_policy_loss", nan_in_micro_batch_1_of_step_2)
+    monkeypatch.setattr(Trainer, "save", save_and_digest)
+    try:
+        with pytest.raises(NonFiniteError) as info:
+            trainer.fit()
+        live_actor = trainer.actor.state_dict()
+    finally:
+        trainer.close()
+    message = str(info.value)
+    ckpt_dir = run_dir / "checkpoints" / "step_1"
+    assert message == (f"step 2: actor update 2 (epoch 0, mini-batch 0), micro-batch 1: loss is nan; optimizer not "
+                       f"stepped; the run stopped. The newest checkpoint, {str(ckpt_dir)!r}, is unchanged; "
+                       "trainer.resume=auto continues from it.")
+    assert isinstance(info.value, ReproRLError)  # the CLI prints it as one line, no traceback
+
+    # On disk: step 1's checkpoint byte for byte as saved, `latest` on it, no step 2 anywhere.
+    assert list(saved) == [1] and _file_digests(ckpt_dir) == saved[1]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_1"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
+    assert _steps(run_dir) == [1]
+    # In memory: the optimizer was not stepped at step 2, so the actor is still step 1's.
+    step, state = load_checkpoint(run_dir)
+    assert step == 1
+    for name, tensor in state["actor"]["model"].items():
+        assert torch.equal(live_actor["model"][name], tensor), name
+    assert live_actor["scheduler"] == state["actor"]["scheduler"] == {"step": 1}
+    for param_id, adam in state["actor"]["optimizer"]["state"].items():
+        for key, value in adam.items():
+            assert torch.equal(live_actor["optimizer"]["state"][param_id][key], value), (param_id, key)
+
+    # resume=auto (the default) continues from step 1, exactly as a run that never stopped.
+    monkeypatch.undo()
+    _run(config(assets, run_dir, *common))
+    _run(config(assets, whole_dir, *common))
+    assert _steps(run_dir) == [1, 2, 3]
+    result = compare_runs(whole_dir, run_dir)
+    assert result.identical and result.common_steps == [1, 2, 3], result
+
+
+@pytest.mark.slow
+def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(assets, tmp_path, ray_local, monkeypatch):
+    import reprorl.trainer.critic as critic
+
+    real_value_loss = critic.value_loss
+
+    def inf_grad_value_loss(*args, **kwargs):
+        loss, clipfrac = real_value_loss(*args, **kwargs)
+        return _InfGrad.apply(loss), clipfrac
+
+    monkeypatch.setattr(critic, "value_loss", inf_grad_value_loss)
+    trainer = Trainer(config(assets, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1"))
+    before = {"actor": {k: v.clone() for k, v in trainer.actor.model.state_dict().items()},
+              "critic": {k: v.clone() for k, v in trainer.critic.model.state_dict().items()}}
+    try:
+        with pytest.raises(NonFiniteError, match=r"^step 1: critic update 1 \(epoch 0, mini-batch 0\): gradient "
+                                                 r"norm is (nan|inf); optimizer not stepped; the run stopped\. No "
+                                                 r"checkpoint was saved before it\.$"):
+            trainer.fit()
+        for name, worker in (("actor", trainer.actor), ("critic", trainer.critic)):
+            for key, value in worker.model.state_dict().items():
+                assert torch.equal(value, before[name][key]), (name, key)
+        assert all(p.grad is None for p in trainer.critic.params)
+    finally:
+        trainer.close()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_diverged_weights_are_named_before_they_become_a_nan_loss(assets, tmp_path, ray_local):
+    # lr 1e30: step 1 is finite but leaves weights of ~1e30, whose logits overflow at step 2.
+    with pytest.raises(NonFiniteError, match=r"^step 2: old_log_probs not finite in samples \[0, 1, 2, 3\] of 4 "
+                                             r"\(diverged weights\? check the learning rates\); optimizer not "
+                                             r"stepped; the run stopped\. The newest checkpoint, '.*step_1', is "
+                                             r"unchanged"):
+        _run(config(assets, tmp_path / "run", "actor.lr=1e30", "trainer.save_freq=1"))
+    assert load_checkpoint(tmp_path / "run")[0] == 1
+
+
+@pytest.mark.slow
+def test_a_model_with_a_larger_vocab_than_its_tokenizer_trains(assets, tmp_path, ray_local):
+    run_dir = tmp_path / "run"
+    _run(config(assets, run_dir, f"model.path={assets['big_vocab']}", "trainer.total_steps=1"))
+    record = json.loads((run_dir / "metrics.jsonl").read_text())
+    assert record["step"] == 1 and record["rollout/log_prob_max_gap"] == 0.0
