@@ -24,8 +24,10 @@ Determinism (DESIGN.md), kept the same way as the built-in engine where vLLM all
   built-in engine does not: the trainer's `rollout/log_prob_max_gap` then shows the gap.
 
 Weight updates go as raw bytes through `collective_rpc` (vLLM's RPC turns tensors into
-lists) to the worker, which loads them with the model's own `load_weights` (HF names);
-the prefix cache is reset after each update.
+lists) to the worker, which reloads them in place (`reload_weights`, HF names: it redoes
+the CPU build's weight repacking) and re-ties a tied lm_head; the prefix cache is reset
+after each update. `prompt_log_probs` reads the served weights back as log-probs, which
+the tests compare with the trainer's.
 """
 
 from __future__ import annotations
