@@ -23,11 +23,16 @@ MODEL_SEED = 0
 # The synthetic task: sums and differences of operands up to 20 (arithmetic_problems).
 NUM_TRAIN_ROWS = 2048
 NUM_VAL_ROWS = 128
-# The supervised warm start: enough that the policy writes answers in the right form and
-# gets some right, leaving room for RL to improve (see the README's default run).
+# The supervised warm start imitates a base model that met the task in running text, where
+# one problem follows another: it learns the sums, and after answering it goes on to write
+# the next problem RUN_ON_FRACTION of the time. The reward wants the answer alone, then
+# stop, so greedy decoding starts near 0 accuracy while most sampled groups hold a right
+# answer that stops: what RL teaches in 30 steps is to stop after the answer (it does not
+# teach a 128-wide model arithmetic that fast). See the README's default run.
 WARM_START_STEPS = 1500
 WARM_START_BATCH_SIZE = 32
-WARM_START_LR = 3e-3
+WARM_START_LR = 1e-3
+RUN_ON_FRACTION = 0.7
 
 
 def prepare_default_assets(cfg: Config) -> None:
@@ -55,7 +60,7 @@ def make_default_policy(out_dir: Path, train_file: Path) -> Path:
     from reprorl.trainer.warm_start import warm_start
 
     logger.info("making the default policy in %s (tiny model + %d warm-start steps)", out_dir, WARM_START_STEPS)
-    pairs = [(row["prompt"], row["reward_model"]["ground_truth"]) for row in read_rows(train_file)]
+    pairs = run_on_pairs(read_rows(train_file), RUN_ON_FRACTION, seed=MODEL_SEED)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as scratch:
         base = make_tiny(Path(scratch) / "base", kind="policy", seed=MODEL_SEED)
@@ -64,3 +69,35 @@ def make_default_policy(out_dir: Path, train_file: Path) -> Path:
             lr=WARM_START_LR, seed=MODEL_SEED,
         )
     return out_dir
+
+
+def run_on_pairs(rows: list[dict], run_on_fraction: float, seed: int) -> list[tuple[list[dict], str]]:
+    """Warm-start (prompt messages, target) pairs from task rows, some running on.
+
+    Each row's target is its answer; with probability `run_on_fraction` (a seeded draw
+    per row) the answer is followed by a newline and another row's problem and answer,
+    as in text where problems follow one another. A pure function of the arguments.
+
+    >>> rows = [{"prompt": [{"role": "user", "content": f"{a}+1="}],
+    ...          "reward_model": {"ground_truth": str(a + 1)}} for a in range(3)]
+    >>> [target for _, target in run_on_pairs(rows, 0.0, seed=0)]
+    ['1', '2', '3']
+    >>> [target.split("\\n")[0] for _, target in run_on_pairs(rows, 1.0, seed=0)]
+    ['1', '2', '3']
+    """
+    import torch
+
+    if not 0.0 <= run_on_fraction <= 1.0:
+        raise ValueError(f"run_on_fraction={run_on_fraction!r}: expected a number in [0, 1]")
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for row in rows:
+        target = row["reward_model"]["ground_truth"]
+        # Both draws happen for every row, so a row's target does not depend on the
+        # fraction's effect on the rows before it.
+        run_on = float(torch.rand((), generator=generator)) < run_on_fraction
+        other = rows[int(torch.randint(len(rows), (), generator=generator))]
+        if run_on:
+            target += "\n" + other["prompt"][-1]["content"] + other["reward_model"]["ground_truth"]
+        pairs.append((row["prompt"], target))
+    return pairs

@@ -1,0 +1,55 @@
+"""The default run's assets, and the slow gate: `reprorl train` with no arguments learns."""
+
+import doctest
+import json
+import subprocess
+import sys
+
+import pytest
+
+from reprorl.data.rewards import arithmetic_score
+from reprorl.data.synthetic import make_arithmetic_rows
+from reprorl.trainer import default_run
+from reprorl.trainer.default_run import run_on_pairs
+
+
+def test_doctests():
+    assert doctest.testmod(default_run).failed == 0
+
+
+def test_run_on_pairs_keep_the_answer_first_and_run_on_at_the_given_rate():
+    rows = make_arithmetic_rows(2000, seed=0, split="train")
+    pairs = run_on_pairs(rows, 0.7, seed=0)
+    assert [messages for messages, _ in pairs] == [row["prompt"] for row in rows]
+    run_on = 0
+    for (_, target), row in zip(pairs, rows):
+        answer, *rest = target.split("\n")
+        assert answer == row["reward_model"]["ground_truth"]
+        if rest:
+            run_on += 1
+            (problem,) = rest  # one more problem and its answer, e.g. "12+7=19"
+            question, _, result = problem.partition("=")
+            assert arithmetic_score("reprorl/arithmetic", result, str(eval(question)))  # noqa: S307 (digits and +/-)
+    assert 0.65 < run_on / len(rows) < 0.75  # 2000 Bernoulli(0.7) draws: std 0.01
+    # Such a target scores 0 under the task's reward: the policy has to learn to stop.
+    assert arithmetic_score("reprorl/arithmetic", "12\n3+4=7", "12") == 0.0
+
+
+def test_run_on_pairs_are_a_pure_function_of_their_arguments():
+    rows = make_arithmetic_rows(64, seed=0, split="train")
+    assert run_on_pairs(rows, 0.5, seed=3) == run_on_pairs(rows, 0.5, seed=3)
+    assert run_on_pairs(rows, 0.5, seed=3) != run_on_pairs(rows, 0.5, seed=4)
+    with pytest.raises(ValueError, match="run_on_fraction=1.5"):
+        run_on_pairs(rows, 1.5, seed=0)
+
+
+@pytest.mark.slow
+def test_the_default_run_learns(tmp_path):
+    """The README's main job, as a user runs it: greedy validation accuracy gains >= 0.2."""
+    result = subprocess.run([sys.executable, "-m", "reprorl.cli", "train"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "runs/reprorl/tiny-grpo/metrics.jsonl").read_text().splitlines()]
+    accuracy = {line["step"]: line["val/accuracy"] for line in lines if "val/accuracy" in line}
+    assert sorted(accuracy) == [0, 10, 20, 30]
+    assert accuracy[30] >= accuracy[0] + 0.2, accuracy
