@@ -49,6 +49,14 @@ from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
+
+def chat_input_ids(tokenizer: Any, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
+    """A reward model's token ids of the chat `prompt + [assistant: response]`, by its own
+    template (the RM may tokenize differently from the policy). Every RM backend uses it."""
+    messages = [*prompt, {"role": "assistant", "content": response}]
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
 class RewardModelScorer:
     """Scores (prompt messages, response) pairs with a sequence-classification model.
 
@@ -93,9 +101,7 @@ class RewardModelScorer:
 
     def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
         """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
-        messages = [*prompt, {"role": "assistant", "content": response}]
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        return chat_input_ids(self.tokenizer, prompt, response)
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""

@@ -21,6 +21,7 @@ import torch
 
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
+from reprorl.reward.reward_model import chat_input_ids
 from reprorl.rollout.vllm_replica import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode
 
 
@@ -71,9 +72,7 @@ class VllmRewardScorer:
 
     def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
         """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
-        messages = [*prompt, {"role": "assistant", "content": response}]
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+        return chat_input_ids(self.tokenizer, prompt, response)
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""

@@ -135,6 +135,18 @@ class _SlotPool:
         heapq.heappush(self.free, slot)
 
 
+
+def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Refuse a prompt no engine can serve: empty, no room for one new token, or an id
+    outside the vocabulary (ValueError naming the request). Every backend's generate calls it."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise ValueError(f"generate({request_id!r}): empty prompt")
+    if n >= max_model_len:
+        raise ValueError(f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={max_model_len}")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {vocab_size})")
+
 class Engine:
     """Continuous-batching generation on a `reprorl.models` `CausalLM` (see the module doc).
 
@@ -231,16 +243,8 @@ class Engine:
             raise RuntimeError(f"generate({request_id!r}): the engine is asleep; call wake_up() first")
         if request_id in self._by_id:
             raise ValueError(f"generate: request_id {request_id!r} is already in flight")
+        check_prompt(request_id, prompt_ids, self.max_model_len, self.args.vocab_size)
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError(f"generate({request_id!r}): empty prompt")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={self.max_model_len}"
-            )
-        vocab = self.args.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {vocab})")
         seq = _Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),

@@ -48,7 +48,7 @@ from reprorl.determinism import (
     enable_full_determinism,
     is_full_determinism,
 )
-from reprorl.rollout.engine import GenerateOutput
+from reprorl.rollout.engine import GenerateOutput, check_prompt
 from reprorl.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -248,15 +248,8 @@ class VllmReplica:
             raise RuntimeError(f"generate({request_id!r}): the engine is asleep; call wake_up() first")
         if request_id in self._in_flight:
             raise ValueError(f"generate: request_id {request_id!r} is already in flight")
+        check_prompt(request_id, prompt_ids, self.max_model_len, self.vocab_size)
         n = len(prompt_ids)
-        if n == 0:
-            raise ValueError(f"generate({request_id!r}): empty prompt")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={self.max_model_len}"
-            )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
-            raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {self.vocab_size})")
         params = _vllm_params(sampling_params, seed, max_tokens=min(sampling_params.max_tokens, self.max_model_len - n))
         version = self.version
         self._in_flight.add(request_id)
