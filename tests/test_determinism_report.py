@@ -52,6 +52,18 @@ def test_a_replica_without_batch_invariance_is_named():
     assert report["problems"] == ["rollout replica 1: batch_invariant off (expected on, as full_determinism=true)"]
 
 
+def test_a_replica_serving_one_sequence_at_a_time_is_accepted_and_only_then():
+    # vLLM's CPU build is not batch-invariant; determinism mode runs it with max_num_seqs=1.
+    serial = {**model_part(batch_invariant=False, backend="vllm"), "max_num_seqs": 1}
+    report = build_report(run_parts({"rollout replica 0": serial, "rollout replica 1": serial}),
+                          full_determinism=True, seed=SEED)
+    assert report["problems"] == []
+    batched = {**serial, "max_num_seqs": 2}
+    report = build_report(run_parts({"rollout replica 0": serial, "rollout replica 1": batched}),
+                          full_determinism=True, seed=SEED)
+    assert report["problems"] == ["rollout replica 1: batch_invariant off (expected on, as full_determinism=true)"]
+
+
 def test_thread_counts_matter_only_without_batch_invariance():
     off = determinism_env(SEED, False)
     parts = run_parts({

@@ -224,7 +224,7 @@ class Engine:
 
         model, _ = load_model(path, kind="causal_lm", dtype=dtype)
         if "eos_token_id" not in kwargs:
-            kwargs["eos_token_id"] = _eos_from_dir(str(path))
+            kwargs["eos_token_id"] = eos_ids_from_dir(str(path))
         return cls(model, batch_invariant=batch_invariant, **kwargs)
 
     # ---- public API -------------------------------------------------------------------
@@ -487,7 +487,7 @@ class Engine:
         return self.model.forward_packed(ids, [len(c.token_ids) for c in chunks], self._kv.cache, [c.slot for c in chunks])
 
 
-def _eos_from_dir(path: str) -> int | list[int] | None:
+def eos_ids_from_dir(path: str) -> int | list[int] | None:
     """eos_token_id from generation_config.json, else config.json (HF's own precedence)."""
     for name in ("generation_config.json", "config.json"):
         f = os.path.join(path, name)

@@ -36,7 +36,7 @@ from reprorl.models.arch import ModelArgs
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop, decode_responses
 from reprorl.reward.user_fn import resolve_reward_fn
-from reprorl.rollout.engine import _eos_from_dir
+from reprorl.rollout.engine import eos_ids_from_dir
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.trainer.checkpoint import (
     capture_rng_state,
@@ -145,7 +145,7 @@ def check_models(cfg: Config, tokenizer: Any) -> None:
                 f"{args.max_position_embeddings}"
             )
     vocab_size = shapes["model.path"].vocab_size
-    eos = _eos_from_dir(cfg.model.path)  # the ids the engine stops at
+    eos = eos_ids_from_dir(cfg.model.path)  # the ids the engine stops at
     for token_id in [eos] if isinstance(eos, int) else eos or []:
         if not 0 <= token_id < vocab_size:
             raise ConfigError(
