@@ -189,13 +189,17 @@ class DecoderLayer(nn.Module):
         keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
         keys[plan.token_slots, :, plan.token_pos] = k
         values[plan.token_slots, :, plan.token_pos] = v
-        attn = q.new_empty(q.shape)  # [N, Hq, D]
-        q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row N: zeros for padding queries
-        for g in plan.groups:
-            qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
-            kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
-            out = ops.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
-            attn[g.rows] = out.permute(0, 2, 1, 3).reshape(-1, *q.shape[1:])[g.real]
+        if plan.in_order:  # decode tokens of consecutive slots, in slot order: no gather, no scatter
+            out = ops.batched_attention(q[:, :, None], keys[plan.lo : plan.hi], values[plan.lo : plan.hi], plan.q_start)
+            attn = out[:, :, 0]  # [N, Hq, D]
+        else:
+            attn = q.new_empty(q.shape)  # [N, Hq, D]
+            q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row N: zeros for padding queries
+            for g in plan.groups:
+                qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
+                kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
+                out = ops.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
+                attn[g.rows] = out.permute(0, 2, 1, 3).reshape(-1, *q.shape[1:])[g.real]
         x = x + self.self_attn.o_proj(attn.flatten(-2))
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -237,11 +241,24 @@ class _Group:
 
 class _PackPlan:
     """Where the tokens of one `forward_packed` call go: each token's cache slot and position,
-    and the attention groups (one-token sequences, i.e. decode steps; and longer chunks)."""
+    and the attention groups (one-token sequences, i.e. decode steps; and longer chunks).
+
+    `in_order`: every sequence brings one token and the slots are consecutive, in pack
+    order (an engine decode step): attention then reads the slot range as a view and its
+    output rows are already in pack order, so no group is built (`lo`, `hi`, `q_start`).
+    """
 
     def __init__(self, seq_lens: list[int], slots: list[int], starts: list[int], device: torch.device) -> None:
-        firsts = [0, *itertools.accumulate(seq_lens)][:-1]
         n = sum(seq_lens)
+        self.in_order = n == len(slots) and slots == list(range(slots[0], slots[0] + n))
+        if self.in_order:
+            self.lo, self.hi = slots[0], slots[0] + n
+            self.token_slots = torch.arange(self.lo, self.hi, device=device)
+            self.positions = self.q_start = torch.tensor(starts, device=device)
+            self.token_pos = self.positions
+            self.groups = []
+            return
+        firsts = [0, *itertools.accumulate(seq_lens)][:-1]
         self.token_slots = torch.tensor([s for s, k in zip(slots, seq_lens) for _ in range(k)], device=device)
         self.positions = torch.tensor([p for p0, k in zip(starts, seq_lens) for p in range(p0, p0 + k)], device=device)
         self.token_pos = self.positions
@@ -263,16 +280,16 @@ class Transformer(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        cos, sin = ops.rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
+        cos, sin_rot = ops.rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} is past max_position_embeddings={self.rope_cos.shape[0]}"
             )
-        return self.rope_cos[positions], self.rope_sin[positions]
+        return self.rope_cos[positions], self.rope_sin_rot[positions]
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None

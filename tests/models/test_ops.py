@@ -76,7 +76,7 @@ def test_linear_example():
 
 
 def test_invariant_sums_differentiable_after_inference_mode():
-    """`_row_sum` caches its ones matrix: made under inference_mode, it must still serve autograd."""
+    """The invariant norm and log-softmax, first called under inference_mode, still serve autograd."""
     x = torch.randn(3, 48)
     with ops.batch_invariant():
         with torch.inference_mode():
@@ -371,7 +371,7 @@ def test_attention_invariant_long_and_threads():
 @pytest.mark.slow
 @pytest.mark.parametrize("name,width", [("log_softmax", 151936), ("log_softmax", 32000), ("rms_norm", 3584)])
 def test_fixed_width_sums_rows_invariant_wide(name, width):
-    """`_row_sum` (a matmul with ones) at a real vocabulary's and hidden size's width."""
+    """The fused row reductions at a real vocabulary's and hidden size's width."""
     fn = {"log_softmax": lambda x: ops.log_softmax(x * 3), "rms_norm": lambda x: ops.rms_norm(x, torch.ones(width), 1e-6)}[name]
     g = torch.Generator().manual_seed(width)
     row = torch.randn(1, width, generator=g)
