@@ -6,6 +6,9 @@ row has the same length), for:
   - `hf`: `AutoModelForCausalLM.generate` on the same HF directory, sampling at T=1,
   - `engine`: `Engine` with determinism off (`batch_invariant=False`),
   - `engine-det`: `Engine` with determinism on (`batch_invariant=True`).
+Every measurement runs in a fresh Python process that does nothing else (as a replica
+does): in-process, whichever backend ran second would find the first one's OpenMP thread
+team still on the cores and lose up to 2x (see reprorl/rollout/engine.py, Threading).
 Each row also records the process CPU seconds, steadier than wall time when other work
 shares the cores; `--repeats N` alternates the three backends N times and keeps each
 one's best. Prints a table (ratios by wall and by CPU time) and writes
@@ -28,6 +31,8 @@ import json
 import os
 import platform
 import random
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -132,6 +137,30 @@ def bench_engine(path: str, batch: int, prompt_len: int, new_tokens: int, determ
         engine.shutdown()
 
 
+def measure(backend: str, path: str, batch: int, prompt_len: int, new_tokens: int, threads: int | None) -> Timer:
+    """One measurement in a fresh process (see the module doc): returns its Timer."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", backend, path, str(batch), str(prompt_len), str(new_tokens)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    t = Timer()
+    t.wall, t.cpu = json.loads(out.strip().splitlines()[-1])
+    return t
+
+
+def run_one(argv: list[str]) -> None:
+    """The child side of `measure`: time one backend, print [wall, cpu] as JSON."""
+    backend, path, batch, prompt_len, new_tokens = argv[0], argv[1], *map(int, argv[2:5])
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if backend == "hf":
+        t = bench_hf(path, batch, prompt_len, new_tokens)
+    else:
+        t = bench_engine(path, batch, prompt_len, new_tokens, deterministic=backend == "engine-det")
+    print(json.dumps([t.wall, t.cpu]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script works")
@@ -142,12 +171,16 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["tiny", "wide"], help="which of: tiny wide")
     parser.add_argument("--repeats", type=int, default=1, help="alternating measurements per backend (best kept)")
     parser.add_argument("--out", default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--one", nargs=5, metavar="ARG", help=argparse.SUPPRESS)  # a child of `measure`
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.one:
+        run_one(args.one)
+        return
     batches = args.batches or ([1, 8] if args.quick else [1, 16, 64])
     new_tokens = args.new_tokens or (16 if args.quick else 128)
     prompt_len = args.prompt_len or (8 if args.quick else 32)
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     import transformers
 
@@ -169,10 +202,7 @@ def main() -> None:
                 best = {}
                 for _ in range(args.repeats):
                     for backend in ("hf", "engine", "engine-det"):
-                        if backend == "hf":
-                            t = bench_hf(path, batch, prompt_len, new_tokens)
-                        else:
-                            t = bench_engine(path, batch, prompt_len, new_tokens, deterministic=backend == "engine-det")
+                        t = measure(backend, path, batch, prompt_len, new_tokens, args.threads)
                         if backend not in best or t.wall < best[backend].wall:
                             best[backend] = t
                 for backend, t in best.items():

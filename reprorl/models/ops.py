@@ -404,3 +404,102 @@ def padded_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) ->
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
     )  # [B, Hq, T, D]
     return out.transpose(1, 2)
+
+
+# ---- a start-up check that this machine's kernels keep the promise -----------------------
+
+class BatchInvarianceError(RuntimeError):
+    """This machine's kernels do not give the row invariance that batch-invariant mode promises."""
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def _invariance_problems(hidden: int, intermediate: int, vocab: int, num_heads: int, num_kv_heads: int,
+                         head_dim: int, dtype: torch.dtype, threads: int) -> tuple[str, ...]:
+    """Each op of a model of these shapes on a random row: alone with one thread, then inside
+    batches of other sizes, at other positions, with `threads` threads. Returns what differed."""
+    g = torch.Generator().manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    w_up, w_down = rand(intermediate, hidden) * 0.05, rand(hidden, intermediate) * 0.05
+    # A vocabulary-sized matrix from 4096 random rows, repeated: drawing 150k x 1k normals
+    # would cost seconds, and invariance needs no distinct values.
+    w_head = (rand(min(vocab, 4096), hidden) * 0.05).repeat(-(-vocab // 4096), 1)[:vocab].contiguous()
+    norm_w = 1 + 0.1 * rand(hidden)
+    w_q, w_kv = rand(num_heads * head_dim, hidden) * 0.05, rand(num_kv_heads * head_dim, hidden) * 0.05
+    w_o = rand(hidden, num_heads * head_dim) * 0.05
+    checks = {
+        f"linear {hidden}->{num_heads * head_dim} (q)": (hidden, lambda x: linear(x, w_q)),
+        f"linear {hidden}->{num_kv_heads * head_dim} (k, v)": (hidden, lambda x: linear(x, w_kv)),
+        f"linear {num_heads * head_dim}->{hidden} (o)": (num_heads * head_dim, lambda x: linear(x, w_o)),
+        f"linear {hidden}->{intermediate}": (hidden, lambda x: linear(x, w_up)),
+        f"linear {intermediate}->{hidden}": (intermediate, lambda x: linear(x, w_down)),
+        f"linear {hidden}->{vocab} (LM head)": (hidden, lambda x: linear(x, w_head)),
+        f"rms_norm over {hidden}": (hidden, lambda x: rms_norm(x, norm_w, 1e-6)),
+        f"swiglu over {intermediate}": (intermediate, lambda x: swiglu(x, x.flip(-1))),
+        f"log_softmax over {vocab}": (vocab, lambda x: log_softmax(x * 4)),
+    }
+    problems = []
+    previous = torch.get_num_threads()
+    try:
+        with batch_invariant(), torch.inference_mode():
+            for name, (width, fn) in checks.items():
+                row = rand(1, width)
+                torch.set_num_threads(1)
+                alone = fn(row)[0]
+                torch.set_num_threads(threads)
+                for m, pos in ((2, 1), (3, 0), (4, 3), (5, 2), (8, 7), (13, 6), (64, 33)):
+                    batch = rand(m, width)
+                    batch[pos] = row[0]
+                    if not torch.equal(fn(batch)[pos], alone):
+                        problems.append(f"{name}: a row alone and row {pos} of {m} differ")
+                        break
+            # Attention: sequence 0 (a decode query over 77 cached keys) alone, then among others.
+            lens = [77, 5, 140, 33, 1]
+            k, v = rand(len(lens), num_kv_heads, 160, head_dim), rand(len(lens), num_kv_heads, 160, head_dim)
+            q = rand(len(lens), num_heads, 1, head_dim)
+            start = torch.tensor([n - 1 for n in lens])
+            torch.set_num_threads(1)
+            alone = batched_attention(q[:1], k[:1, :, :77], v[:1, :, :77], start[:1])[0]
+            torch.set_num_threads(threads)
+            if not torch.equal(batched_attention(q, k, v, start)[0], alone):
+                problems.append(f"attention ({num_heads} heads, {num_kv_heads} kv heads, head_dim {head_dim}): "
+                                "a sequence alone and in a batch of 5 differ")
+    finally:
+        torch.set_num_threads(previous)
+    return tuple(problems)
+
+
+def verify_batch_invariance(args, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    """Check, once per process and model shape, that batch-invariant mode holds on this machine.
+
+    The CPU recipe above rests on measured kernel behaviour (MKL's sgemm kernels, torch's
+    row reductions) of this project's machines; another CPU or library build may break it,
+    and then runs would silently differ between batchings. So every part that runs in
+    batch-invariant mode calls this at start: each op of a model of `args`' shapes, on a
+    random row alone vs inside batches of 2..64 rows at varied positions and at the current
+    thread count (about 10 ms for a tiny model, ~1 s for a 0.5B one). Raises
+    `BatchInvarianceError` naming the op, the CPU and torch if a row differs.
+    """
+    if torch.device(device).type != "cpu":
+        return  # the op layer refuses non-CPU tensors in this mode (`_check_cpu`)
+    problems = _invariance_problems(args.hidden_size, args.intermediate_size, args.vocab_size,
+                                    args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                                    dtype, torch.get_num_threads())
+    if problems:
+        raise BatchInvarianceError(
+            f"batch-invariant mode does not hold on this machine ({_cpu_name()}, torch {torch.__version__}): "
+            f"{'; '.join(problems)}. reprorl's CPU recipe (reprorl/models/ops.py) does not fit this machine's "
+            "kernels: run with full_determinism=false (results then differ in the last bits between batchings)"
+        )

@@ -97,6 +97,8 @@ class RewardModelScorer:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_invariant = batch_invariant
         self.dtype = next(self.model.parameters()).dtype
+        if batch_invariant:
+            ops.verify_batch_invariance(self.args, self.dtype)
         self._cache: KVCache | None = None  # made by the first forward
 
     def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:

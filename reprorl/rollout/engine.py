@@ -200,6 +200,8 @@ class Engine:
         self.starvation_steps = starvation_steps
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if batch_invariant:
+            ops.verify_batch_invariance(self.args, self.dtype, self.device)
 
         self.weight_version = 0
         self.asleep = False

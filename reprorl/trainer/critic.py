@@ -82,6 +82,8 @@ class CriticWorker:
         self.model_path = Path(model_path)
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="critic", dtype=dtype_from_name(dtype))
+        if batch_invariant:
+            ops.verify_batch_invariance(self.model_args, next(self.model.parameters()).dtype)
         if not set(VALUE_HEAD) & checkpoint_tensor_names(self.model_path):
             init_value_head(self.model, seed)
         self.model.eval()  # no dropout in reprorl's models: compute_values and update see the same forward

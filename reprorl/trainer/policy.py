@@ -121,6 +121,8 @@ class PolicyWorker:
         self.name = name or ("actor" if self.trainable else "ref")
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
+        if batch_invariant:
+            ops.verify_batch_invariance(self.model_args, next(self.model.parameters()).dtype)
         # reprorl's models have no dropout; eval() everywhere keeps the update's forward
         # identical to compute_log_probs' (the first mini-batch's ratio is exactly 1).
         self.model.eval()

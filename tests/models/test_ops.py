@@ -386,3 +386,31 @@ def test_fixed_width_sums_rows_invariant_wide(name, width):
                 pos = rng.randrange(m)
                 batch[pos] = row[0]
                 assert torch.equal(fn(batch)[pos], alone), (threads, m, pos)
+
+
+# ---- the start-up check -------------------------------------------------------------------
+
+class _Shapes:
+    hidden_size, intermediate_size, vocab_size = 128, 384, 128
+    num_attention_heads, num_key_value_heads, head_dim = 2, 1, 64
+
+
+def test_verify_batch_invariance_passes_here():
+    ops._invariance_problems.cache_clear()
+    ops.verify_batch_invariance(_Shapes, torch.float32)  # raises if this machine broke the recipe
+
+
+def test_verify_batch_invariance_names_a_broken_op(monkeypatch):
+    """With the row padding taken out of the invariant matmul (plain MKL: 1, 2-3 and 4+ rows
+    take different kernels), the check fails at start and names the op and the CPU."""
+    monkeypatch.setattr(ops, "_matmul_rows", lambda a, b: a @ b.t())
+    ops._invariance_problems.cache_clear()
+    try:
+        with pytest.raises(ops.BatchInvarianceError, match=r"this machine \(.*torch .*\): linear 128->.*differ"):
+            ops.verify_batch_invariance(_Shapes, torch.float32)
+    finally:
+        ops._invariance_problems.cache_clear()
+
+
+def test_verify_batch_invariance_skips_other_devices():
+    ops.verify_batch_invariance(_Shapes, torch.float32, device="meta")  # no CPU recipe to check there
