@@ -19,11 +19,10 @@ tests/models/test_ops.py):
 - attention: scores and p v are such matmuls. p v sums over keys, and a sum longer than
   MKL's K block is grouped by that block, so it is cut into fixed KEY_BLOCK chunks.
   Masked keys get probability exactly 0, so extra keys change no bit.
-- sums over the last dim of a fixed width (RMSNorm over a hidden size, log-softmax over a
-  vocabulary): torch's fused `rms_norm` and `log_softmax` reduce each row on its own in an
-  order set by the width alone (tested row-invariant up to a width of 151936, 1-3
-  threads). Over keys, whose count varies with the batch (attention's softmax), a fixed
-  pairwise tree of elementwise adds (`_pairwise_sum`) that zero padding cannot change.
+- sums over the last dim (RMSNorm over a hidden size, log-softmax over a vocabulary,
+  softmax over keys): torch's fused `rms_norm`, `log_softmax` and `softmax` reduce each
+  row on its own in an order set by the width alone, and -inf padding (masked keys) does
+  not change a softmax row's bits (tested: widths up to 151936, 1-3 threads).
 - exp and log are elementwise and position-independent here (MKL VML); `F.silu` and
   `torch.sigmoid` are NOT (their vector and scalar-tail paths round differently), so
   SiLU is built from exp and IEEE ops.
@@ -85,11 +84,12 @@ def _check_cpu(x: Tensor) -> None:
         raise NotImplementedError(f"batch-invariant ops are implemented for CPU tensors only, got {x.device}")
 
 
-def _matmul_rows(a: Tensor, b: Tensor) -> Tensor:
-    """`a @ b.T` with each output row independent of the other rows and the thread count.
+def _matmul_rows(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    """`a @ b.T (+ bias)` with each output row independent of the other rows and the thread count.
 
-    a [M, K], b [N, K] -> [M, N]. Zero padding changes no real entry: padded rows and
-    columns are dropped, and a zero pair adds an exact 0 to each dot product.
+    a [M, K], b [N, K], bias [N] | None -> [M, N]. Zero padding changes no real entry: padded
+    rows and columns are dropped, and a zero pair adds an exact 0 to each dot product. The
+    bias goes in through the GEMM itself (addmm: one op; each row gets it the same way).
     """
     _check_cpu(a)
     m, k = a.shape
@@ -98,59 +98,18 @@ def _matmul_rows(a: Tensor, b: Tensor) -> Tensor:
     # Always hand MKL the same layout (contiguous a, contiguous b used transposed).
     a = F.pad(a, (0, pad_k, 0, pad_m)) if pad_m or pad_k else a.contiguous()
     b = F.pad(b, (0, pad_k, 0, pad_n)) if pad_k or pad_n else b.contiguous()
-    out = a @ b.t()
+    if bias is None:
+        out = a @ b.t()
+    else:
+        out = torch.addmm(F.pad(bias, (0, pad_n)) if pad_n else bias, a, b.t())
     return out[:m, :n] if pad_m or pad_n else out
-
-
-def _pairwise_fold(x: Tensor) -> Tensor:
-    """Sum over the last dim in a fixed pairwise order: [..., n] -> [..., 1].
-
-    The order is that of zero-padding n to a power of two and adding the upper half onto
-    the lower half until one column is left. Extra zero columns only add exact zeros, so
-    a row gives the same bits whatever width it was padded to (attention rows padded with
-    masked keys rely on it). The folds run in place in one buffer (fresh buffers cost page
-    faults).
-    """
-    n = x.shape[-1]
-    if n == 1:
-        return x.clone()
-    half = 1 << ((n - 1).bit_length() - 1)  # the first fold point: the largest power of two below n
-    buf = x[..., :half].clone()
-    buf[..., : n - half] += x[..., half:]  # columns past n would be zeros
-    while half > 1:
-        half //= 2
-        buf[..., :half] += buf[..., half : 2 * half]
-    return buf[..., :1]
-
-
-class _PairwiseSum(torch.autograd.Function):
-    """`_pairwise_fold` for autograd: the gradient of a sum is 1 for every element, so
-    backward needs no graph."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        ctx.width = x.shape[-1]
-        return _pairwise_fold(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.expand(*grad.shape[:-1], ctx.width)
-
-
-def _pairwise_sum(x: Tensor) -> Tensor:
-    """`_pairwise_fold`, through autograd only when a gradient is wanted (a decode step
-    makes many small calls, and the autograd.Function wrapper costs as much as the folds)."""
-    if x.requires_grad and torch.is_grad_enabled():
-        return _PairwiseSum.apply(x)
-    return _pairwise_fold(x)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`x @ weight.T + bias`: x [..., K], weight [N, K], bias [N] | None -> [..., N]."""
     if not _BATCH_INVARIANT:
         return F.linear(x, weight, bias)
-    out = _matmul_rows(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
+    return _matmul_rows(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -174,12 +133,13 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def softmax(x: Tensor) -> Tensor:
-    """Softmax over the last dim, in float32: [..., V] -> [..., V] float32."""
-    x = x.float()
-    if not _BATCH_INVARIANT:
-        return torch.softmax(x, dim=-1)
-    e = (x - x.detach().amax(dim=-1, keepdim=True)).exp_()  # in place: one [..., V] buffer less
-    return e / _pairwise_sum(e)
+    """Softmax over the last dim, in float32: [..., V] -> [..., V] float32.
+
+    torch's kernel is row-invariant, and a row padded with -inf to any width gives the same
+    bits (tested: widths 16..4096, 1..256 rows, 1-2 threads), which attention needs: a
+    row's key count depends on the longest sequence in its batch. One op in either mode.
+    """
+    return torch.softmax(x.float(), dim=-1)
 
 
 def log_softmax(x: Tensor) -> Tensor:
@@ -438,9 +398,10 @@ def _invariance_problems(hidden: int, intermediate: int, vocab: int, num_heads: 
     w_head = (rand(min(vocab, 4096), hidden) * 0.05).repeat(-(-vocab // 4096), 1)[:vocab].contiguous()
     norm_w = 1 + 0.1 * rand(hidden)
     w_q, w_kv = rand(num_heads * head_dim, hidden) * 0.05, rand(num_kv_heads * head_dim, hidden) * 0.05
+    b_q = rand(num_heads * head_dim)
     w_o = rand(hidden, num_heads * head_dim) * 0.05
     checks = {
-        f"linear {hidden}->{num_heads * head_dim} (q)": (hidden, lambda x: linear(x, w_q)),
+        f"linear {hidden}->{num_heads * head_dim} with bias (q)": (hidden, lambda x: linear(x, w_q, b_q)),
         f"linear {hidden}->{num_kv_heads * head_dim} (k, v)": (hidden, lambda x: linear(x, w_kv)),
         f"linear {num_heads * head_dim}->{hidden} (o)": (num_heads * head_dim, lambda x: linear(x, w_o)),
         f"linear {hidden}->{intermediate}": (hidden, lambda x: linear(x, w_up)),
