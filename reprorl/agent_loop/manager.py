@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from transformers import AutoTokenizer
 
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
@@ -31,6 +30,7 @@ from reprorl.agent_loop.tools import select_tools
 from reprorl.determinism import check_worker_env
 from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
+from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.rollout.load_balancer import LoadBalancerActor, generate_balanced
 from reprorl.rollout.sampling import SamplingParams
@@ -195,7 +195,7 @@ class AgentLoopWorker:
         check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
         self.replicas = dict(replicas)
         self.balancer = balancer
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.agent = agent
         self.loops = {"single_turn": SingleTurnAgentLoop(),
                       "tool": ToolAgentLoop(self.tokenizer, max_turns, select_tools(tools))}
@@ -259,7 +259,7 @@ class AgentLoopManager:
         self.max_prompt_length = max_prompt_length
         self.sampling_params = sampling_params
         self.val_sampling_params = val_sampling_params or sampling_params
-        self.pad_token_id = AutoTokenizer.from_pretrained(tokenizer_path).pad_token_id
+        self.pad_token_id = load_tokenizer(tokenizer_path).pad_token_id
         self.num_generate_sequences_calls = 0
         self.balancer = LoadBalancerActor.options(runtime_env=pool.runtime_env).remote(
             pool.replica_ids(), routing, expected_env=pool.env)

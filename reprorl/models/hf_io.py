@@ -2,8 +2,8 @@
 
 Our modules use transformers' parameter names (`model.layers.0.self_attn.q_proj.weight`,
 `lm_head.weight`, `score.weight`), so loading is a name-by-name copy with checks, and a
-saved directory loads in transformers and vLLM. Tokenizers are transformers' business
-(`AutoTokenizer`).
+saved directory loads in transformers and vLLM. Tokenizers are transformers'
+(`AutoTokenizer`), through `load_tokenizer`, which gives every part the same pad token.
 """
 
 from __future__ import annotations
@@ -30,6 +30,23 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class CheckpointError(ReproRLError):
     """A model directory that is missing, incomplete or does not match its config.json."""
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of an HF directory, padding with eos when it has no pad token.
+
+    Many base models (Llama 3's among them) ship without a pad token; the rollout pads
+    prompts and responses with one, always under an attention mask, so any id does and
+    eos is the usual choice (as in verl and TRL). Every part that pads loads its tokenizer
+    here, so all of them pad alike. Without a pad token and without eos, `pad_token_id`
+    stays None, and the trainer's start-up check names the path.
+    """
+    from transformers import AutoTokenizer  # here: its auto classes cost seconds at import
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_model(

@@ -33,6 +33,7 @@ from reprorl.determinism_report import build_report, format_report, model_part_i
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.arch import ModelArgs
+from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop, decode_responses
 from reprorl.reward.user_fn import resolve_reward_fn
@@ -114,14 +115,15 @@ def check_models(cfg: Config, tokenizer: Any) -> None:
     reference, critic) needs `vocab_size` >= the tokenizer's size (larger is normal:
     padded embeddings, as in Qwen) and positions for a whole prompt plus response
     (`data.max_prompt_length + data.max_response_length`); the tokenizer needs a pad
-    token (the rollout pads with it), and the eos ids the engine stops on must be ids the
-    model can produce. A reward model is checked against its own tokenizer.
+    token (the rollout pads with it; `load_tokenizer` falls back to eos), and the eos ids
+    the engine stops on must be ids the model can produce. A reward model is checked
+    against its own tokenizer.
     """
     data = cfg.data
     length = data.max_prompt_length + data.max_response_length
     if tokenizer.pad_token_id is None:
-        raise ConfigError(f"model.path: the tokenizer in {cfg.model.path!r} has no pad token; expected one "
-                          "(set pad_token in its tokenizer_config.json)")
+        raise ConfigError(f"model.path: the tokenizer in {cfg.model.path!r} has neither a pad token nor an eos "
+                          "token; expected one of them (set pad_token in its tokenizer_config.json)")
     models = {"model.path": cfg.model.path}
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         models["model.ref_path"] = cfg.model.ref_path
@@ -185,7 +187,7 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         check_paths(cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         check_models(cfg, self.tokenizer)
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)

@@ -26,7 +26,7 @@ from reprorl.cli import main as cli_main
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from reprorl.errors import ConfigError, ReproRLError
-from reprorl.models.hf_io import save_model
+from reprorl.models.hf_io import load_tokenizer, save_model
 from reprorl.models.tiny import init_weights, tiny_args
 from reprorl.models.tokenizer import make_char_tokenizer
 from reprorl.models.transformer import CausalLM
@@ -131,10 +131,20 @@ def test_eos_the_model_cannot_produce_fails_at_start(assets, tmp_path, no_worker
         Trainer(cfg)
 
 
-def test_tokenizer_without_pad_token_fails_at_start(assets, tmp_path, no_workers):
+def test_tokenizer_without_pad_token_pads_with_eos(assets, tmp_path):
+    """A tokenizer without a pad token (Llama 3's, say) pads with eos, in every part that loads it."""
+    tokenizer = load_tokenizer(assets["no_pad"])
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    check_models(config(assets, tmp_path / "run", f"model.path={assets['no_pad']}"), tokenizer)  # no error
+
+
+def test_tokenizer_without_pad_or_eos_token_fails_at_start(assets, tmp_path):
+    tokenizer = load_tokenizer(assets["no_pad"])
+    tokenizer.pad_token = tokenizer.eos_token = None
     cfg = config(assets, tmp_path / "run", f"model.path={assets['no_pad']}")
-    with pytest.raises(ConfigError, match=r"model.path: the tokenizer in '.*no-pad' has no pad token"):
-        Trainer(cfg)
+    with pytest.raises(ConfigError, match=r"model.path: the tokenizer in '.*no-pad' has neither a pad token nor an "
+                                          r"eos token"):
+        check_models(cfg, tokenizer)
 
 
 def test_prompt_plus_response_longer_than_the_model_fails_at_start(assets, tmp_path, no_workers):
