@@ -17,8 +17,9 @@ params, seed). The engine keeps it by (1) giving each request a private generato
 from its `seed` and drawn once per token (`sampling.py`), and (2) with
 `batch_invariant=True`, running under the op layer's batch-invariant mode, in which a
 token's logits do not depend on what else is packed with it, nor on how its prompt was
-cut into prefill chunks, nor on the thread count. Which requests share a step, and when,
-then only changes speed. With `batch_invariant=False` the fastest kernels run and results
+cut into prefill chunks, nor on the thread count (checked on this machine's kernels when
+the engine is made: `ops.verify_batch_invariance`). Which requests share a step, and
+when, then only changes speed. With `batch_invariant=False` the fastest kernels run and results
 may differ in the last bits between batch compositions and thread counts.
 
 Scheduling. Waiting requests are admitted in order of (priority, arrival): lower
