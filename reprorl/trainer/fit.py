@@ -164,6 +164,14 @@ def check_models(cfg: Config, tokenizer: Any) -> None:
                 f"reward.model_path: {path!r} has vocab_size={args.vocab_size} in config.json but its tokenizer has "
                 f"{num_rm_tokens} tokens; expected vocab_size >= {num_rm_tokens}"
             )
+        if args.max_position_embeddings < length:
+            # Not an error: the reward model re-tokenizes the text with its own tokenizer (and
+            # chat template), which may need fewer tokens than the policy's; a sample that
+            # does not fit fails the step with the sample's length, after the last checkpoint.
+            logger.warning(
+                "reward.model_path: %r has max_position_embeddings=%d, fewer than "
+                "data.max_prompt_length + data.max_response_length = %d policy tokens: long samples may not fit",
+                path, args.max_position_embeddings, length)
 
 
 def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:

@@ -147,6 +147,20 @@ def test_tokenizer_without_pad_or_eos_token_fails_at_start(assets, tmp_path):
         check_models(cfg, tokenizer)
 
 
+def test_reward_model_shorter_than_a_sample_warns_at_start(assets, tmp_path, caplog):
+    """The RM re-tokenizes the text, so fewer positions than the policy's P + R may still
+    fit: a warning at start, not an error."""
+    from reprorl.models.tiny import make_tiny
+
+    rm = make_tiny(tmp_path / "rm", kind="reward", seed=1)
+    config_file = rm / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": 40}))
+    cfg = config(assets, tmp_path / "run", f"reward.model_path={rm}", "reward.model_weight=0.5")
+    with caplog.at_level("WARNING", logger="reprorl.trainer.fit"):
+        check_models(cfg, make_char_tokenizer())
+    assert "max_position_embeddings=40, fewer than data.max_prompt_length + data.max_response_length = 72" in caplog.text
+
+
 def test_prompt_plus_response_longer_than_the_model_fails_at_start(assets, tmp_path, no_workers):
     # The tiny model has 2048 positions; the trainer's forward and the engine need P + R of them.
     cfg = config(assets, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=16",
