@@ -106,9 +106,10 @@ class _Sequence:
         return self.uniforms.pop()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a step makes one per sequence, and frozen init costs 3x
 class _Chunk:
-    """Tokens of one sequence fed in one step; `sample` if its last token yields a new one."""
+    """Tokens of one sequence fed in one step (never changed after); `sample` if its last
+    token yields a new one."""
 
     seq: _Sequence
     slot: int
@@ -488,7 +489,9 @@ class Engine:
             hidden = self._forward(chunks)  # [N, H]
             if not rows:
                 return torch.empty(0, dtype=torch.long), torch.empty(0)
-            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])  # [S, V]
+            if len(rows) < hidden.shape[0]:  # prefill chunks: only their last tokens sample
+                hidden = hidden[torch.tensor(rows, device=self.device)]
+            logits = self.model.logits(hidden)  # [S, V]
             return sample_batch(logits.float().cpu(), [s.params for s in sampled], [s.next_uniform() for s in sampled])
 
     def _forward(self, chunks: list[_Chunk]) -> Tensor:
