@@ -57,7 +57,28 @@ def chat_input_ids(tokenizer: Any, prompt: Sequence[Mapping[str, str]], response
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
-class RewardModelScorer:
+
+class ChatScorer:
+    """What every reward-model backend shares: chat pairs -> its own token ids -> `score_ids`.
+    A subclass sets `self.tokenizer` and defines `score_ids(sequences) -> [B] float32`."""
+
+    tokenizer: Any
+
+    def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
+        """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
+        return chat_input_ids(self.tokenizer, prompt, response)
+
+    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
+        """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
+        return self.score_ids([self.input_ids(p, r) for p, r in zip(prompts, responses)])
+
+    def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RewardModelScorer(ChatScorer):
     """Scores (prompt messages, response) pairs with a sequence-classification model.
 
     Args:
@@ -100,16 +121,6 @@ class RewardModelScorer:
         if batch_invariant:
             ops.verify_batch_invariance(self.args, self.dtype)
         self._cache: KVCache | None = None  # made by the first forward
-
-    def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
-        """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
-        return chat_input_ids(self.tokenizer, prompt, response)
-
-    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
-        """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""
-        if len(prompts) != len(responses):
-            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
-        return self.score_ids([self.input_ids(p, r) for p, r in zip(prompts, responses)])
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """[B] float32 scores of token-id sequences, in order, packed in order into forwards

@@ -21,11 +21,11 @@ import torch
 
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
-from reprorl.reward.reward_model import chat_input_ids
+from reprorl.reward.reward_model import ChatScorer
 from reprorl.rollout.vllm_replica import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode
 
 
-class VllmRewardScorer:
+class VllmRewardScorer(ChatScorer):
     """Scores (prompt messages, response) pairs with vLLM's `LLM(runner="pooling")`.
 
     Args:
@@ -69,16 +69,6 @@ class VllmRewardScorer:
         self.batch_invariant = self.mode["batch_invariant"]
         self.dtype = getattr(torch, self.worker_info["dtype"])
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
-
-    def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
-        """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
-        return chat_input_ids(self.tokenizer, prompt, response)
-
-    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
-        """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""
-        if len(prompts) != len(responses):
-            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
-        return self.score_ids([self.input_ids(p, r) for p, r in zip(prompts, responses)])
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """[B] float32 scores of token-id sequences, in order."""
