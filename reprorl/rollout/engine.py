@@ -373,7 +373,11 @@ class Engine:
                                 seq.future.set_exception(exc)
                         break
                     self._apply(chunks, tokens, log_probs)
-                await asyncio.sleep(0)  # let new requests, aborts and weight updates in
+                # Let new requests, aborts and weight updates in. Twice: a call that arrived
+                # from another thread during the step (a Ray actor call) becomes a task on the
+                # first pass and reaches generate() on the second, in time for the next step.
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
 
     def _reap_aborted(self) -> None:
         for seq in [s for s in self._by_id.values() if s.aborted]:
