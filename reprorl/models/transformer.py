@@ -112,6 +112,11 @@ class KVCache:
     def num_slots(self) -> int:
         return len(self.lengths)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the keys and values of every layer."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
     def grow(self, capacity: int) -> None:
         """Make room for `capacity` tokens per slot, keeping what is cached (a copy)."""
         if capacity <= self.capacity:

@@ -121,6 +121,21 @@ def test_chunking_and_threads_do_not_change_scores(rm_path, scorer):
         torch.set_num_threads(threads)
 
 
+def test_big_cache_is_not_kept_between_calls(rm_path, scorer, monkeypatch):
+    """Over KEEP_CACHE_BYTES the scorer frees its KV cache after each call; the scores stay
+    the same bits, and a small cache is kept (the default, for the tiny model)."""
+    from reprorl.reward import reward_model
+
+    prompts, responses = _pairs(6, seed=5)
+    reference = scorer.score(prompts, responses)
+    assert scorer._cache is not None and 0 < scorer._cache.nbytes <= reward_model.KEEP_CACHE_BYTES
+    fresh = reward_model.RewardModelScorer(rm_path, max_num_seqs=64, batch_invariant=True)
+    monkeypatch.setattr(reward_model, "KEEP_CACHE_BYTES", 0)
+    for _ in range(2):
+        assert torch.equal(fresh.score(prompts, responses), reference)
+        assert fresh._cache is None
+
+
 def test_score_errors(scorer):
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         scorer.score([[], []], ["a"])
