@@ -142,7 +142,10 @@ def measure(backend: str, path: str, batch: int, prompt_len: int, new_tokens: in
     cmd = [sys.executable, os.path.abspath(__file__), "--one", backend, path, str(batch), str(prompt_len), str(new_tokens)]
     if threads:
         cmd += ["--threads", str(threads)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    out = proc.stdout
     t = Timer()
     t.wall, t.cpu = json.loads(out.strip().splitlines()[-1])
     return t

@@ -387,11 +387,11 @@ def _cpu_name() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _invariance_problems(hidden: int, intermediate: int, vocab: int, num_heads: int, num_kv_heads: int,
-                         head_dim: int, dtype: torch.dtype, threads: int, device: str = "cpu") -> tuple[str, ...]:
+                         head_dim: int, dtype: torch.dtype, threads: int) -> tuple[str, ...]:
     """Each op of a model of these shapes on a random row: alone with one thread, then inside
     batches of other sizes, at other positions, with `threads` threads. Returns what differed."""
     g = torch.Generator().manual_seed(0)
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     w_up, w_down = rand(intermediate, hidden) * 0.05, rand(hidden, intermediate) * 0.05
     # A vocabulary-sized matrix from 4096 random rows, repeated: drawing 150k x 1k normals
     # would cost seconds, and invariance needs no distinct values.
@@ -430,7 +430,7 @@ def _invariance_problems(hidden: int, intermediate: int, vocab: int, num_heads: 
             lens = [77, 5, 140, 33, 1]
             k, v = rand(len(lens), num_kv_heads, 160, head_dim), rand(len(lens), num_kv_heads, 160, head_dim)
             q = rand(len(lens), num_heads, 1, head_dim)
-            start = torch.tensor([n - 1 for n in lens], device=device)
+            start = torch.tensor([n - 1 for n in lens])
             torch.set_num_threads(1)
             alone = batched_attention(q[:1], k[:1, :, :77], v[:1, :, :77], start[:1])[0]
             torch.set_num_threads(threads)

@@ -255,7 +255,7 @@ class _PackPlan:
 
     def __init__(self, seq_lens: list[int], slots: list[int], starts: list[int], device: torch.device) -> None:
         n = sum(seq_lens)
-        self.in_order = n == len(slots) and slots == list(range(slots[0], slots[0] + n))
+        self.in_order = 0 < n == len(slots) and slots == list(range(slots[0], slots[0] + n))
         if self.in_order:
             self.lo, self.hi = slots[0], slots[0] + n
             self.token_slots = torch.arange(self.lo, self.hi, device=device)
@@ -264,8 +264,10 @@ class _PackPlan:
             self.groups = []
             return
         firsts = [0, *itertools.accumulate(seq_lens)][:-1]
-        self.token_slots = torch.tensor([s for s, k in zip(slots, seq_lens) for _ in range(k)], device=device)
-        self.positions = torch.tensor([p for p0, k in zip(starts, seq_lens) for p in range(p0, p0 + k)], device=device)
+        self.token_slots = torch.tensor([s for s, k in zip(slots, seq_lens) for _ in range(k)], dtype=torch.long,
+                                        device=device)
+        self.positions = torch.tensor([p for p0, k in zip(starts, seq_lens) for p in range(p0, p0 + k)],
+                                      dtype=torch.long, device=device)
         self.token_pos = self.positions
         members = list(zip(firsts, seq_lens, slots, starts))
         decode = [m for m in members if m[1] == 1]

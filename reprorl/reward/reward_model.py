@@ -48,8 +48,6 @@ from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
 # (the activations outgrow the cache), and fewer gave away the batching gain.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
-
-
 # The scorer keeps its KV cache between calls (making one costs more than a tiny model's
 # forward) only while it is at most this big: for a 0.5B model, 64 sequences of 2048 tokens
 # would otherwise hold 3 GiB between reward steps.

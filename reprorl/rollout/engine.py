@@ -19,8 +19,8 @@ from its `seed` and drawn once per token (`sampling.py`), and (2) with
 token's logits do not depend on what else is packed with it, nor on how its prompt was
 cut into prefill chunks, nor on the thread count (checked on this machine's kernels when
 the engine is made: `ops.verify_batch_invariance`). Which requests share a step, and
-when, then only changes speed. With `batch_invariant=False` the fastest kernels run and results
-may differ in the last bits between batch compositions and thread counts.
+when, then only changes speed. With `batch_invariant=False` the fastest kernels run and
+results may differ in the last bits between batch compositions and thread counts.
 
 Scheduling. Waiting requests are admitted in order of (priority, arrival): lower
 priority value first, then first come first served. A request that has waited more than
@@ -142,7 +142,6 @@ class _SlotPool:
         heapq.heappush(self.free, slot)
 
 
-
 def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
     """Refuse a prompt no engine can serve: empty, no room for one new token, or an id
     outside the vocabulary (ValueError naming the request). Every backend's generate calls it."""
@@ -153,6 +152,7 @@ def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, voc
         raise ValueError(f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={max_model_len}")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
         raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {vocab_size})")
+
 
 class Engine:
     """Continuous-batching generation on a `reprorl.models` `CausalLM` (see the module doc).

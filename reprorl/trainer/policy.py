@@ -189,8 +189,9 @@ class PolicyWorker:
         per mini-batch whatever the micro-batch size, then the mean over the step's
         mini-batches in order; `actor/grad_norm` (before clipping, mean over mini-batches);
         `actor/lr`. A non-finite loss or gradient norm raises `NonFiniteError` naming the
-        update (1-based: the trainer's step), epoch, mini-batch and micro-batch; the optimizer is not stepped for that
-        mini-batch (earlier mini-batches of the update have been) nor the schedule advanced.
+        update (1-based: the trainer's step), epoch, mini-batch and micro-batch; the
+        optimizer is not stepped for that mini-batch (earlier mini-batches of the update have
+        been) nor the schedule advanced.
         """
         self._require_trainable("update")
         check_positive(ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size)

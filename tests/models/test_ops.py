@@ -111,7 +111,8 @@ def params():
     }
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
+# rms_norm, softmax and log_softmax are the same torch op in both modes: nothing to compare.
+@pytest.mark.parametrize("name", sorted(set(OPS) - {"rms_norm", "softmax", "log_softmax"}))
 def test_invariant_op_matches_plain(name, params):
     fn, width = OPS[name]
     x = torch.randn(33, width, generator=torch.Generator().manual_seed(1))

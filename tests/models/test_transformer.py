@@ -210,6 +210,14 @@ def test_bfloat16_plain_path_runs_close_to_float32():
     torch.testing.assert_close(packed.float(), reference[0], rtol=0, atol=1e-1)
 
 
+def test_forward_packed_of_no_sequences():
+    """An empty pack is a no-op, not an indexing error (it once built float index tensors)."""
+    model = build()
+    cache = new_cache(model, num_slots=2)
+    hidden = model.forward_packed(torch.zeros(0, dtype=torch.long), [], cache, [])
+    assert hidden.shape == (0, model.args.hidden_size) and cache.lengths == [0, 0]
+
+
 def test_cache_and_packing_errors():
     model = build()
     cache = new_cache(model, capacity=4)
