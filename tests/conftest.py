@@ -1,6 +1,16 @@
-"""Shared fixtures: the project's tokenizer and per-test scratch directories."""
+"""Shared fixtures: the project's tokenizer and per-test scratch directories.
+
+Without a CUDA device, Triton kernels run under its interpreter (on CPU tensors), so CI
+checks their arithmetic; the variable must be set before triton is first imported.
+"""
+
+import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from reprorl.models.tokenizer import make_char_tokenizer
 

@@ -9,14 +9,15 @@ by parameter name alone:
   every token. The PPO critic. transformers has no value-head class; token classification
   with one label is the layout verl's critics use, so transformers and vLLM load it too.
 
-Two forward paths, both built only from `reprorl.models.ops`:
+Two forward paths, both built only from the model's kernels (`reprorl.kernels`; the
+model holds its backend in `kernels`, stock torch unless the engine or trainer chooses):
 - `forward(input_ids [B, T], attention_mask, position_ids)`: padded batches, differentiable
   (trainer log-probs, values, reward scores).
 - `forward_packed(input_ids [N], seq_lens, cache, slots)`: the engine's and the reward
   model's path: the new tokens of several sequences packed back to back, each appending to
   its slot of a `KVCache`; attention for all of them in one or two batched calls.
-In batch-invariant mode both compute every token with the same row-wise ops and the same
-attention arithmetic (`ops.batched_attention`), so a token's hidden state is the same bits
+With a batch-invariant backend both compute every token with the same row-wise ops and the
+same attention arithmetic (`batched_attention`), so a token's hidden state is the same bits
 on either path, whatever it is batched or packed with and however its prompt was chunked.
 """
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reprorl.models import ops
+from reprorl.kernels import KEY_BLOCK, TorchKernels, rope_tables
 from reprorl.models.arch import ModelArgs
 
 
@@ -37,16 +38,16 @@ def _dtype(args: ModelArgs, dtype: torch.dtype | None) -> torch.dtype:
 
 
 class Linear(nn.Module):
-    """A linear layer that runs through `ops.linear`. Weights start at zero: they come
-    from a checkpoint or an explicit init, never from a global RNG."""
+    """A linear layer that runs through the model's kernels. Weights start at zero: they
+    come from a checkpoint or an explicit init, never from a global RNG."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, k) -> Tensor:
+        return k.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -55,15 +56,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, k) -> Tensor:
+        return k.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
     """Keys and values of `num_slots` sequences for every layer, one row ("slot") each.
 
     `keys[layer]`, `values[layer]`: [slots, kv_heads, cap, head_dim], where `cap` is
-    `capacity` rounded up to whole `ops.KEY_BLOCK`s (the chunks attention reads, so a
+    `capacity` rounded up to whole `KEY_BLOCK`s (the chunks attention reads, so a
     decode step reads the store as a view, with no copy). `lengths[slot]` counts the
     tokens cached for a slot: `forward_packed` appends after it and advances it; set it
     back to rewind or to reuse the slot. Entries past a slot's length are stale but finite
@@ -121,7 +122,7 @@ class KVCache:
         """Make room for `capacity` tokens per slot, keeping what is cached (a copy)."""
         if capacity <= self.capacity:
             return
-        cap = -(-capacity // ops.KEY_BLOCK) * ops.KEY_BLOCK
+        cap = -(-capacity // KEY_BLOCK) * KEY_BLOCK
         s, h, d = self._shape
         old = self.keys[0].shape[2] if self.keys else 0
         if cap > old:
@@ -149,14 +150,14 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, kern) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., H], cos/sin [..., D] -> q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D] (RoPE applied)."""
-        q = self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q = self.q_proj(x, kern).unflatten(-1, (self.num_heads, self.head_dim))
+        k = self.k_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin), v
+            q, k = self.q_norm(q, kern), self.k_norm(k, kern)
+        return kern.apply_rotary(q, cos, sin), kern.apply_rotary(k, cos, sin), v
 
 
 class MLP(nn.Module):
@@ -166,8 +167,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: Tensor, k) -> Tensor:
+        return self.down_proj(k.swiglu(self.gate_proj(x, k), self.up_proj(x, k)), k)
 
 
 class DecoderLayer(nn.Module):
@@ -178,24 +179,25 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_mask: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_mask: Tensor, kern) -> Tensor:
         """x [B, T, H], cos/sin [B, T, D], attention_mask [B, T] -> [B, T, H]."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)
-        x = x + self.self_attn.o_proj(ops.padded_attention(q, k, v, attention_mask).flatten(-2))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)
+        x = x + self.self_attn.o_proj(kern.padded_attention(q, k, v, attention_mask).flatten(-2), kern)
+        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
-    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int) -> Tensor:
+    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
+                       kern) -> Tensor:
         """x [N, H], cos/sin [N, D] -> [N, H]; writes this layer's keys/values into the cache.
 
-        Attention runs in one `ops.batched_attention` call per group of `plan` (the decode
+        Attention runs in one `batched_attention` call per group of `plan` (the decode
         tokens, the longer chunks), whatever the number of sequences.
         """
-        q, k, v = self.self_attn.project(self.input_layernorm(x), cos, sin)  # [N, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [N, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
         keys[plan.token_slots, :, plan.token_pos] = k
         values[plan.token_slots, :, plan.token_pos] = v
         if plan.in_order:  # decode tokens of consecutive slots, in slot order: no gather, no scatter
-            out = ops.batched_attention(q[:, :, None], keys[plan.lo : plan.hi], values[plan.lo : plan.hi], plan.q_start)
+            out = kern.batched_attention(q[:, :, None], keys[plan.lo : plan.hi], values[plan.lo : plan.hi], plan.q_start)
             attn = out[:, :, 0]  # [N, Hq, D]
         else:
             attn = q.new_empty(q.shape)  # [N, Hq, D]
@@ -203,14 +205,14 @@ class DecoderLayer(nn.Module):
             for g in plan.groups:
                 qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
                 kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
-                out = ops.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
+                out = kern.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
                 attn[g.rows] = out.permute(0, 2, 1, 3).reshape(-1, *q.shape[1:])[g.real]
-        x = x + self.self_attn.o_proj(attn.flatten(-2))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
+        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
 
 class _Group:
-    """Sequences of one `ops.batched_attention` call: B rows of Tq queries each.
+    """Sequences of one `batched_attention` call: B rows of Tq queries each.
 
     Row b reads cache slot lo + b (a view of the store; rows of slots not in the group are
     computed with zero queries and dropped) or, with `index`, slot index[b] (a gather).
@@ -276,7 +278,9 @@ class _PackPlan:
 
 
 class Transformer(nn.Module):
-    """The backbone (HF's `model.` prefix): embeddings, decoder layers, final norm."""
+    """The backbone (HF's `model.` prefix): embeddings, decoder layers, final norm.
+
+    `kernels`: the backend every op runs on (`reprorl.kernels`); stock torch by default."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -287,7 +291,8 @@ class Transformer(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        cos, sin_rot = ops.rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
+        self.kernels = TorchKernels
+        cos, sin_rot = rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
 
@@ -313,8 +318,8 @@ class Transformer(nn.Module):
         cos, sin = self._rope(position_ids)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask)
-        return self.norm(x)
+            x = layer(x, cos, sin, attention_mask, self.kernels)
+        return self.norm(x, self.kernels)
 
     def forward_packed(
         self, input_ids: Tensor, seq_lens: list[int], cache: KVCache, slots: list[int] | None = None
@@ -346,10 +351,10 @@ class Transformer(nn.Module):
         cos, sin = self._rope(plan.positions)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_packed(x, cos, sin, plan, cache, i)
+            x = layer.forward_packed(x, cos, sin, plan, cache, i, self.kernels)
         for n, s in zip(seq_lens, slots):
             cache.lengths[s] += n
-        return self.norm(x)
+        return self.norm(x, self.kernels)
 
 
 class CausalLM(nn.Module):
@@ -362,6 +367,15 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, _dtype(args, dtype))
         )
+
+    @property
+    def kernels(self):
+        """The kernel backend of every op (`reprorl.kernels`), held by the backbone."""
+        return self.model.kernels
+
+    @kernels.setter
+    def kernels(self, backend) -> None:
+        self.model.kernels = backend
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -393,7 +407,7 @@ class CausalLM(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V]."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(hidden, weight)
+        return self.kernels.linear(hidden, weight)
 
 
 class SequenceClassifier(nn.Module):
@@ -404,6 +418,15 @@ class SequenceClassifier(nn.Module):
         self.args = args
         self.model = Transformer(args, dtype)
         self.score = Linear(args.hidden_size, args.num_labels, False, _dtype(args, dtype))
+
+    @property
+    def kernels(self):
+        """The kernel backend of every op (`reprorl.kernels`), held by the backbone."""
+        return self.model.kernels
+
+    @kernels.setter
+    def kernels(self, backend) -> None:
+        self.model.kernels = backend
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -435,7 +458,7 @@ class SequenceClassifier(nn.Module):
 
     def scores(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> [..., num_labels]."""
-        return self.score(hidden)
+        return self.score(hidden, self.kernels)
 
 
 class ValueModel(nn.Module):
@@ -446,6 +469,15 @@ class ValueModel(nn.Module):
         self.args = args
         self.model = Transformer(args, dtype)
         self.score = Linear(args.hidden_size, 1, True, _dtype(args, dtype))
+
+    @property
+    def kernels(self):
+        """The kernel backend of every op (`reprorl.kernels`), held by the backbone."""
+        return self.model.kernels
+
+    @kernels.setter
+    def kernels(self, backend) -> None:
+        self.model.kernels = backend
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -461,4 +493,4 @@ class ValueModel(nn.Module):
 
     def values(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> values [...]."""
-        return self.score(hidden).squeeze(-1)
+        return self.score(hidden, self.kernels).squeeze(-1)

@@ -38,7 +38,7 @@ from reprorl.determinism import (
 )
 from reprorl.determinism_report import model_part_info
 from reprorl.errors import ReproRLError
-from reprorl.models import ops
+from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
 from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
@@ -122,8 +122,8 @@ class RewardModelScorer(ChatScorer):
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_invariant = batch_invariant
         self.dtype = next(self.model.parameters()).dtype
-        if batch_invariant:
-            ops.verify_batch_invariance(self.args, self.dtype)
+        self.model.kernels = select_kernels(next(self.model.parameters()).device, batch_invariant)
+        verify_batch_invariance(self.model.kernels, self.args, self.dtype)
         self._cache: KVCache | None = None  # made by the first forward
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -152,7 +152,7 @@ class RewardModelScorer(ChatScorer):
             self._cache = KVCache.for_model(self.args, max(lens), self.max_num_seqs, self.dtype)
         self._cache.grow(max(lens))
         self._cache.lengths = [0] * self.max_num_seqs
-        with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
+        with torch.inference_mode():
             hidden = self.model.forward_packed(ids, lens, self._cache)  # [N, H]
             scores = self.model.scores(hidden[last])  # [b, 1]
         return scores[:, 0].float()

@@ -8,17 +8,17 @@ between steps. Keys and values live in one preallocated `KVCache` with a slot pe
 sequence (`_SlotPool`), freed for the next request when a sequence finishes.
 
 The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
-op from `reprorl.models.ops`): all decode tokens of a step share one batched attention
+op from `reprorl.kernels`): all decode tokens of a step share one batched attention
 call, prefill chunks another, and in batch-invariant mode both give the same bits as the
 trainer's padded forward (tested).
 
 Determinism (DESIGN.md): a sample is a pure function of (weights, prompt ids, sampling
 params, seed). The engine keeps it by (1) giving each request a private generator seeded
 from its `seed` and drawn once per token (`sampling.py`), and (2) with
-`batch_invariant=True`, running under the op layer's batch-invariant mode, in which a
-token's logits do not depend on what else is packed with it, nor on how its prompt was
-cut into prefill chunks, nor on the thread count (checked on this machine's kernels when
-the engine is made: `ops.verify_batch_invariance`). Which requests share a step, and
+`batch_invariant=True`, running the model on batch-invariant kernels (`reprorl.kernels`),
+with which a token's logits do not depend on what else is packed with it, nor on how its
+prompt was cut into prefill chunks, nor on the thread count (checked on this machine when
+the engine is made: `kernels.verify_batch_invariance`). Which requests share a step, and
 when, then only changes speed. With `batch_invariant=False` the fastest kernels run and
 results may differ in the last bits between batch compositions and thread counts.
 
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from reprorl.models import ops
+from reprorl.kernels import KEY_BLOCK, select_kernels, verify_batch_invariance
 from reprorl.models.transformer import KVCache
 from reprorl.rollout.sampling import SamplingParams, draw_uniforms, make_generator, sample_batch
 
@@ -126,14 +126,14 @@ class _SlotPool:
     """The KV cache of every running sequence (the model's `KVCache`, one slot per sequence)
     and which slots are free. Slots are taken lowest first, so running ones stay dense and
     a decode step reads them as one view. The cache grows (copying) to the longest sequence
-    admitted, in whole `ops.KEY_BLOCK`s."""
+    admitted, in whole `KEY_BLOCK`s."""
 
     def __init__(self, args, num_slots: int, dtype: torch.dtype, device: torch.device):
-        self.cache = KVCache.for_model(args, ops.KEY_BLOCK, num_slots, dtype, device)
+        self.cache = KVCache.for_model(args, KEY_BLOCK, num_slots, dtype, device)
         self.free = list(range(num_slots))  # a heap
 
     def alloc(self, capacity: int) -> int:
-        self.cache.grow(-(-capacity // ops.KEY_BLOCK) * ops.KEY_BLOCK)
+        self.cache.grow(-(-capacity // KEY_BLOCK) * KEY_BLOCK)
         slot = heapq.heappop(self.free)
         self.cache.lengths[slot] = 0
         return slot
@@ -157,8 +157,8 @@ def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, voc
 class Engine:
     """Continuous-batching generation on a `reprorl.models` `CausalLM` (see the module doc).
 
-    `batch_invariant`: run under `ops.batch_invariant()` (the determinism contract) or on
-    the fastest kernels. `eos_token_id`: one id, several, or None. `max_model_len`: prompt
+    `batch_invariant`: run the model on its device's batch-invariant kernels (the determinism
+    contract; `reprorl.kernels.select_kernels`) or on the fastest ones. `eos_token_id`: one id, several, or None. `max_model_len`: prompt
     plus generation, at most the model's rope table (default min(that, 4096)).
     `num_threads`: torch threads of a step (default: the constructing thread's count).
     """
@@ -202,8 +202,9 @@ class Engine:
         self.starvation_steps = starvation_steps
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        if batch_invariant:
-            ops.verify_batch_invariance(self.args, self.dtype, self.device)
+        self.kernels = select_kernels(self.device, batch_invariant)
+        model.kernels = self.kernels
+        verify_batch_invariance(self.kernels, self.args, self.dtype, self.device)
 
         self.weight_version = 0
         self.asleep = False
@@ -489,14 +490,15 @@ class Engine:
         ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
         rows = [end - 1 for c, end in zip(chunks, ends) if c.sample]
         sampled = [c.seq for c in chunks if c.sample]
-        with torch.inference_mode(), ops.batch_invariant(self.batch_invariant):
+        with torch.inference_mode():
             hidden = self._forward(chunks)  # [N, H]
             if not rows:
                 return torch.empty(0, dtype=torch.long), torch.empty(0)
             if len(rows) < hidden.shape[0]:  # prefill chunks: only their last tokens sample
                 hidden = hidden[torch.tensor(rows, device=self.device)]
             logits = self.model.logits(hidden)  # [S, V]
-            return sample_batch(logits.float().cpu(), [s.params for s in sampled], [s.next_uniform() for s in sampled])
+            return sample_batch(logits, [s.params for s in sampled], [s.next_uniform() for s in sampled],
+                                self.kernels.log_softmax)
 
     def _forward(self, chunks: list[_Chunk]) -> Tensor:
         """The model's `forward_packed` over the chunks, each in its sequence's slot. -> hidden [N, H]."""

@@ -24,7 +24,8 @@ top-k set. Ties are broken by token id (lower id ranks first), via a stable sort
 The returned log-prob is that of the sampled token under `log_softmax(logits / T)` in
 float32, WITHOUT top-k/top-p truncation, and with T = 1 for greedy: it is what the
 trainer recomputes from the same logits (reprorl/trainer/policy.py), through the same
-`ops.log_softmax`, so inside `ops.batch_invariant()` the two agree bit for bit.
+kernels' `log_softmax` (passed in), so with a batch-invariant backend the two agree bit for
+bit.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from reprorl.errors import ConfigError
-from reprorl.models import ops
+from reprorl.kernels import TorchKernels
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def _inverse_cdf(probs: torch.Tensor, u: float) -> int:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, log_softmax=TorchKernels.log_softmax
 ) -> tuple[int, float | None]:
     """Sample one token for one request. The plain reference for `sample_batch`.
 
@@ -152,7 +153,7 @@ def sample_next(
         probs = torch.softmax(scaled.double(), dim=-1)
         probs = torch.where(_keep_mask(probs, params.top_k, params.top_p), probs, 0.0)
         token = _inverse_cdf(probs, u)
-    log_prob = ops.log_softmax(scaled)[token].item() if params.logprobs else None
+    log_prob = log_softmax(scaled[None])[0, token].item() if params.logprobs else None
     return token, log_prob
 
 
@@ -160,20 +161,23 @@ def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     uniforms: Sequence[float],
+    log_softmax=TorchKernels.log_softmax,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row, vectorised; bitwise equal to `sample_next` row by row.
 
-    logits: [B, V]; uniforms: row b's draw for this token (the next value of its request's
-    generator, see `draw_uniforms`). Returns (tokens int64 [B], log_probs float32 [B]);
-    log_probs are computed for every row; callers drop those of requests with `logprobs` off.
+    logits: [B, V] on any device; uniforms: row b's draw for this token (the next value of
+    its request's generator, see `draw_uniforms`). `log_softmax`: the model's kernel, run on
+    the logits' device (the trainer recomputes the log-probs with it). Returns (tokens int64
+    [B], log_probs float32 [B]) on the CPU; log_probs are computed for every row; callers
+    drop those of requests with `logprobs` off.
     """
     B, V = logits.shape
     u = torch.tensor(uniforms, dtype=torch.float64)  # [B]
     greedy = torch.tensor([p.greedy for p in params])  # [B]
     temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32)
-    logits = logits.float()
-    scaled = logits / temps[:, None]  # [B, V]; greedy rows: divided by 1, unchanged
-    log_probs_all = ops.log_softmax(scaled)  # [B, V]
+    scaled_on_device = logits.float() / temps.to(logits.device)[:, None]  # [B, V]; greedy rows unchanged
+    log_probs_all = log_softmax(scaled_on_device)  # [B, V]
+    logits, scaled = logits.float().cpu(), scaled_on_device.cpu()
     tokens = torch.argmax(logits, dim=-1)  # [B], the greedy answer
 
     sampled_rows = (~greedy).nonzero().flatten()
@@ -190,8 +194,8 @@ def sample_batch(
         # Last token with mass: first positive from the right.
         last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1)
         tokens[rows] = torch.minimum(idx, last)
-    log_probs = log_probs_all.gather(1, tokens[:, None]).squeeze(1)  # [B]
-    return tokens, log_probs
+    log_probs = log_probs_all.gather(1, tokens.to(log_probs_all.device)[:, None]).squeeze(1)  # [B]
+    return tokens, log_probs.cpu()
 
 
 def _keep_mask_batch(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]) -> torch.Tensor:

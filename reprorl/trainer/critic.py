@@ -14,7 +14,6 @@ policy worker.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -24,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from reprorl.algos import value_loss
-from reprorl.models import ops
+from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
@@ -82,8 +81,9 @@ class CriticWorker:
         self.model_path = Path(model_path)
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="critic", dtype=dtype_from_name(dtype))
-        if batch_invariant:
-            ops.verify_batch_invariance(self.model_args, next(self.model.parameters()).dtype)
+        first = next(self.model.parameters())
+        self.model.kernels = select_kernels(first.device, batch_invariant)
+        verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         if not set(VALUE_HEAD) & checkpoint_tensor_names(self.model_path):
             init_value_head(self.model, seed)
         self.model.eval()  # no dropout in reprorl's models: compute_values and update see the same forward
@@ -94,9 +94,7 @@ class CriticWorker:
 
     def _values(self, micro: Batch) -> torch.Tensor:
         """`[b, R]` float32 values of the states before each response token (differentiable)."""
-        mode = ops.batch_invariant(True) if self.batch_invariant else contextlib.nullcontext()
-        with mode:
-            values = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])  # [b, P+R]
+        values = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])  # [b, P+R]
         return response_values(values, micro["responses"].shape[1])
 
     def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ The batch it reads, in sample order (from the rollout):
 Log-probs follow the engine's definition (reprorl/rollout/sampling.py): the log-prob of
 response token j is `log_softmax(logits.float() / T)` at that token, where the logits are
 those at position P-1+j (the position that predicts it), T the rollout temperature, and
-T = 1 for greedy (temperature 0). With `batch_invariant=True` every forward pass runs in
-the op layer's batch-invariant mode, so a sample's log-probs do not depend on which
+T = 1 for greedy (temperature 0). With `batch_invariant=True` the model runs on its
+device's batch-invariant kernels (`reprorl.kernels`), so a sample's log-probs do not depend on which
 micro-batch it sits in.
 
 One `update` call is one training step: `ppo_epochs` passes over the batch, each cut into
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from reprorl.algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
-from reprorl.models import ops
+from reprorl.kernels import TorchKernels, select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.protocol import Batch
 from reprorl.trainer.optim import (
@@ -96,9 +96,11 @@ def response_logits(logits: torch.Tensor, response_length: int, temperature: flo
     return scaled / temperature if temperature > 0 else scaled
 
 
-def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """`log_softmax(scaled_logits)` at `tokens`: `[B, R, V]`, `[B, R]` -> `[B, R]`."""
-    return ops.log_softmax(scaled_logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor, log_softmax=TorchKernels.log_softmax
+                    ) -> torch.Tensor:
+    """`log_softmax(scaled_logits)` at `tokens`: `[B, R, V]`, `[B, R]` -> `[B, R]`. `log_softmax`
+    is the model's kernel, the one the engine's sampler used."""
+    return log_softmax(scaled_logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 class PolicyWorker:
@@ -121,8 +123,9 @@ class PolicyWorker:
         self.name = name or ("actor" if self.trainable else "ref")
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
-        if batch_invariant:
-            ops.verify_batch_invariance(self.model_args, next(self.model.parameters()).dtype)
+        first = next(self.model.parameters())
+        self.model.kernels = select_kernels(first.device, batch_invariant)
+        verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         # reprorl's models have no dropout; eval() everywhere keeps the update's forward
         # identical to compute_log_probs' (the first mini-batch's ratio is exactly 1).
         self.model.eval()
@@ -136,18 +139,13 @@ class PolicyWorker:
 
     # ---------------------------------------------------------------- forward
 
-    def _forward_mode(self) -> contextlib.AbstractContextManager:
-        return ops.batch_invariant(True) if self.batch_invariant else contextlib.nullcontext()
-
     def _response_log_probs(self, micro: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(`[b, R, V]` float32 logits predicting each response token, `[b, R]` log-probs of
-        the response tokens), differentiable. Both under the forward mode: in determinism
-        mode the log-softmax must be the op layer's invariant one, as in the engine, or the
-        rollout's and the trainer's log-probs part in the last bits."""
-        with self._forward_mode():
-            logits = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-            scaled = response_logits(logits, micro["responses"].shape[1], temperature)
-            return scaled, token_log_probs(scaled, micro["responses"])
+        the response tokens), differentiable. The log-softmax is the model's kernel, as in the
+        engine, or the rollout's and the trainer's log-probs part in the last bits."""
+        logits = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        scaled = response_logits(logits, micro["responses"].shape[1], temperature)
+        return scaled, token_log_probs(scaled, micro["responses"], self.model.kernels.log_softmax)
 
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False

@@ -100,13 +100,13 @@ def test_validation_uses_its_own_seeds(managers):
 
 def _greedy_reference(model_dir, prompt_ids, max_new):
     """Greedy decoding by hand: full forward each step, argmax of the last position."""
-    from reprorl.models import ops
+    from kernel_modes import on_kernels
     from reprorl.models.hf_io import load_model
 
     model, _ = load_model(model_dir)
     ids = list(prompt_ids)
     new = []
-    with torch.no_grad(), ops.batch_invariant(True):
+    with torch.no_grad(), on_kernels(model):
         for _ in range(max_new):
             x = torch.tensor([ids])
             logits = model(x, torch.ones_like(x))[0, -1]  # [V]

@@ -5,7 +5,6 @@ import pytest
 import torch
 import transformers
 
-from reprorl.models import ops
 
 # Small shapes that still exercise GQA (2 query heads per KV head), biases and qk-norm.
 SMALL = dict(
@@ -66,10 +65,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(count)
-
-
-@pytest.fixture(autouse=True)
-def _plain_mode_after_each_test():
-    """No test leaks batch-invariant mode into the next."""
-    yield
-    ops.set_batch_invariant(False)

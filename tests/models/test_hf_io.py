@@ -8,7 +8,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from reprorl.models import ops
+from kernel_modes import on_kernels
 from reprorl.models.hf_io import CheckpointError, load_model, save_model
 from reprorl.models.transformer import SequenceClassifier, ValueModel
 
@@ -42,7 +42,7 @@ def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_pa
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         plain = model(ids, mask)
-        with ops.batch_invariant():
+        with on_kernels(model):
             invariant = model(ids, mask)
     assert expected[real].abs().max() > 1  # logits are O(1), so the tolerance is tight
     torch.testing.assert_close(plain[real], expected[real], **TOL)
@@ -79,7 +79,7 @@ def test_reward_model_matches_transformers(side, make_hf_model, tmp_path):
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # [B, 1]
         torch.testing.assert_close(model(ids, mask), expected, **TOL)
-        with ops.batch_invariant():
+        with on_kernels(model):
             torch.testing.assert_close(model(ids, mask), expected, **TOL)
     save_model(model, args, tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from reprorl.models import ops
+from kernel_modes import on_kernels
 from reprorl.models.arch import ModelArgs
 from reprorl.models.tiny import init_weights
 from reprorl.models.transformer import CausalLM, KVCache, SequenceClassifier, ValueModel
@@ -57,7 +57,7 @@ def check_companions(family, runs):
     rng = random.Random(family)
     prompt = torch.tensor([5, 17, 33, 8, 91, 40, 2])
     steps = [torch.tensor([7]), torch.tensor([64]), torch.tensor([12])]
-    with ops.batch_invariant(), torch.inference_mode():
+    with on_kernels(model), torch.inference_mode():
         torch.set_num_threads(1)
         cache = new_cache(model)
         alone = [prefill(model, [prompt], cache)]
@@ -97,7 +97,7 @@ def test_packed_sequence_is_invariant_to_threads(family):
 def test_prefill_chunking_is_invisible():
     model = build()
     prompt = torch.tensor(random_prompts(1, random.Random(1), max_len=40)[0].tolist() + [9] * 30)
-    with ops.batch_invariant(), torch.inference_mode():
+    with on_kernels(model), torch.inference_mode():
         cache = new_cache(model, 128)
         whole = prefill(model, [prompt], cache)
         for chunks in ([1] * 8 + [len(prompt) - 8], [5, 17, len(prompt) - 22]):
@@ -122,7 +122,7 @@ def test_forward_agrees_with_forward_packed(family):
         ids[i, width - len(s) :] = s
         mask[i, width - len(s) :] = 1
     for invariant in (False, True):
-        with ops.batch_invariant(invariant), torch.inference_mode():
+        with on_kernels(model, invariant), torch.inference_mode():
             full = model(ids, mask)
             for i, s in enumerate(seqs):
                 cache = new_cache(model)
@@ -141,7 +141,7 @@ def test_forward_is_padding_invariant():
     model = build(seed=3)
     seq = torch.tensor([4, 8, 15, 16, 23, 42])
     g = torch.Generator().manual_seed(3)
-    with ops.batch_invariant(), torch.no_grad():
+    with on_kernels(model), torch.no_grad():
         alone = model(seq[None])[0]
         ids = torch.randint(3, 96, (5, 11), generator=g)
         mask = torch.ones(5, 11, dtype=torch.long)
@@ -162,8 +162,8 @@ def test_forward_is_differentiable_in_both_modes():
     grads = []
     for invariant in (False, True):
         model.zero_grad()
-        with ops.batch_invariant(invariant):
-            logp = ops.log_softmax(model(ids, mask))
+        with on_kernels(model, invariant) as k:
+            logp = k.log_softmax(model(ids, mask))
             (logp[mask.bool()].gather(-1, ids[mask.bool()][:, None])).sum().backward()
         grads.append(model.model.layers[0].self_attn.q_proj.weight.grad.clone())
     assert grads[0].abs().sum() > 0
@@ -173,7 +173,7 @@ def test_forward_is_differentiable_in_both_modes():
 def test_reward_head_reads_the_last_real_token():
     model = build(SequenceClassifier, seed=5)
     seq = torch.tensor([[7, 3, 9, 30, 31]])
-    with ops.batch_invariant(), torch.inference_mode():
+    with on_kernels(model), torch.inference_mode():
         score = model(seq)  # [1, 1]
         padded = model(
             torch.tensor([[0, 0, 7, 3, 9, 30, 31], [7, 3, 9, 30, 31, 0, 0]]),

@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from reprorl.models import ops
+from kernel_modes import on_kernels
+from reprorl.kernels import KEY_BLOCK, CpuInvariantKernels
 from reprorl.models.hf_io import load_model
 from reprorl.models.tiny import make_tiny
 from reprorl.rollout.engine import Engine, GenerateOutput
@@ -155,14 +156,13 @@ def test_n_copies_with_different_seeds(model):
 def reference_logits(model, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] of the model's padded-batch forward pass (the trainer's path: no
     cache, no engine), in batch-invariant mode as the trainer runs it under determinism."""
-    with torch.inference_mode(), ops.batch_invariant(True):
+    with torch.inference_mode(), on_kernels(model):
         return model(torch.tensor([ids]))[0].float()
 
 
 def reference_log_probs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """The trainer's formula (reprorl/trainer/policy.py): ops.log_softmax at the tokens."""
-    with ops.batch_invariant(True):
-        return ops.log_softmax(logits).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    """The trainer's formula (reprorl/trainer/policy.py): the kernels' log_softmax at the tokens."""
+    return CpuInvariantKernels.log_softmax(logits).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
 def test_greedy_is_the_models_argmax_and_log_probs_match_forward(model):
@@ -391,12 +391,12 @@ def test_kv_store_grows_while_sequences_run(model):
         tasks = [asyncio.create_task(engine.generate(**r)) for r in short]
         while engine.stats()["tokens_generated"] < 6:
             await asyncio.sleep(0.001)
-        assert engine.stats()["kv_capacity"] == ops.KEY_BLOCK  # 50 positions, rounded up
+        assert engine.stats()["kv_capacity"] == KEY_BLOCK  # 50 positions, rounded up
         tasks.append(asyncio.create_task(engine.generate(**long)))
         return await asyncio.gather(*tasks)
 
     together = asyncio.run(main())
-    assert engine.stats()["kv_capacity"] == -(-310 // ops.KEY_BLOCK) * ops.KEY_BLOCK
+    assert engine.stats()["kv_capacity"] == -(-310 // KEY_BLOCK) * KEY_BLOCK
     for r, out in zip(short + [long], together):
         assert_same(out, generate_all(make_engine(model), [r])[0])
 

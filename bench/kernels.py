@@ -1,0 +1,220 @@
+"""Batch-invariant kernels against the stock torch ops, and whole forwards, on one device.
+
+CUDA (default when there is a GPU): random weights, bf16, M = 1, 64, 256, 4096 tokens.
+Each invariant Triton kernel against the stock op (cuBLAS for linears, torch's fused
+norms/softmaxes, SDPA for attention), then a whole padded forward (the trainer's path)
+of Qwen2.5-0.5B- and 7B-shaped models with each backend. Times are medians of
+`triton.testing.do_bench` (CUDA events, warm-up first).
+
+CPU (`--device cpu`): the cost of determinism on a forward of a width-512 model and a
+Qwen2.5-0.5B-shaped one of 2 layers, at 16, 64 and 256 rows, at the machine's thread count.
+
+`--sweep`: time candidate Triton tiles per linear shape (the table in
+`reprorl/kernels/gpu/matmul.py` was chosen from it).
+
+    python bench/kernels.py [--device cuda|cpu] [--sweep] [--out bench/results/kernels.json]
+
+Prints a table and writes every figure as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reprorl.kernels import TorchKernels, rope_tables, select_kernels  # noqa: E402
+from reprorl.models.arch import ModelArgs  # noqa: E402
+from reprorl.models.transformer import CausalLM  # noqa: E402
+
+QWEN = {  # hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151936, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 128, 152064, False),
+}
+WIDE = {"width-512": (512, 1408, 4, 8, 2, 64, 4096, True)}  # bench/rollout.py's CPU model
+ROWS = (1, 64, 256, 4096)
+
+
+def model_args(name: str, layers: int | None = None) -> ModelArgs:
+    h, i, n, heads, kv, hd, vocab, tied = {**QWEN, **WIDE}[name]
+    return ModelArgs(model_type="qwen2", vocab_size=vocab, hidden_size=h, intermediate_size=i,
+                     num_hidden_layers=layers or n, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                     qkv_bias=True, tie_word_embeddings=tied, max_position_embeddings=8192)
+
+
+def gpu_time_ms(fn) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def cpu_time_ms(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def linear_shapes(name: str) -> dict[str, tuple[int, int]]:
+    h, i, _, heads, kv, hd, vocab, _ = QWEN[name]
+    return {"qkv": (h, (heads + 2 * kv) * hd), "o": (heads * hd, h), "gate_up": (h, 2 * i), "down": (i, h),
+            "lm_head": (h, vocab)}
+
+
+def bench_ops_cuda(results: dict) -> None:
+    inv = select_kernels("cuda", True)
+    dt = torch.bfloat16
+    rows = []
+    for model, shapes in ((m, linear_shapes(m)) for m in QWEN):
+        for name, (k, n) in shapes.items():
+            w = torch.randn(n, k, device="cuda", dtype=dt) * 0.02
+            for m in ROWS:
+                x = torch.randn(m, k, device="cuda", dtype=dt)
+                stock, ours = gpu_time_ms(lambda: F.linear(x, w)), gpu_time_ms(lambda: inv.linear(x, w))
+                rows.append({"op": f"linear {model} {name} {k}->{n}", "M": m, "stock_ms": stock, "invariant_ms": ours,
+                             "ratio": ours / stock})
+    for width in (896, 3584):
+        wn = torch.ones(width, device="cuda", dtype=dt)
+        for m in ROWS:
+            x = torch.randn(m, width, device="cuda", dtype=dt)
+            rows.append(_pair(f"rms_norm {width}", m, lambda: TorchKernels.rms_norm(x, wn, 1e-6),
+                              lambda: inv.rms_norm(x, wn, 1e-6)))
+    for m in ROWS:
+        logits = torch.randn(m, 151936, device="cuda")
+        rows.append(_pair("log_softmax 151936", m, lambda: torch.log_softmax(logits, -1), lambda: inv.log_softmax(logits)))
+        g, u = (torch.randn(m, 4864, device="cuda", dtype=dt) for _ in range(2))
+        rows.append(_pair("swiglu 4864", m, lambda: F.silu(g) * u, lambda: inv.swiglu(g, u)))
+        cos, sin = (t.cuda()[:m] for t in rope_tables(64, 1e6, max(ROWS)))
+        qh = torch.randn(m, 14, 64, device="cuda", dtype=dt)
+        rows.append(_pair("rotary 14x64", m, lambda: TorchKernels.apply_rotary(qh, cos, sin),
+                          lambda: inv.apply_rotary(qh, cos, sin)))
+    # attention: decode of B sequences over 384 cached keys; prefill of one 4096-token batch
+    for label, b, tq, tk in (("decode B=64 L=384", 64, 1, 384), ("decode B=256 L=384", 256, 1, 384),
+                             ("prefill 8x512", 8, 512, 512)):
+        q = torch.randn(b, 14, tq, 64, device="cuda", dtype=dt)
+        kk, vv = (torch.randn(b, 2, tk, 64, device="cuda", dtype=dt) for _ in range(2))
+        start = torch.full((b,), tk - tq, device="cuda")
+        rows.append(_pair(f"attention {label}", b * tq, lambda: TorchKernels.batched_attention(q, kk, vv, start),
+                          lambda: inv.batched_attention(q, kk, vv, start)))
+    results["ops"] = rows
+
+
+def _pair(op: str, m: int, stock, ours) -> dict:
+    s, o = gpu_time_ms(stock), gpu_time_ms(ours)
+    return {"op": op, "M": m, "stock_ms": s, "invariant_ms": o, "ratio": o / s}
+
+
+def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype, row_counts, timer) -> list[dict]:
+    args = model_args(name, layers)
+    with torch.device(device):
+        model = CausalLM(args, dtype).eval()
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=g)
+    out = []
+    for tokens in row_counts:
+        b = 1 if tokens <= 256 else tokens // 512
+        ids = torch.randint(0, args.vocab_size, (b, tokens // b), device=device)
+        times = {}
+        for invariant in (False, True):
+            model.kernels = select_kernels(device, invariant)
+            with torch.no_grad():
+                times[invariant] = timer(lambda: model(ids))
+        out.append({"model": name, "layers": args.num_hidden_layers, "tokens": tokens, "batch": b,
+                    "stock_ms": times[False], "invariant_ms": times[True], "ratio": times[True] / times[False]})
+        print(f"  forward {name} x{args.num_hidden_layers} layers, {tokens} tokens: stock {times[False]:.2f} ms, "
+              f"invariant {times[True]:.2f} ms ({times[True] / times[False]:.2f}x)", flush=True)
+    del model
+    return out
+
+
+def sweep_tiles(results: dict) -> None:
+    """Time candidate tiles for each bf16 linear shape at M = 64, 256, 4096 (geometric mean
+    of the time over cuBLAS's): the data behind `matmul.tile_for`."""
+    import triton
+
+    from reprorl.kernels.gpu import matmul as tl_matmul
+
+    candidates = [tl_matmul.Tile(bm, bn, bk, w, s) for bm, bn, bk, w, s in (
+        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+        (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 3))]
+    rows = []
+    original = tl_matmul.tile_for
+    try:
+        for model in QWEN:
+            for name, (k, n) in linear_shapes(model).items():
+                w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+                xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (64, 256, 4096)}
+                stock = {m: gpu_time_ms(lambda: F.linear(x, w)) for m, x in xs.items()}
+                best = None
+                for tile in candidates:
+                    tl_matmul.tile_for = lambda n_, k_, d_, tile=tile: tile
+                    try:
+                        ratios = [gpu_time_ms(lambda: tl_matmul.matmul(x, w)) / stock[m] for m, x in xs.items()]
+                    except triton.runtime.errors.OutOfResources:
+                        continue
+                    score = statistics.geometric_mean(ratios)
+                    rows.append({"shape": f"{model} {name} {k}->{n}", "tile": tile.__dict__, "ratios": ratios,
+                                 "score": score})
+                    if best is None or score < best[0]:
+                        best = (score, tile, ratios)
+                print(f"  sweep {model} {name} {k}->{n}: best {best[1]} ratios {[round(r, 2) for r in best[2]]}",
+                      flush=True)
+    finally:
+        tl_matmul.tile_for = original
+    results["sweep"] = rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--sweep", action="store_true", help="time candidate Triton tiles per linear shape")
+    parser.add_argument("--skip-ops", action="store_true", help="only the whole forwards")
+    parser.add_argument("--out", default=None, help="JSON file (default bench/results/kernels_<device>.json)")
+    args = parser.parse_args()
+    out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{args.device}.json")
+    results: dict = {"device": args.device, "torch": torch.__version__, "machine": platform.processor(),
+                     "threads": torch.get_num_threads()}
+    if args.device == "cuda":
+        import triton
+
+        results.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        if args.sweep:
+            sweep_tiles(results)
+        if not args.skip_ops:
+            bench_ops_cuda(results)
+        results["forward"] = (whole_forward("qwen2.5-0.5b", None, "cuda", torch.bfloat16, (64, 256, 4096), gpu_time_ms)
+                              + whole_forward("qwen2.5-7b", None, "cuda", torch.bfloat16, (64, 256, 4096), gpu_time_ms))
+    else:
+        from reprorl.kernels.check import device_name
+
+        results["cpu"] = device_name(torch.device("cpu"))
+        results["forward"] = (whole_forward("width-512", None, "cpu", torch.float32, (16, 64, 256), cpu_time_ms)
+                              + whole_forward("qwen2.5-0.5b", 2, "cpu", torch.float32, (16, 64, 256), cpu_time_ms))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\n{'op':48s} {'M':>6s} {'stock ms':>10s} {'invariant ms':>13s} {'ratio':>7s}")
+    for row in results.get("ops", []):
+        print(f"{row['op']:48s} {row['M']:6d} {row['stock_ms']:10.4f} {row['invariant_ms']:13.4f} {row['ratio']:7.2f}")
+    for row in results["forward"]:
+        print(f"{'forward ' + row['model'] + ' x' + str(row['layers']):48s} {row['tokens']:6d} {row['stock_ms']:10.3f} "
+              f"{row['invariant_ms']:13.3f} {row['ratio']:7.2f}")
+    print(f"saved {out}")
+
+
+if __name__ == "__main__":
+    main()

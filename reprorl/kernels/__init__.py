@@ -1,0 +1,53 @@
+"""Kernels: every op of a model's forward pass (and its backward), one backend a module.
+
+| backend | module | promise |
+|---|---|---|
+| `TorchKernels` | `torch_ops` | stock torch, the fastest; none about batching |
+| `CpuInvariantKernels` | `cpu` | batch-invariant on any CPU (fixed-shape single-threaded tiles) |
+| `TritonKernels` | `gpu` | batch-invariant on CUDA GPUs (Triton kernels, tiles fixed by N and K) |
+| `ReferenceKernels` | `reference` | float64, for tests |
+
+Batch-invariant means: each output row depends only on that row's inputs, not on how many
+rows are in the call, where the row sits, what the other rows hold, or the thread count.
+Attention reduces over keys in one fixed block order, so a token's output is the same bits
+in a decode step, in any prefill chunk and in the trainer's padded batch (DESIGN.md,
+contract point 2). Gradients are deterministic, not batch-invariant.
+
+Every backend has the same methods: `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,
+`swiglu(gate, up)`, `softmax(x)`, `log_softmax(x)`, `apply_rotary(x, cos, sin_rot)`,
+`batched_attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], q_start [B])` (causal, GQA; a
+query at position p sees keys 0..p; keys past it must only be finite) and
+`padded_attention(q, k, v [B, T, H, D], attention_mask [B, T])`; and `name` and
+`batch_invariant`. A model holds the backend it runs with (`CausalLM.kernels`); the
+engine, the trainer's workers and the reward model choose it once with `select_kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reprorl.kernels.check import BatchInvarianceError, verify_batch_invariance
+from reprorl.kernels.cpu import CpuInvariantKernels
+from reprorl.kernels.reference import ReferenceKernels
+from reprorl.kernels.shared import KEY_BLOCK, apply_rotary, rope_tables
+from reprorl.kernels.torch_ops import TorchKernels
+
+__all__ = [
+    "KEY_BLOCK", "BatchInvarianceError", "CpuInvariantKernels", "ReferenceKernels", "TorchKernels",
+    "apply_rotary", "rope_tables", "select_kernels", "verify_batch_invariance",
+]
+
+
+def select_kernels(device: torch.device | str, batch_invariant: bool):
+    """The backend for a model on `device`: stock torch unless `batch_invariant`, then the
+    CPU tiles or (CUDA) the Triton kernels. Other devices have no invariant backend."""
+    device = torch.device(device)
+    if not batch_invariant:
+        return TorchKernels
+    if device.type == "cpu":
+        return CpuInvariantKernels
+    if device.type == "cuda":
+        from reprorl.kernels.gpu import TritonKernels  # triton is imported only where it runs
+
+        return TritonKernels
+    raise NotImplementedError(f"no batch-invariant kernels for device {device}; expected cpu or cuda")

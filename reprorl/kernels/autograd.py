@@ -1,0 +1,85 @@
+"""Gradients for kernels that have only a forward: the backward of the plain torch version.
+
+A batch-invariant kernel (a Triton kernel, the CPU tile runner) computes the same function
+as a few stock torch ops, with a different reduction order. Training needs its gradient,
+deterministic (the same bits every run) but not batch-invariant (the kernels issue). So
+the backward recomputes the op with stock torch ops and differentiates that: the gradient
+of the same function, through torch's deterministic backward kernels (no atomics with
+`torch.use_deterministic_algorithms`). The linear layer, where recomputing would cost a
+third more matmuls, has its own backward (`linear_with_matmul_backward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def _needs_grad(tensors: tuple[Any, ...]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+class _RecomputeBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: Callable, torch_fn: Callable, static: dict, *args: Any) -> Tensor:
+        ctx.torch_fn, ctx.static = torch_fn, static
+        ctx.args = [None if isinstance(a, Tensor) else a for a in args]  # constants kept as they are
+        ctx.save_for_backward(*[a for a in args if isinstance(a, Tensor)])
+        return kernel(*args, **static)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        needs = ctx.needs_input_grad[3:]
+        args = [next(saved).detach().requires_grad_(need) if a is None else a for a, need in zip(ctx.args, needs)]
+        wrt = [a for a, need in zip(args, needs) if need]
+        with torch.enable_grad():
+            grads = iter(torch.autograd.grad(ctx.torch_fn(*args, **ctx.static), wrt, grad))
+        return (None, None, None, *[next(grads) if need else None for need in needs])
+
+
+def with_torch_backward(kernel: Callable[..., Tensor], torch_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`kernel(*args, **static)` whose gradient is that of `torch_fn(*args, **static)`.
+
+    Without grad (inference, the engine) the kernel runs bare. Positional tensors may need
+    grad; other positional values (None for no bias, an eps) and `static` keyword
+    arguments are constants of the op.
+    """
+    def run(*args: Any, **static: Any) -> Tensor:
+        if _needs_grad(args):
+            return _RecomputeBackward.apply(kernel, torch_fn, static, *args)
+        return kernel(*args, **static)
+
+    run.__name__ = getattr(kernel, "__name__", "kernel")
+    return run
+
+
+class _LinearBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, matmul: Callable, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return matmul(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1])  # [M, N]
+        gx = (g @ weight).reshape(x.shape) if ctx.needs_input_grad[1] else None
+        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        return None, gx, gw, gb
+
+
+def linear_with_matmul_backward(matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor]) -> Callable[..., Tensor]:
+    """`matmul(x [..., K], weight [N, K], bias [N] | None) -> [..., N]` with the linear layer's
+    analytic backward (grad_x = g W, grad_W = g^T x, grad_b = sum g), in stock torch matmuls."""
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if _needs_grad((x, weight, bias)):
+            return _LinearBackward.apply(matmul, x, weight, bias)
+        return matmul(x, weight, bias)
+
+    return linear

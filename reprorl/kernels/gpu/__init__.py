@@ -1,0 +1,44 @@
+"""Batch-invariant kernels on CUDA GPUs, written in Triton: one op a module.
+
+| op | module |
+|---|---|
+| linear (matmul + bias) | `matmul` |
+| RMSNorm | `rms_norm` |
+| softmax, log-softmax | `softmax` |
+| SiLU-and-mul, rotary | `elementwise` |
+| causal GQA attention | `attention` |
+
+Forward passes are these kernels; backward passes are stock torch's (deterministic, see
+`reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
+(slowly), which is how CI checks their arithmetic without a GPU.
+"""
+
+from __future__ import annotations
+
+from reprorl.kernels.autograd import linear_with_matmul_backward, with_torch_backward
+from reprorl.kernels.gpu import attention as tl_attention
+from reprorl.kernels.gpu import elementwise as tl_elementwise
+from reprorl.kernels.gpu import matmul as tl_matmul
+from reprorl.kernels.gpu import rms_norm as tl_rms_norm
+from reprorl.kernels.gpu import softmax as tl_softmax
+from reprorl.kernels.shared import padded_as_sequences
+from reprorl.kernels.torch_ops import TorchKernels, math_attention
+
+
+class TritonKernels:
+    """Batch-invariant kernels on CUDA (see `reprorl.kernels` for the interface)."""
+
+    name = "triton"
+    batch_invariant = True
+
+    linear = staticmethod(linear_with_matmul_backward(tl_matmul.matmul))
+    rms_norm = staticmethod(with_torch_backward(tl_rms_norm.rms_norm, TorchKernels.rms_norm))
+    swiglu = staticmethod(with_torch_backward(tl_elementwise.swiglu, TorchKernels.swiglu))
+    apply_rotary = staticmethod(with_torch_backward(tl_elementwise.apply_rotary, TorchKernels.apply_rotary))
+    softmax = staticmethod(with_torch_backward(tl_softmax.softmax, TorchKernels.softmax))
+    log_softmax = staticmethod(with_torch_backward(tl_softmax.log_softmax, TorchKernels.log_softmax))
+    batched_attention = staticmethod(with_torch_backward(tl_attention.batched_attention, math_attention))
+
+    @classmethod
+    def padded_attention(cls, q, k, v, attention_mask):
+        return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)

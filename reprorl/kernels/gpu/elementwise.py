@@ -1,0 +1,70 @@
+"""SiLU-and-mul and rotary embedding on CUDA, fused into one pass each.
+
+Elementwise ops are batch-invariant on any device (an entry's arithmetic never looks at
+another entry); these kernels exist to read and write each tensor once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 1024
+
+
+@triton.jit
+def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up: [..., I], [..., I] -> [..., I]. (Shazeer 2020)"""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}")
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
+    return out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_st,
+                   D: tl.constexpr):
+    # One program per (token, head): out = x * cos + roll(x, D/2) * sin_rot, products in x's dtype.
+    pid = tl.program_id(0).to(tl.int64)
+    t, h = pid // H, pid % H
+    d = tl.arange(0, D)
+    x_row = x_ptr + t * stride_xt + h * stride_xh
+    x = tl.load(x_row + d).to(tl.float32)
+    rolled = tl.load(x_row + (d + D // 2) % D).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + t * stride_ct + d).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d).to(dt).to(tl.float32)
+    y = (x * c).to(dt).to(tl.float32) + (rolled * s).to(dt).to(tl.float32)
+    tl.store(out_ptr + pid * D + d, y.to(dt))
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
+    """x [..., H, D], cos/sin_rot [..., D] (one row per token) -> [..., H, D]; see
+    `reprorl.kernels.shared.apply_rotary` for the formula."""
+    *lead, h, d = x.shape
+    if cos.shape != (*lead, d) or sin_rot.shape != cos.shape or d & (d - 1):
+        raise ValueError(f"apply_rotary: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin_rot.shape)}; "
+                         "expected one table row per token and a power-of-two head_dim")
+    xs = x.reshape(-1, h, d)
+    if xs.stride(-1) != 1:
+        xs = xs.contiguous()
+    c, s = cos.reshape(-1, d).contiguous(), sin_rot.reshape(-1, d).contiguous()
+    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
+    if xs.numel():
+        _rotary_kernel[(xs.shape[0] * h,)](xs, c, s, out, h, xs.stride(0), xs.stride(1), c.stride(0), s.stride(0), D=d)
+    return out.reshape(x.shape)

@@ -1,0 +1,114 @@
+"""Batch-invariant linear layer on CUDA: `x @ weight.T + bias` with tiles fixed by (N, K, dtype).
+
+A row's result depends on the tile shape (which MMA instructions sum its products, in
+which order), never on M: the tile table below is read with N, K and the dtype only, there
+is no split-K (each output entry is one program's dot products over K, in K order), and
+M is not specialised by the compiler. Rows past M are masked loads of zeros. So a token's
+projection is the same bits alone, in a decode step of 256 sequences or in a 4096-token
+training micro-batch. cuBLAS picks its kernel (and split-K) from M as well, which is why it
+is not row-invariant at every shape (ENVIRONMENT.md).
+
+Tiles: the GPU must stay busy at small M, when there is one row of tiles, so narrow
+outputs take narrow tiles (more programs); wide ones take wide tiles (less re-reading).
+The table was chosen from a sweep on an H200 (bench/kernels.py --sweep) and is the same on
+every run: a tile chosen by timing at run time could differ between two processes and
+change the bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from reprorl.kernels.gpu.interpret import INTERPRETED
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
+    """The tile for an output of width n over a reduction of length k. Never reads M."""
+    if dtype == torch.float32:  # IEEE fp32 on the CUDA cores: small tiles
+        return Tile(64, 64, 32, 4, 3)
+    if n >= 16384:  # LM heads
+        return Tile(128, 128, 64, 8, 4)
+    if n >= 4096:
+        return Tile(128, 128, 64, 8, 4)
+    return Tile(128, 64, 64, 4, 4)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
+                   stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Programs walk the tiles in groups of GROUP_M rows of tiles (weights reused from L2);
+    # the order of programs changes no tile's arithmetic.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if UPCAST:  # the interpreter only (see interpret.py)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        if IEEE or UPCAST:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight [N, K].T + bias [N] -> [..., N] in x's dtype, fp32 accumulation."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k or (bias is not None and bias.shape != (n,)):
+        raise ValueError(f"linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"bias {None if bias is None else tuple(bias.shape)} do not fit")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: x is {x.dtype}, weight {weight.dtype}; expected one dtype")
+    a = x.reshape(-1, k)
+    m = a.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    t = tile_for(n, k, x.dtype)
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _matmul_kernel[grid](
+        a, weight, bias if bias is not None else weight, out, m, n, k,
+        a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=INTERPRETED and x.dtype != torch.float32,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,63 @@
+"""The float64 reference: every op in double precision, written the plainest way.
+
+Tests compare each backend's kernels with it (‖out − ref‖ / ‖ref‖ against a tolerance
+stated with its reason). Results are float64 whatever the inputs' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from reprorl.kernels.shared import apply_rotary, check_batched_attention, padded_as_sequences
+
+
+def _d(x: Tensor | None) -> Tensor | None:
+    return None if x is None else x.double()
+
+
+class ReferenceKernels:
+    name = "reference"
+    batch_invariant = False  # one reduction order, but nobody runs a model on it for speed
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = _d(x) @ _d(weight).t()
+        return out if bias is None else out + _d(bias)
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        x = _d(x)
+        return _d(weight) * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+
+    @staticmethod
+    def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+        g = _d(gate)
+        return g / (1 + torch.exp(-g)) * _d(up)
+
+    @staticmethod
+    def softmax(x: Tensor) -> Tensor:
+        return torch.softmax(_d(x), dim=-1)
+
+    @staticmethod
+    def log_softmax(x: Tensor) -> Tensor:
+        return torch.log_softmax(_d(x), dim=-1)
+
+    @staticmethod
+    def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
+        return apply_rotary(_d(x), _d(cos), _d(sin_rot))
+
+    @staticmethod
+    def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+        check_batched_attention(q, k, v, q_start)
+        b, hq, tq, d = q.shape
+        group = hq // k.shape[1]
+        k, v = _d(k).repeat_interleave(group, 1), _d(v).repeat_interleave(group, 1)  # [B, Hq, Tk, D]
+        scores = _d(q) @ k.transpose(-1, -2) / d**0.5  # [B, Hq, Tq, Tk]
+        pos = q_start[:, None] + torch.arange(tq, device=q.device)  # [B, Tq]
+        masked = torch.arange(k.shape[2], device=q.device) > pos[:, None, :, None]
+        return torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1) @ v
+
+    @classmethod
+    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> Tensor:
+        return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)

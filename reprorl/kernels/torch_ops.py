@@ -1,0 +1,89 @@
+"""Stock torch: the fastest kernels on any device, and no promise about batching.
+
+A row's bits may change with the rows around it (BLAS kernels picked by M, split-K, flash
+attention's tiles); use it with `full_determinism: false`. Same interface as every backend
+(see `reprorl.kernels`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from reprorl.kernels.shared import apply_rotary, check_batched_attention
+
+
+def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+    """`batched_attention` written as plain matmuls and a softmax: the differentiable form
+    the invariant backends take their gradient from (its backward is deterministic, where
+    SDPA's fused backward kernels may not be). Memory O(Tq * Tk) per head."""
+    check_batched_attention(q, k, v, q_start)
+    b, hq, tq, d = q.shape
+    hkv = k.shape[1]
+    rows = q.reshape(b, hkv, (hq // hkv) * tq, d)  # [B, Hkv, G*Tq, D]: row g*Tq + t
+    pos = q_start[:, None] + torch.arange(tq, device=q.device).repeat(hq // hkv)  # [B, G*Tq]
+    masked = torch.arange(k.shape[2], device=q.device) > pos[:, None, :, None]
+    scores = torch.matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, Tk]
+    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(b, hq, tq, d)
+
+
+class TorchKernels:
+    name = "torch"
+    batch_invariant = False
+
+    apply_rotary = staticmethod(apply_rotary)
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        """`x @ weight.T + bias`: x [..., K], weight [N, K], bias [N] | None -> [..., N]."""
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm over the last dim in float32, as transformers: weight * (x / rms(x)).to(x.dtype).
+        x [..., H], weight [H] -> [..., H]. (Zhang & Sennrich 2019)"""
+        return weight * torch.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+    @staticmethod
+    def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+        """silu(gate) * up: [..., I], [..., I] -> [..., I]. (Shazeer 2020)"""
+        return F.silu(gate) * up
+
+    @staticmethod
+    def softmax(x: Tensor) -> Tensor:
+        """Softmax over the last dim in float32: [..., V] -> [..., V] float32."""
+        return torch.softmax(x.float(), dim=-1)
+
+    @staticmethod
+    def log_softmax(x: Tensor) -> Tensor:
+        """Log-softmax over the last dim in float32: [..., V] -> [..., V] float32."""
+        return torch.log_softmax(x.float(), dim=-1)
+
+    @staticmethod
+    def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+        """Causal GQA attention of B sequences (see `reprorl.kernels`): q [B, Hq, Tq, D] at
+        positions q_start[b]..; k/v [B, Hkv, Tk, D]; keys past a query's position are masked."""
+        check_batched_attention(q, k, v, q_start)
+        b, hq, tq, d = q.shape
+        if b == 0 or tq == 0:
+            return q.new_zeros(b, hq, tq, d)
+        nk = min(int(q_start.max()) + tq, k.shape[2])
+        pos = q_start[:, None] + torch.arange(tq, device=q.device)  # [B, Tq]
+        allowed = torch.arange(nk, device=q.device) <= pos[:, None, :, None]  # [B, 1, Tq, nk]
+        return F.scaled_dot_product_attention(q, k[:, :, :nk], v[:, :, :nk], attn_mask=allowed, enable_gqa=True)
+
+    @staticmethod
+    def padded_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> Tensor:
+        """Causal attention of a padded batch: q [B, T, Hq, D], k/v [B, T, Hkv, D], mask [B, T]
+        -> [B, T, Hq, D]; outputs at padding positions are not meaningful."""
+        t = q.shape[1]
+        real = attention_mask.bool()
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        # Padding queries see only themselves, so no row is all -inf (which would give NaN).
+        mask = (causal & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )  # [B, Hq, T, D]
+        return out.transpose(1, 2)

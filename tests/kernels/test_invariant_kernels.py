@@ -1,0 +1,303 @@
+"""Every batch-invariant backend (CPU tiles; Triton on CUDA, or interpreted on the CPU in CI):
+hand-computed examples, agreement with the float64 reference, row invariance with
+torch.equal, attention's paths against each other, gradients, and the start-up check.
+
+Tolerances (‖out - ref‖ / ‖ref‖ against float64): float32 kernels 1e-5 (float32 rounding of
+sums of up to a few thousand terms stays near 1e-6); bfloat16 3e-2 (8-bit mantissas: one
+rounding of the output alone is up to 4e-3 relative, and inputs rounded to bf16 feed
+several roundings before the output).
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from kernel_backends import INTERPRETED, backend  # noqa: F401  (the fixture)
+from reprorl.kernels import BatchInvarianceError, ReferenceKernels, TorchKernels, rope_tables, verify_batch_invariance
+from reprorl.kernels import check as kernel_check
+from reprorl.models.arch import ModelArgs
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def skip_interpreted_dots(kernels):
+    """Bitwise tests of kernels built on `tl.dot` run on the GPU: under the interpreter the
+    dot is numpy's matmul, which is itself not row-invariant (its arithmetic is tested here)."""
+    if INTERPRETED and kernels.name == "triton":
+        pytest.skip("interpreted tl.dot is numpy's matmul; the gpu run checks these bits")
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert torch.isfinite(out).all()
+    return float((out - ref).norm() / ref.norm())
+
+
+def rand(g, *shape, dtype=torch.float32, device="cpu", scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+# ---- hand-computed examples ------------------------------------------------------------
+
+
+def test_linear_example(backend):
+    k, dev = backend
+    x = torch.tensor([[1.0, 2.0]], device=dev)
+    w = torch.tensor([[1.0, 0.0], [0.5, -1.0], [2.0, 3.0]], device=dev)
+    out = k.linear(x, w, torch.tensor([0.0, 1.0, -8.0], device=dev))
+    assert torch.equal(out.cpu(), torch.tensor([[1.0, -0.5, 0.0]]))
+
+
+def test_rms_norm_softmax_swiglu_examples(backend):
+    k, dev = backend
+    # x = [3, 4]: mean square 12.5; weight [1, 2].
+    out = k.rms_norm(torch.tensor([[3.0, 4.0]], device=dev), torch.tensor([1.0, 2.0], device=dev), 0.0)
+    torch.testing.assert_close(out.cpu(), torch.tensor([[3 / math.sqrt(12.5), 8 / math.sqrt(12.5)]]), rtol=1e-6, atol=0)
+    x = torch.tensor([[0.0, math.log(2), math.log(3)]], device=dev)
+    torch.testing.assert_close(k.softmax(x).cpu(), torch.tensor([[1 / 6, 2 / 6, 3 / 6]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(k.log_softmax(x).cpu(), torch.tensor([[1 / 6, 2 / 6, 3 / 6]]).log(), rtol=1e-6, atol=0)
+    # silu(1) = 1 / (1 + e^-1), times up = 2; silu(0) = 0.
+    out = k.swiglu(torch.tensor([1.0, 0.0], device=dev), torch.tensor([2.0, 5.0], device=dev))
+    torch.testing.assert_close(out.cpu(), torch.tensor([2 / (1 + math.exp(-1)), 0.0]), rtol=1e-6, atol=0)
+
+
+def test_rotary_example(backend):
+    k, dev = backend
+    # head_dim 16, position p: the first frequency is 1, so (x0, x8) rotates by p radians.
+    cos, sin = rope_tables(head_dim=16, theta=10000.0, num_positions=3)
+    x = torch.zeros(3, 1, 16)
+    x[:, 0, 0] = 1.0
+    out = k.apply_rotary(x.to(dev), cos.to(dev), sin.to(dev)).cpu()
+    for p in range(3):
+        torch.testing.assert_close(out[p, 0, [0, 8]], torch.tensor([math.cos(p), math.sin(p)]), rtol=1e-6, atol=1e-7)
+
+
+# ---- against the float64 reference -----------------------------------------------------
+
+SHAPES = [(37, 100, 64), (70, 256, 384), (5, 64, 1000)]  # (M, K, N): odd sizes, past a 64-row tile
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ops_match_reference(backend, dtype):
+    k, dev = backend
+    g = torch.Generator().manual_seed(1)
+    for m, kk, n in SHAPES:
+        x, w, b = rand(g, m, kk, dtype=dtype, device=dev), rand(g, n, kk, dtype=dtype, device=dev, scale=0.1), \
+            rand(g, n, dtype=dtype, device=dev)
+        assert rel_err(k.linear(x, w, b), ReferenceKernels.linear(x, w, b)) < TOL[dtype]
+        norm_w = 1 + rand(g, kk, dtype=dtype, device=dev, scale=0.1)
+        assert rel_err(k.rms_norm(x, norm_w, 1e-6), ReferenceKernels.rms_norm(x, norm_w, 1e-6)) < TOL[dtype]
+        assert rel_err(k.swiglu(x, x.flip(-1)), ReferenceKernels.swiglu(x, x.flip(-1))) < TOL[dtype]
+        logits = rand(g, m, n, device=dev, scale=4)  # softmaxes take float32 logits
+        assert rel_err(k.softmax(logits), ReferenceKernels.softmax(logits)) < 1e-5
+        assert rel_err(k.log_softmax(logits), ReferenceKernels.log_softmax(logits)) < 1e-5
+        cos, sin = rope_tables(64, 10000.0, m)
+        heads = rand(g, m, 3, 64, dtype=dtype, device=dev)
+        rot = k.apply_rotary(heads, cos.to(dev), sin.to(dev))
+        assert rel_err(rot, ReferenceKernels.apply_rotary(heads, cos, sin)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,tq,max_start", [(4, 2, 64, 1, 150), (6, 2, 32, 9, 70), (2, 1, 16, 70, 0)])
+def test_attention_matches_reference(backend, dtype, hq, hkv, d, tq, max_start):
+    k, dev = backend
+    q, kk, vv, starts = attention_case(hq * d + tq, hq, hkv, d, 3, tq, max_start, dtype, dev)
+    assert rel_err(k.batched_attention(q, kk, vv, starts), ReferenceKernels.batched_attention(q, kk, vv, starts)) \
+        < TOL[dtype]
+
+
+# ---- row invariance --------------------------------------------------------------------
+
+
+def row_ops(dev, dtype):
+    g = torch.Generator().manual_seed(0)
+    w, b = rand(g, 384, 256, dtype=dtype, device=dev, scale=0.05), rand(g, 384, dtype=dtype, device=dev)
+    w_odd = rand(g, 37, 100, dtype=dtype, device=dev, scale=0.1)
+    norm_w = 1 + rand(g, 256, dtype=dtype, device=dev, scale=0.1)
+    return {
+        "linear": (256, lambda k, x: k.linear(x, w, b)),
+        "linear_odd": (100, lambda k, x: k.linear(x, w_odd)),
+        "rms_norm": (256, lambda k, x: k.rms_norm(x, norm_w, 1e-6)),
+        "swiglu": (256, lambda k, x: k.swiglu(x, x.flip(-1))),
+        "log_softmax": (1000, lambda k, x: k.log_softmax(x.float() * 4)),
+        "softmax": (1000, lambda k, x: k.softmax(x.float() * 4)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_batch_invariant(backend, dtype):
+    """A row alone (1 thread) and inside batches of 2..300 rows at random places (1 and 2
+    threads on the CPU): the same bits."""
+    k, dev = backend
+    gen = torch.Generator().manual_seed(2)
+    for name, (width, fn) in row_ops(dev, dtype).items():
+        if INTERPRETED and k.name == "triton" and name.startswith("linear"):
+            continue  # interpreted, tl.dot is numpy's matmul, itself not row-invariant: the GPU run tests these
+        rng = random.Random(name)
+        row = rand(gen, 1, width, dtype=dtype, device=dev)
+        torch.set_num_threads(1)
+        alone = fn(k, row)[0]
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (2, 3, 5, 13, 33, 65, 300):
+                batch = rand(gen, m, width, dtype=dtype, device=dev)
+                pos = rng.randrange(m)
+                batch[pos] = row[0]
+                assert torch.equal(fn(k, batch)[pos], alone), (name, threads, m, pos)
+
+
+def test_linear_3d_input_rows(backend):
+    k, dev = backend
+    skip_interpreted_dots(k)
+    g = torch.Generator().manual_seed(4)
+    w = rand(g, 192, 128, device=dev, scale=0.05)
+    x = rand(g, 3, 5, 128, device=dev)
+    full = k.linear(x, w)
+    for b in range(3):
+        for t in range(5):
+            assert torch.equal(k.linear(x[b, t], w), full[b, t])
+
+
+def test_plain_torch_is_not_row_invariant_here():
+    """The harness can fail: stock F.silu rounds its scalar tail differently from its vector
+    path on this CPU, so a row of 7 alone and inside a batch differ somewhere."""
+    gen = torch.Generator().manual_seed(3)
+    differs = False
+    for _ in range(50):
+        row = torch.randn(1, 7, generator=gen) * 4
+        batch = torch.cat([row, torch.randn(15, 7, generator=gen)])
+        differs |= not torch.equal(TorchKernels.swiglu(row, row)[0], TorchKernels.swiglu(batch, batch)[0])
+    if not differs:
+        pytest.skip("this build's F.silu happens to be position-independent")
+
+
+# ---- attention: one arithmetic for every path -------------------------------------------
+
+
+def attention_case(seed, hq, hkv, d, b, tq, max_start, dtype=torch.float32, dev="cpu"):
+    """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] with random starts (keys past the last query
+    present, to be masked), and the starts."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, max_start + 1, (b,), generator=g)
+    tk = int(starts.max()) + tq + 5
+    return (rand(g, b, hq, tq, d, dtype=dtype, device=dev), rand(g, b, hkv, tk, d, dtype=dtype, device=dev),
+            rand(g, b, hkv, tk, d, dtype=dtype, device=dev), starts.to(dev))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,b,tq,max_start", [(2, 1, 64, 6, 1, 300), (14, 2, 64, 3, 1, 200),
+                                                    (6, 2, 16, 4, 17, 140), (3, 1, 32, 2, 70, 0)])
+def test_batched_rows_equal_each_sequence_alone(backend, dtype, hq, hkv, d, b, tq, max_start):
+    k, dev = backend
+    skip_interpreted_dots(k)
+    q, kk, vv, starts = attention_case(hq * d + tq, hq, hkv, d, b, tq, max_start, dtype, dev)
+    out = k.batched_attention(q, kk, vv, starts)
+    for i, s in enumerate(starts.tolist()):
+        own = s + tq  # its own keys only: no stale keys after them, no other sequences
+        alone = k.batched_attention(q[i : i + 1], kk[i : i + 1, :, :own], vv[i : i + 1, :, :own], starts[i : i + 1])
+        assert torch.equal(out[i], alone[0]), (i, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_equals_prefill_equals_chunks(backend, dtype):
+    """A query's output: the same bits in a whole prefill, in prefill chunks, decoded alone,
+    and with stale keys after it. 150 tokens cross query and key blocks."""
+    k, dev = backend
+    skip_interpreted_dots(k)
+    q, kk, vv, _ = attention_case(5, 4, 2, 32, 1, 150, 0, dtype, dev)
+    zero = torch.zeros(1, dtype=torch.long, device=dev)
+    whole = k.batched_attention(q, kk[:, :, :150], vv[:, :, :150], zero)
+    assert torch.equal(k.batched_attention(q, kk, vv, zero), whole)  # 5 stale keys, masked
+    pieces, start = [], 0
+    for n in (1, 3, 60, 16, 70):
+        pieces.append(k.batched_attention(q[:, :, start : start + n], kk, vv, zero + start))
+        start += n
+    assert torch.equal(torch.cat(pieces, dim=2), whole)
+    for i in (0, 1, 63, 64, 65, 127, 128, 149):
+        assert torch.equal(k.batched_attention(q[:, :, i : i + 1], kk, vv, zero + i), whole[:, :, i : i + 1]), i
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_attention_equals_sequences(backend, side):
+    k, dev = backend
+    skip_interpreted_dots(k)
+    b, t, hq, hkv, d = 3, 10, 4, 2, 16
+    g = torch.Generator().manual_seed(7)
+    q, kk, vv = (rand(g, b, t, h, d, device=dev) for h in (hq, hkv, hkv))
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for i, n in enumerate([10, 6, 1]):
+        mask[i, t - n :] = 1 if side == "left" else 0
+        if side == "right":
+            mask[i, :n] = 1
+    out = k.padded_attention(q, kk, vv, mask.to(dev))
+    for i in range(b):
+        real = mask[i].bool().to(dev)
+        n = int(real.sum())
+        alone = k.batched_attention(q[i, real].transpose(0, 1)[None], kk[i, real].transpose(0, 1)[None],
+                                    vv[i, real].transpose(0, 1)[None], torch.zeros(1, dtype=torch.long, device=dev))
+        assert torch.equal(out[i, real], alone[0].transpose(0, 1)), i
+        assert n == 0 or torch.equal(out[i, ~real], torch.zeros_like(out[i, ~real]))
+
+
+# ---- gradients -------------------------------------------------------------------------
+
+
+def test_gradients_are_torchs_and_deterministic(backend):
+    """The backward is stock torch's: close to the plain path's gradient (the forwards
+    differ in summation order only) and the same bits on every run."""
+    k, dev = backend
+    g = torch.Generator().manual_seed(9)
+    w = rand(g, 48, 32, device=dev, scale=0.2).requires_grad_()
+    norm_w = (1 + rand(g, 48, device=dev, scale=0.1)).requires_grad_()
+    x0 = rand(g, 2, 7, 32, device=dev)
+    mask = torch.ones(2, 7, dtype=torch.long, device=dev)
+    mask[1, :2] = 0
+
+    def loss_and_grads(kern):
+        x = x0.clone().requires_grad_()
+        h = kern.rms_norm(kern.linear(x, w), norm_w, 1e-6)  # [2, 7, 48]
+        heads = h.view(2, 7, 3, 16)
+        att = kern.padded_attention(heads, heads[:, :, :1], heads[:, :, 1:2], mask)
+        # padding positions' outputs differ between backends by design (zeros / not meaningful)
+        loss = (kern.log_softmax(kern.swiglu(att.flatten(-2), h))[..., 0] * mask).sum()
+        return torch.autograd.grad(loss, (x, w, norm_w))
+
+    first, again, plain = loss_and_grads(k), loss_and_grads(k), loss_and_grads(TorchKernels)
+    for a, b, p in zip(first, again, plain):
+        assert torch.equal(a, b)
+        assert p.abs().sum() > 0
+        assert rel_err(a, p) < 1e-4  # attention's softmax and the norm reduce in other orders
+
+
+# ---- the start-up check ----------------------------------------------------------------
+
+TINY = ModelArgs(model_type="qwen2", vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
+def test_startup_check_passes(backend):
+    k, dev = backend
+    skip_interpreted_dots(k)
+    verify_batch_invariance(k, TINY, torch.float32, dev)
+
+
+def test_startup_check_names_a_broken_op(backend):
+    """A backend whose linear is stock torch's (cuBLAS or MKL: kernels picked by M) fails
+    the check, which names the op, the device and the backend."""
+    k, dev = backend
+
+    class Broken(k):
+        name = "broken"
+        linear = staticmethod(lambda x, w, b=None: TorchKernels.linear(x.double(), w.double(), None if b is None
+                                                                    else b.double()).float()
+                              + x.shape[0] * 1e-7)  # a row's value moves with the batch size
+
+    with pytest.raises(BatchInvarianceError, match=r"broken kernels.*linear 128->.*differ"):
+        verify_batch_invariance(Broken, TINY, torch.float32, dev)
+    kernel_check._invariance_problems.cache_clear()
+
+
+def test_startup_check_skips_backends_without_the_promise():
+    verify_batch_invariance(TorchKernels, TINY, torch.float32, "cpu")  # no promise, nothing to check
