@@ -9,6 +9,7 @@ several roundings before the output).
 """
 
 import math
+import os
 import random
 
 import pytest
@@ -20,6 +21,7 @@ from reprorl.kernels import check as kernel_check
 from reprorl.models.arch import ModelArgs
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+THREADS = sorted({1, 2, min(16, os.cpu_count() or 1)})  # 1, 2 here; 1, 2, 16 on the GPU machine's Xeon
 
 
 def skip_interpreted_dots(kernels):
@@ -128,7 +130,7 @@ def row_ops(dev, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_are_batch_invariant(backend, dtype):
-    """A row alone (1 thread) and inside batches of 2..300 rows at random places (1 and 2
+    """A row alone (1 thread) and inside batches of 2..300 rows at random places (THREADS
     threads on the CPU): the same bits."""
     k, dev = backend
     gen = torch.Generator().manual_seed(2)
@@ -139,7 +141,7 @@ def test_rows_are_batch_invariant(backend, dtype):
         row = rand(gen, 1, width, dtype=dtype, device=dev)
         torch.set_num_threads(1)
         alone = fn(k, row)[0]
-        for threads in (1, 2):
+        for threads in THREADS:
             torch.set_num_threads(threads)
             for m in (2, 3, 5, 13, 33, 65, 300):
                 batch = rand(gen, m, width, dtype=dtype, device=dev)
