@@ -3,8 +3,9 @@
 CUDA (default when there is a GPU): random weights, bf16, M = 1, 64, 256, 4096 tokens.
 Each invariant Triton kernel against the stock op (cuBLAS for linears, torch's fused
 norms/softmaxes, SDPA for attention), then a whole padded forward (the trainer's path)
-of Qwen2.5-0.5B- and 7B-shaped models with each backend. Times are medians of
-`triton.testing.do_bench` (CUDA events, warm-up first).
+of Qwen2.5-0.5B- and 7B-shaped models with each backend. Times are medians of CUDA-graph
+replays (`triton.testing.do_bench_cudagraph`: GPU time, no launch overhead); whole
+forwards also eagerly (`do_bench`, launches included).
 
 CPU (`--device cpu`): the cost of determinism on a forward of a width-512 model and a
 Qwen2.5-0.5B-shaped one of 2 layers, at 16, 64 and 256 rows, at the machine's thread count.
@@ -52,6 +53,17 @@ def model_args(name: str, layers: int | None = None) -> ModelArgs:
 
 
 def gpu_time_ms(fn) -> float:
+    """Median GPU time of fn, replayed from a CUDA graph: launch overheads (Triton's host
+    side costs more than cuBLAS's) stay out, as in the engine's graphed decode steps."""
+    import triton
+
+    fn()  # compile before capture
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def gpu_eager_ms(fn) -> float:
+    """Median time of fn launched eagerly (CUDA events): host launch costs included."""
     import triton
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -128,13 +140,16 @@ def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype
     for tokens in row_counts:
         b = 1 if tokens <= 256 else tokens // 512
         ids = torch.randint(0, args.vocab_size, (b, tokens // b), device=device)
-        times = {}
+        times, eager = {}, {}
         for invariant in (False, True):
             model.kernels = select_kernels(device, invariant)
             with torch.no_grad():
                 times[invariant] = timer(lambda: model(ids))
+                if device == "cuda":
+                    eager[invariant] = gpu_eager_ms(lambda: model(ids))
         out.append({"model": name, "layers": args.num_hidden_layers, "tokens": tokens, "batch": b,
-                    "stock_ms": times[False], "invariant_ms": times[True], "ratio": times[True] / times[False]})
+                    "stock_ms": times[False], "invariant_ms": times[True], "ratio": times[True] / times[False],
+                    **({"eager_stock_ms": eager[False], "eager_invariant_ms": eager[True]} if eager else {})})
         print(f"  forward {name} x{args.num_hidden_layers} layers, {tokens} tokens: stock {times[False]:.2f} ms, "
               f"invariant {times[True]:.2f} ms ({times[True] / times[False]:.2f}x)", flush=True)
     del model

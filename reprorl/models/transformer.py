@@ -297,7 +297,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if positions.numel() and int(positions.max()) >= self.rope_cos.shape[0]:
+        # (the check reads a device value: skipped while a CUDA graph is being captured)
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        if positions.numel() and not capturing and int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} is past max_position_embeddings={self.rope_cos.shape[0]}"
             )
