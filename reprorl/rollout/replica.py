@@ -227,7 +227,7 @@ class ReplicaPool:
         self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
         self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
         wait_ready(list(self.replicas.values()), "rollout replicas", num_cpus_per_replica)
-        # What a replacement must equal (`replace_actor`), and what it must be brought up to:
+        # What a replacement must equal (`replace_dead`), and what it must be brought up to:
         self.first_info = ray.get(self.replicas[0].determinism_info.remote())
         self.version = 0  # the engine's initial weight_version
         self.asleep = False
