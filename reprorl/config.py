@@ -219,6 +219,12 @@ class TrainerConfig:
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _field(["console", "jsonl"], "metric sinks")
     resume: str = _field("auto", "'never', 'auto' (latest checkpoint in run_dir, if any) or a checkpoint path")
     max_ckpt_to_keep: int | None = _field(None, "keep only the newest this many checkpoints; null = keep all", ge=1)
+    # 4: a preemption or lost node is rare within one run, while a part that dies for a
+    # reason of its own (an OOM) dies again at once; a resume is exact, so stopping costs time only.
+    max_restarts: int = _field(
+        4, "dead rollout replicas, reward-model replicas and agent-loop workers replaced per run (a resume "
+        "counts anew); one more death stops the run with an error naming the part; 0 = stop at the first", ge=0
+    )
     val_before_train: bool = _field(True, "validate once before the first step")
     project_name: str = _field("reprorl", "project name, for loggers and run_dir")
     experiment_name: str = _field("tiny-grpo", "experiment name, for loggers and run_dir")

@@ -11,18 +11,24 @@ Determinism: everything that decides a sample (prompt ids, params, seeds) is fix
 `plan_samples` from the row alone, before any routing; workers and replicas only decide
 where and when it runs. So the output is the same for any number of workers or
 replicas, any batch around a row, and any retry after a replica died.
+
+Faults (`reprorl.rollout.supervision`): a request whose replica dies is retried on
+another by the balancer; a chunk whose worker dies is run again on a replacement worker,
+and a chunk that found every replica dead is run again once the pool has replaced them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Mapping
+import itertools
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
@@ -32,8 +38,9 @@ from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.rollout.load_balancer import LoadBalancerActor, generate_balanced
+from reprorl.rollout.load_balancer import LoadBalancerActor, NoReplicaError, generate_balanced
 from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.supervision import KillSwitch, gather, replace_dead
 
 DO_SAMPLE = "__do_sample__"
 """Control column: False marks a greedy row (ReMax's baseline) in a sampled batch."""
@@ -199,10 +206,15 @@ class AgentLoopWorker:
         self.agent = agent
         self.loops = {"single_turn": SingleTurnAgentLoop(),
                       "tool": ToolAgentLoop(self.tokenizer, max_turns, select_tools(tools))}
+        self.kill_switch = KillSwitch.from_env(f"agent-loop worker {worker_id}")  # fault tests only
 
     async def generate(self, samples: list[AgentSample]) -> list[AgentOutput]:
         """The loops' outputs, in the order of `samples`."""
         return list(await asyncio.gather(*(self._run(s) for s in samples)))
+
+    async def set_replicas(self, replicas: Mapping[int, Any]) -> None:
+        """Route to these replica handles from now on (the pool replaced some)."""
+        self.replicas = dict(replicas)
 
     async def determinism_info(self) -> dict[str, Any]:
         """Its process's determinism switches and variables (it runs no model)."""
@@ -215,6 +227,8 @@ class AgentLoopWorker:
         return await self.loops[sample.extra.get("agent_name", self.agent)].run(sample, self._generate)
 
     async def _generate(self, request_id, prompt_ids, sampling_params, seed, priority):
+        if self.kill_switch is not None:
+            self.kill_switch.see(request_id)
         return await generate_balanced(self.balancer, self.replicas, request_id, prompt_ids,
                                        sampling_params, seed, priority)
 
@@ -229,6 +243,7 @@ class AgentLoopManager:
     `agent_name` column overrides it); `max_turns` bounds the tool loop, which may call
     the tools named in `tools` (None = every tool in `TOOLS`; an unknown name is a
     ValueError). `routing`: the balancer's mode ("least_loaded" or "hash").
+    A dead worker is replaced within the pool's restart budget (`pool.restarts`).
     """
 
     def __init__(
@@ -261,14 +276,18 @@ class AgentLoopManager:
         self.val_sampling_params = val_sampling_params or sampling_params
         self.pad_token_id = load_tokenizer(tokenizer_path).pad_token_id
         self.num_generate_sequences_calls = 0
+        self.pool = pool
+        self.restarts = pool.restarts
+        self.restarts.watch("agent-loop worker")
         self.balancer = LoadBalancerActor.options(runtime_env=pool.runtime_env).remote(
             pool.replica_ids(), routing, expected_env=pool.env)
+        self.replicas = dict(pool.replicas)  # what the balancer and the workers route to
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
-        worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
-        self.workers = [
-            worker.remote(i, pool.replicas, self.balancer, tokenizer_path, pool.env, agent, max_turns, tools)
-            for i in range(num_workers)
-        ]
+        self._worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
+        self._worker_args = (tokenizer_path, pool.env, agent, max_turns, tools)
+        self.workers = {i: self._start_worker(i) for i in range(num_workers)}
+        self._new_worker_ids = itertools.count(num_workers)  # a replacement's id: never one used before
+        self.first_worker_info = ray.get(self.workers[0].determinism_info.remote())  # what a replacement must equal
 
     def generate_sequences(self, batch: Batch) -> Batch:
         """Responses for every row of `batch`, in row order (see `plan_samples`, `assemble`).
@@ -281,9 +300,7 @@ class AgentLoopManager:
         samples = plan_samples(batch, run_seed=self.run_seed, sampling_params=self.sampling_params,
                                val_sampling_params=self.val_sampling_params,
                                max_response_length=self.max_response_length)
-        chunks = split_contiguous(len(samples), len(self.workers))
-        refs = [w.generate.remote(samples[a:b]) for w, (a, b) in zip(self.workers, chunks)]
-        outputs = [o for part in ray.get(refs) for o in part]
+        outputs = self._run(samples)
         tensors = assemble(outputs, pad_token_id=self.pad_token_id, max_response_length=self.max_response_length,
                            max_prompt_length=self.max_prompt_length)
         tensors.update({k: t for k, t in batch.tensors.items() if k not in tensors})
@@ -294,12 +311,72 @@ class AgentLoopManager:
         meta = dict(batch.meta, num_generate_calls=sum(o.num_turns for o in outputs))
         return Batch(tensors, non_tensors, meta)
 
+    def _run(self, samples: list[AgentSample]) -> list[AgentOutput]:
+        """The loops' outputs for `samples`, in order: one contiguous chunk per worker.
+
+        A chunk whose worker died, or whose requests found every replica dead, runs again
+        (on a replacement worker, or once the pool replaced the replicas) under request ids
+        marked `#retry<k>`: the dead attempt's requests may still be running on a replica.
+        Each rerun follows a charged replacement, so `pool.restarts` bounds the loop.
+        """
+        self.pool.replace_dead("a probe before a rollout")
+        self._sync_replicas()
+        bounds = dict(enumerate(split_contiguous(len(samples), len(self.workers))))
+        owner = dict(zip(bounds, sorted(self.workers)))  # chunk -> worker id
+        chunks = {k: samples[a:b] for k, (a, b) in bounds.items()}
+        parts: dict[int, list[AgentOutput]] = {}
+        for attempt in itertools.count(1):
+            refs = {k: self.workers[owner[k]].generate.remote(chunk) for k, chunk in chunks.items()}
+            done, failed = gather(refs, (RayActorError, NoReplicaError))
+            parts.update(done)
+            if not failed:
+                break
+            self._recover(failed, owner)
+            # A dead worker never released its requests: the balancer would count them in flight.
+            ray.get([self.balancer.release.remote(s.request_id) for k in failed for s in chunks[k]])
+            chunks = {k: [dataclasses.replace(s, request_id=f"{s.request_id}#retry{attempt}")
+                          for s in samples[slice(*bounds[k])]] for k in failed}
+        return [o for k in sorted(parts) for o in parts[k]]
+
+    def _recover(self, failed: Mapping[int, BaseException], owner: dict[int, int]) -> None:
+        """Replace what the failed chunks lost: their dead workers, and the pool's dead replicas."""
+        lost_replicas = [e for e in failed.values() if isinstance(e, NoReplicaError)]
+        for err in failed.values():
+            if isinstance(err, RayTaskError) and not isinstance(err, NoReplicaError):
+                raise err  # the worker ran and failed (e.g. the balancer died): nothing here mends it
+        dead = {k: owner[k] for k, err in failed.items() if not isinstance(err, NoReplicaError)}
+        replaced = self._replace_dead_workers(set(dead.values()), "a rollout")
+        owner.update({k: replaced[w] for k, w in dead.items()})
+        if lost_replicas and not self.pool.replace_dead("a probe after a rollout lost every replica"):
+            raise lost_replicas[0]
+        self._sync_replicas()
+
+    def _start_worker(self, worker_id: int) -> Any:
+        return self._worker.remote(worker_id, self.replicas, self.balancer, *self._worker_args)
+
+    def _replace_dead_workers(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
+        """Replace each dead worker (in id order); returns {dead id: replacement id}."""
+        return replace_dead(self.workers, dead, "agent-loop worker", self._new_worker_ids, start=self._start_worker,
+                            reference_info=self.first_worker_info, restarts=self.restarts, noticed_in=noticed_in)
+
+    def _sync_replicas(self) -> None:
+        """Route to the pool's replicas as they are now (it may have replaced some)."""
+        current = dict(self.pool.replicas)
+        if set(current) != set(self.replicas):
+            self.replicas = current
+            # A worker that died meanwhile is ignored here: its next chunk fails and replaces it.
+            gather({i: w.set_replicas.remote(current) for i, w in self.workers.items()})
+        ray.get(self.balancer.set_replicas.remote(sorted(current)))
+
     def determinism_info(self) -> dict[int, dict[str, Any]]:
-        """Each worker's `determinism_info()`, by worker index (for the determinism report)."""
-        return dict(enumerate(ray.get([w.determinism_info.remote() for w in self.workers])))
+        """Each worker's `determinism_info()`, by worker id (for the determinism report)."""
+        results, dead = gather({i: w.determinism_info.remote() for i, w in self.workers.items()})
+        for new_id in self._replace_dead_workers(dead, "determinism_info").values():
+            results[new_id] = ray.get(self.workers[new_id].determinism_info.remote())
+        return dict(sorted(results.items()))
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        for w in self.workers.values():
             ray.kill(w)
         ray.kill(self.balancer)
-        self.workers = []
+        self.workers = {}

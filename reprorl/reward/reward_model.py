@@ -7,7 +7,8 @@
 - `RewardReplica`: one scorer in one Ray actor; it checks the run's determinism
   environment before anything else.
 - `RewardModelPool`: `num_replicas` replicas; a batch is cut into contiguous chunks, one
-  per replica, and the scores are concatenated back in sample order.
+  per replica, and the scores are concatenated back in sample order. A replica that
+  died is replaced and its chunk scored again (`reprorl.rollout.supervision`).
 
 Determinism. verl serialises its reward model (`max_num_seqs=1`) so that a score cannot
 depend on its batch. Here each forward packs several sequences one after another
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -42,6 +43,7 @@ from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
 from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
+from reprorl.rollout.supervision import KillSwitch, Restarts, gather, kill_switch_env, replace_dead
 
 
 # Measured on a 2-core CPU: packing more tokens than this into one forward got slower
@@ -199,12 +201,15 @@ class RewardReplica:
                                            where=f"reward replica {replica_id}", **options)
         else:
             self.scorer = RewardModelScorer(model_path, **scorer_options)
+        self.kill_switch = KillSwitch.from_env(f"reward replica {replica_id}")  # fault tests only
 
     def ready(self) -> int:
         """The replica id, once the constructor ran (surfaces start-up errors)."""
         return self.replica_id
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
+        if self.kill_switch is not None:
+            self.kill_switch.see("score")
         return self.scorer.score(prompts, responses)
 
     def determinism_info(self) -> dict[str, Any]:
@@ -223,6 +228,10 @@ class RewardModelPool:
     with full determinism) the result does not depend on `num_replicas`. CPUs per
     replica default as for rollout replicas: together at most half the cluster's CPUs,
     at most one each. `runtime_env` is the user's, merged with the determinism variables.
+
+    A replica found dead by a call is replaced within `restarts` (the run's budget; None:
+    no replacement, the call raises `FaultError`) by a new actor with the next unused id,
+    checked to run in the first replica's determinism mode; its chunk is scored again.
     """
 
     def __init__(
@@ -240,13 +249,16 @@ class RewardModelPool:
         ray_address: str | None = None,
         backend: str = "native",
         vllm_options: Mapping[str, Any] | None = None,
+        restarts: Restarts | None = None,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"RewardModelPool: num_replicas={num_replicas}; expected >= 1")
         if backend not in ("native", "vllm"):
             raise ValueError(f"RewardModelPool: backend={backend!r}; expected 'native' or 'vllm'")
         self.env = determinism_env(seed, full_determinism)
-        self.runtime_env = ray_runtime_env(self.env, runtime_env)
+        self.runtime_env = ray_runtime_env({**self.env, **kill_switch_env()}, runtime_env)
+        self.restarts = restarts if restarts is not None else Restarts(0)
+        self.restarts.watch("reward replica")
         init_ray(ray_address)
         if num_cpus_per_replica is None:
             num_cpus_per_replica = replica_cpus(num_replicas)
@@ -261,14 +273,22 @@ class RewardModelPool:
 
             options.update(backend="vllm", **(vllm_options or {}))
             num_gpus = replica_gpus()
-        actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
-                                                  runtime_env=self.runtime_env)
-        self.replicas = [actor.remote(i, str(model_path), options, self.env) for i in range(num_replicas)]
-        wait_ready(self.replicas, "reward model replicas", num_cpus_per_replica)
+        self.model_path = str(model_path)
+        self.num_cpus_per_replica = num_cpus_per_replica
+        self._actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
+                                                        runtime_env=self.runtime_env)
+        self._options = options
+        self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
+        self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
+        wait_ready(list(self.replicas.values()), "reward model replicas", num_cpus_per_replica)
+        self.first_info = ray.get(self.replicas[0].determinism_info.remote())  # what a replacement must equal
         if backend == "vllm":
             from reprorl.rollout.vllm_replica import warn_if_serialized
 
-            warn_if_serialized(ray.get(self.replicas[0].determinism_info.remote()), max_num_seqs, "reward model")
+            warn_if_serialized(self.first_info, max_num_seqs, "reward model")
+
+    def _start(self, replica_id: int) -> Any:
+        return self._actor.remote(replica_id, self.model_path, self._options, self.env)
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores, in the order given."""
@@ -276,19 +296,41 @@ class RewardModelPool:
             raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
         if not prompts:
             return torch.zeros(0, dtype=torch.float32)
-        # Contiguous chunks in sample order, sizes differing by at most one.
-        k = min(len(self.replicas), len(prompts))
+        # Contiguous chunks in sample order, sizes differing by at most one; chunk j on the
+        # j-th replica by id, or on the replacement of a replica that died under it.
+        ids = sorted(self.replicas)
+        k = min(len(ids), len(prompts))
         bounds = [len(prompts) * i // k for i in range(k + 1)]
-        refs = [r.score.remote(list(prompts[a:b]), list(responses[a:b]))
-                for r, a, b in zip(self.replicas, bounds[:-1], bounds[1:])]
-        return torch.cat(ray.get(refs))
+        chunks = {j: (ids[j], bounds[j], bounds[j + 1]) for j in range(k)}
+        scores: dict[int, torch.Tensor] = {}
+        while chunks:  # each pass after the first follows a charged replacement: bounded by `restarts`
+            refs = {j: self.replicas[rid].score.remote(list(prompts[a:b]), list(responses[a:b]))
+                    for j, (rid, a, b) in chunks.items()}
+            done, dead = gather(refs)
+            scores.update(done)
+            replaced = self._replace_dead({chunks[j][0] for j in dead}, "score")
+            chunks = {j: (replaced[rid], a, b) for j, (rid, a, b) in chunks.items() if j in dead}
+        return torch.cat([scores[j] for j in sorted(scores)])
 
     def determinism_info(self) -> dict[int, dict[str, Any]]:
-        """Each replica's `determinism_info()`, by replica index."""
-        return dict(enumerate(ray.get([r.determinism_info.remote() for r in self.replicas])))
+        """Each replica's `determinism_info()`, by replica id; a dead one is replaced and answers instead."""
+        results, dead = gather({i: r.determinism_info.remote() for i, r in self.replicas.items()})
+        for new_id in self._replace_dead(dead, "determinism_info").values():
+            results[new_id] = ray.get(self.replicas[new_id].determinism_info.remote())
+        return dict(sorted(results.items()))
+
+    def _replace_dead(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
+        """Replace each dead replica (in id order); returns {dead id: replacement id}."""
+        return replace_dead(self.replicas, dead, "reward replica", self._new_ids, start=self._start_ready,
+                            reference_info=self.first_info, restarts=self.restarts, noticed_in=noticed_in)
+
+    def _start_ready(self, replica_id: int) -> Any:
+        actor = self._start(replica_id)
+        wait_ready([actor], f"reward replica {replica_id}", self.num_cpus_per_replica)
+        return actor
 
     def shutdown(self) -> None:
         """Kill every replica actor (Ray itself stays up: others may use it)."""
-        for r in self.replicas:
+        for r in self.replicas.values():
             ray.kill(r)
-        self.replicas = []
+        self.replicas = {}

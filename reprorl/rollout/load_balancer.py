@@ -100,6 +100,15 @@ class LoadBalancer:
             raise ValueError(f"LoadBalancer: replica {replica_id!r} is already registered")
         self._in_flight[replica_id] = 0
 
+    def set_replicas(self, replica_ids: Iterable[int | str]) -> None:
+        """Route to exactly `replica_ids` from now on (the pool replaced some): replicas not
+        in it are removed as by `remove_replica`, new ones added with nothing in flight."""
+        ids = set(replica_ids)
+        for rid in [r for r in self._in_flight if r not in ids]:
+            self.remove_replica(rid)
+        for rid in sorted(ids - set(self._in_flight)):
+            self.add_replica(rid)
+
     def remove_replica(self, replica_id: int | str) -> None:
         """Stop routing to `replica_id` (e.g. it died); idempotent.
 

@@ -5,7 +5,8 @@
   run's determinism environment before anything else, so a replica started without it
   fails at once, naming the variable.
 - `ReplicaPool`: starts `num_replicas` of them with the run's `runtime_env`, pushes
-  versioned weights to all of them and checks every one serves the version, shuts down.
+  versioned weights to all of them and checks every one serves the version, replaces a
+  replica that died (`reprorl.rollout.supervision`), shuts down.
 
 Which replica serves a request only affects speed (DESIGN.md): a sample is a function of
 (weights, prompt ids, sampling params, request seed), and all of those travel with the
@@ -26,8 +27,9 @@ add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import ray
@@ -44,6 +46,7 @@ from reprorl.determinism import (
 from reprorl.determinism_report import model_part_info
 from reprorl.rollout.engine import Engine, GenerateOutput
 from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.supervision import KillSwitch, Restarts, gather, kill_switch_env, replace_dead
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -107,6 +110,7 @@ class RolloutReplica:
             enable_full_determinism(int(os.environ[ENV_SEED]))
         self.replica_id = replica_id
         self.engine = Engine.from_path(model_path, **engine_options)
+        self.kill_switch = KillSwitch.from_env(f"rollout replica {replica_id}")  # fault tests only
 
     async def ready(self) -> int:
         """Returns the replica id once the constructor ran (surfaces start-up errors)."""
@@ -114,6 +118,8 @@ class RolloutReplica:
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling_params: SamplingParams,
                        seed: int, priority: int = 0) -> GenerateOutput:
+        if self.kill_switch is not None:
+            self.kill_switch.see(request_id)
         return await self.engine.generate(request_id, prompt_ids, sampling_params, seed, priority)
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
@@ -161,6 +167,12 @@ class ReplicaPool:
     still gets scheduled instead of waiting forever.
     `runtime_env` is the user's, merged with the determinism variables. `max_model_len`:
     the longest prompt plus response a replica serves (None: the engine's default).
+
+    A replica found dead by any pool call is replaced, within `restarts` (the run's
+    budget; None: no replacement, the call raises `FaultError`): a new actor with the
+    next unused id, loaded with the current weight version and checked to serve it and
+    to run in the first replica's determinism mode before it joins `replicas`. The
+    agent-loop manager routes to whatever `replicas` holds at each rollout.
     """
 
     def __init__(
@@ -179,6 +191,7 @@ class ReplicaPool:
         ray_address: str | None = None,
         backend: str = "native",
         vllm_options: Mapping[str, Any] | None = None,
+        restarts: Restarts | None = None,
     ):
         if num_replicas < 1:
             raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
@@ -187,7 +200,9 @@ class ReplicaPool:
         self.model_path = str(model_path)
         self.seed = seed
         self.env = determinism_env(seed, full_determinism)
-        self.runtime_env = ray_runtime_env(self.env, runtime_env)
+        self.runtime_env = ray_runtime_env({**self.env, **kill_switch_env()}, runtime_env)
+        self.restarts = restarts if restarts is not None else Restarts(0)
+        self.restarts.watch("rollout replica")
         init_ray(ray_address)
         if num_cpus_per_replica is None:
             num_cpus_per_replica = replica_cpus(num_replicas)
@@ -206,14 +221,22 @@ class ReplicaPool:
             replica_cls, num_gpus = VllmReplica, replica_gpus()
             engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                               "max_model_len": max_model_len, **(vllm_options or {})}
-        actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
-                                                runtime_env=self.runtime_env)
-        self.replicas: dict[int, Any] = {
-            i: actor.remote(i, self.model_path, engine_options, self.env) for i in range(num_replicas)
-        }
+        self._actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
+                                                      runtime_env=self.runtime_env)
+        self._engine_options = engine_options
+        self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
+        self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
         wait_ready(list(self.replicas.values()), "rollout replicas", num_cpus_per_replica)
+        # What a replacement must equal (`replace_dead`), and what it must be brought up to:
+        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
+        self.version = 0  # the engine's initial weight_version
+        self.asleep = False
+        self._pushes: list[tuple[Any, frozenset[str], int]] = []  # (object ref, names, version), oldest first
         if backend == "vllm":
-            warn_if_serialized(ray.get(self.replicas[0].determinism_info.remote()), max_num_seqs, "rollout")
+            warn_if_serialized(self.first_info, max_num_seqs, "rollout")
+
+    def _start(self, replica_id: int) -> Any:
+        return self._actor.remote(replica_id, self.model_path, self._engine_options, self.env)
 
     def replica_ids(self) -> list[int]:
         return sorted(self.replicas)
@@ -221,16 +244,22 @@ class ReplicaPool:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push the same weights to every replica as `version`, then check they all serve it.
 
-        The tensors are put in Ray's object store once and shared by all replicas. A
-        replica that died raises here (`RayActorError`): a pool does not replace replicas.
+        The tensors are put in Ray's object store once and shared by all replicas. The pool
+        keeps that copy until a later push covers the same names, so that a replica that
+        dies can be replaced at the current version: between pushes, the object store holds
+        one copy of the weights (during a push, two).
         """
-        ref = ray.put([(name, t.detach().cpu()) for name, t in named_tensors])
-        ray.get([r.update_weights.remote(ref, version) for r in self.replicas.values()])
+        tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
+        ref = ray.put(tensors)
+        _, dead = gather({i: r.update_weights.remote(ref, version) for i, r in self.replicas.items()})
+        names = frozenset(name for name, _ in tensors)
+        self._pushes = [p for p in self._pushes if not p[1] <= names] + [(ref, names, version)]
+        self.version = version
+        self._replace_dead(dead, f"update_weights to version {version}")  # a replacement replays the pushes
         self.check_weight_version(version)
 
     def weight_versions(self) -> dict[int, int]:
-        ids = self.replica_ids()
-        return dict(zip(ids, ray.get([self.replicas[i].weight_version.remote() for i in ids])))
+        return self._on_all("weight_version")
 
     def check_weight_version(self, version: int) -> None:
         """Raise `WeightVersionError` naming every replica that does not serve `version`."""
@@ -242,18 +271,53 @@ class ReplicaPool:
             )
 
     def sleep(self) -> None:
-        ray.get([r.sleep.remote() for r in self.replicas.values()])
+        self.asleep = True  # first, so that a replacement made during the call sleeps too
+        self._on_all("sleep")
 
     def wake_up(self) -> None:
-        ray.get([r.wake_up.remote() for r in self.replicas.values()])
+        self.asleep = False
+        self._on_all("wake_up")
 
     def stats(self) -> list[dict[str, Any]]:
-        return ray.get([self.replicas[i].stats.remote() for i in self.replica_ids()])
+        return list(self._on_all("stats").values())
 
     def determinism_info(self) -> dict[int, dict[str, Any]]:
         """Each replica's `determinism_info()`, by replica id."""
-        ids = self.replica_ids()
-        return dict(zip(ids, ray.get([self.replicas[i].determinism_info.remote() for i in ids])))
+        return self._on_all("determinism_info")
+
+    def replace_dead(self, noticed_in: str = "a probe") -> list[int]:
+        """Probe every replica (`ready`); replace those that died. Returns the new ids."""
+        _, dead = gather({i: r.ready.remote() for i, r in self.replicas.items()})
+        return list(self._replace_dead(dead, noticed_in).values())
+
+    def _on_all(self, method: str) -> dict[int, Any]:
+        """`method()` on every replica, by sorted id; a dead one is replaced and answers instead."""
+        results, dead = gather({i: getattr(r, method).remote() for i, r in self.replicas.items()})
+        for new_id in self._replace_dead(dead, method).values():
+            results[new_id] = ray.get(getattr(self.replicas[new_id], method).remote())
+        return dict(sorted(results.items()))
+
+    def _replace_dead(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
+        """Replace each dead replica (in id order); returns {dead id: replacement id}."""
+        return replace_dead(self.replicas, dead, "rollout replica", self._new_ids, start=self._start_ready,
+                            reference_info=self.first_info, restarts=self.restarts, noticed_in=noticed_in,
+                            bring_up=self._bring_up)
+
+    def _start_ready(self, replica_id: int) -> Any:
+        actor = self._start(replica_id)
+        wait_ready([actor], f"rollout replica {replica_id}", self.num_cpus_per_replica)
+        return actor
+
+    def _bring_up(self, actor: Any) -> str:
+        """Replay the kept pushes into a new replica, check it serves `self.version`, match `asleep`."""
+        for ref, _, version in self._pushes:
+            ray.get(actor.update_weights.remote(ref, version))
+        served = ray.get(actor.weight_version.remote())
+        if served != self.version:
+            raise WeightVersionError(f"the replacement serves weight version {served}, expected {self.version}")
+        if self.asleep:
+            ray.get(actor.sleep.remote())
+        return f"serving weight version {served}"
 
     def shutdown(self) -> None:
         """Stop and kill every replica actor (Ray itself stays up: others may use it)."""
@@ -262,3 +326,4 @@ class ReplicaPool:
         for r in self.replicas.values():
             ray.kill(r)
         self.replicas = {}
+        self._pushes = []

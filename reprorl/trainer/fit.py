@@ -39,6 +39,7 @@ from reprorl.reward.loop import RewardLoop, decode_responses
 from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.engine import eos_ids_from_dir
 from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.supervision import FaultError, Restarts
 from reprorl.trainer.checkpoint import (
     capture_rng_state,
     find_checkpoint,
@@ -259,6 +260,7 @@ class Trainer:
         import ray
 
         self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
+        self.restarts = Restarts(cfg.trainer.max_restarts)  # shared by both pools and the agent loop
         self.reward_model = None
         if cfg.reward.model_path is not None:
             from reprorl.reward.reward_model import RewardModelPool
@@ -266,7 +268,7 @@ class Trainer:
             self.reward_model = RewardModelPool(
                 cfg.reward.model_path, cfg.reward.num_replicas, seed=cfg.seed,
                 full_determinism=cfg.full_determinism, max_num_seqs=cfg.reward.max_num_seqs,
-                backend=cfg.reward.backend, vllm_options=_vllm_options(cfg.rollout),
+                backend=cfg.reward.backend, vllm_options=_vllm_options(cfg.rollout), restarts=self.restarts,
             )
         self.reward_loop = RewardLoop(
             resolve_reward_fn(cfg.reward.fn), self.reward_model,
@@ -281,7 +283,7 @@ class Trainer:
             cfg.model.path, ro.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
-            backend=ro.backend, vllm_options=_vllm_options(ro),
+            backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
         self.agent = AgentLoopManager(
@@ -579,6 +581,7 @@ class Trainer:
         A NaN or infinity in a step raises `NonFiniteError` naming the step and where; the
         step is not finished (no optimizer step for that mini-batch, no weights pushed, no
         metrics or checkpoint written), so the newest checkpoint is the one to resume from.
+        A part that dies past `trainer.max_restarts` replacements raises `FaultError` alike.
         """
         from tqdm import tqdm
 
@@ -601,11 +604,15 @@ class Trainer:
             self.step = step
             try:
                 metrics = self.train_step(step, next(self.sampler))
-            except NonFiniteError as err:
-                raise NonFiniteError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
+            except (NonFiniteError, FaultError) as err:
+                raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
             last = step == cfg.total_steps
             if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
                 metrics.update(self.validate(step))
+            restarts = self.restarts.pop_metrics()
+            metrics.update(restarts)
+            if any(restarts.values()):
+                self.report_determinism(start)  # with the replacements, checked like the parts they replace
             self.tracker.log(step, metrics)
             progress.set_postfix(
                 {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in ("reward/mean", "val/accuracy", "actor/pg_loss")

@@ -119,6 +119,18 @@ def test_add_and_remove_replicas():
         lb.acquire("q")
 
 
+def test_set_replicas_routes_to_exactly_the_given_ids():
+    lb = LoadBalancer([0, 1])
+    lb.acquire("a")
+    on = lb.acquire("b")
+    lb.set_replicas([on, 2])  # the pool replaced the other one by 2
+    assert lb.replica_ids() == sorted([on, 2])
+    assert lb.in_flight() == {on: 1, 2: 0}  # counts of the kept replica stay
+    lb.set_replicas([on, 2])  # idempotent
+    assert lb.in_flight() == {on: 1, 2: 0}
+    assert lb.acquire("c") == 2
+
+
 def test_balancer_checks_the_run_environment_when_given_one():
     with pytest.raises(RuntimeError, match="load balancer: .*REPRORL_TEST_UNSET is missing"):
         LoadBalancer([0], expected_env={"REPRORL_TEST_UNSET": "1"})

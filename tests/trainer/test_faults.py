@@ -1,0 +1,156 @@
+"""Faults (issue 17): a part of a run dies mid-step and the run still gives the same bits.
+
+Each test trains tiny GRPO runs through the CLI entry point (`reprorl.cli.main`, in this
+process, on the module's one Ray), with the test hook `REPRORL_TEST_KILL`
+(`reprorl.rollout.supervision.KILL_ENV`) making one part SIGKILL its own process at a
+fixed point: "rollout replica 1@train/3/#1" = replica 1, on the first request of step 3
+it receives, so requests of that rollout are in flight on it and on the other replica.
+`reprorl compare` with a run nobody killed must say "bitwise identical". Replacements get
+new ids (the first replacement of a 2-replica pool is replica 2), which the chaos test
+uses to kill replacements too.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from reprorl import cli
+from reprorl.determinism_report import TEXT_FILE
+from reprorl.rollout.supervision import KILL_ENV
+from small_run import small_run_overrides
+
+pytestmark = pytest.mark.slow
+
+COMMON = ("rollout.num_replicas=2", "rollout.num_agent_workers=2")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, ray_local):
+    from reprorl.data.synthetic import write_arithmetic_dataset
+    from reprorl.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("faults")
+    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
+    return {
+        "root": root, "train": paths["train"], "val": paths["val"],
+        "policy": make_tiny(root / "policy", kind="policy", seed=0),
+        "reward": make_tiny(root / "reward", kind="reward", seed=1),
+    }
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """`reprorl train` sets the run's determinism variables in its process: undo it after each test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def train(assets, run_dir: Path, *overrides: str, kill: str | None = None) -> Path:
+    """`reprorl train` on the tiny setup (2 prompts x n=2, 8 tokens) with 2 replicas and 2 workers."""
+    if kill is not None:
+        os.environ[KILL_ENV] = kill
+    try:
+        assert cli.main(["train", *small_run_overrides(assets, run_dir, *COMMON, *overrides)]) == 0
+    finally:
+        os.environ.pop(KILL_ENV, None)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def unfailed(assets):
+    """`unfailed(*overrides)`: the run nobody killed, trained once per module for each setting."""
+    made: dict[tuple[str, ...], Path] = {}
+
+    def get(*overrides: str) -> Path:
+        if overrides not in made:
+            made[overrides] = train(assets, assets["root"] / f"unfailed_{len(made)}", *overrides)
+        return made[overrides]
+
+    return get
+
+
+def assert_bitwise_identical(capsys, run_a: Path, run_b: Path, steps: int) -> None:
+    capsys.readouterr()
+    code = cli.main(["compare", str(run_a), str(run_b), "--plot", str(run_b.parent / f"{run_b.name}.png")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"bitwise identical over {steps} steps" in out, out
+
+
+def restarts(run_dir: Path, metric: str) -> dict[int, float]:
+    """{step: replacements that step} for the steps with any."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[metric] for r in records if r[metric]}
+
+
+def report_parts(run_dir: Path) -> list[str]:
+    text = (run_dir / TEXT_FILE).read_text()
+    assert text.startswith("determinism: full determinism: on, all parts agree"), text
+    return json.loads((run_dir / "determinism.json").read_text())["parts"]
+
+
+def test_a_rollout_replica_killed_mid_rollout(assets, unfailed, tmp_path, capsys):
+    run = train(assets, tmp_path / "killed", "trainer.total_steps=6", kill="rollout replica 1@train/3/#1")
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert restarts(run, "rollout/replica_restarts") == {3: 1.0}
+    # The report, rewritten after the restart, checked the replacement like the first replicas.
+    parts = report_parts(run)
+    assert "rollout replica 2" in parts and "rollout replica 1" not in parts
+
+
+def test_the_only_rollout_replica_killed(assets, unfailed, tmp_path, capsys):
+    """Every replica of the pool dead mid-rollout: the chunks rerun once the pool replaced it."""
+    run = train(assets, tmp_path / "killed", "trainer.total_steps=6", "rollout.num_replicas=1",
+                kill="rollout replica 0@train/3/#1")
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert restarts(run, "rollout/replica_restarts") == {3: 1.0}
+    assert "rollout replica 1" in report_parts(run)
+
+
+def test_a_reward_model_replica_killed_mid_scoring(assets, unfailed, tmp_path, capsys):
+    # Each RM replica scores one chunk a step: its third score call is step 3's.
+    rm = (f"reward.model_path={assets['reward']}", "reward.num_replicas=2", "reward.model_weight=0.5")
+    run = train(assets, tmp_path / "killed", "trainer.total_steps=6", *rm, kill="reward replica 1@score#3")
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6", *rm), run, steps=6)
+    assert restarts(run, "reward/replica_restarts") == {3: 1.0}
+    assert "reward replica 2" in report_parts(run)
+
+
+def test_an_agent_loop_worker_killed_mid_rollout(assets, unfailed, tmp_path, capsys):
+    # Worker 0 runs 2 of step 3's 4 samples: it dies sending the second, the first in flight.
+    run = train(assets, tmp_path / "killed", "trainer.total_steps=6", kill="agent-loop worker 0@train/3/#2")
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert restarts(run, "agent_loop/worker_restarts") == {3: 1.0}
+    assert "agent-loop worker 2" in report_parts(run)
+
+
+def test_chaos_a_replica_killed_every_two_steps(assets, unfailed, tmp_path, capsys):
+    """Replicas 0 and 1, then their replacements 2 and 3: four restarts, the default limit."""
+    kills = ",".join(f"rollout replica {victim}@train/{step}/#1" for victim, step in ((0, 2), (1, 4), (2, 6), (3, 8)))
+    run = train(assets, tmp_path / "chaos", "trainer.total_steps=8", kill=kills)
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=8"), run, steps=8)
+    assert restarts(run, "rollout/replica_restarts") == {2: 1.0, 4: 1.0, 6: 1.0, 8: 1.0}
+    assert {"rollout replica 4", "rollout replica 5"} <= set(report_parts(run))
+
+
+def test_max_restarts_exceeded_stops_naming_the_part_and_resumes_bitwise(assets, unfailed, tmp_path, capsys):
+    run = tmp_path / "stopped"
+    overrides = small_run_overrides(assets, run, *COMMON, "trainer.total_steps=6", "trainer.save_freq=1",
+                                    "trainer.max_restarts=0")
+    os.environ[KILL_ENV] = "rollout replica 1@train/3/#1"
+    capsys.readouterr()
+    assert cli.main(["train", *overrides]) == 2
+    del os.environ[KILL_ENV]
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: step 3: rollout replica 1 died (noticed in update_weights to version 3 at "), err
+    assert "no replacement is left: trainer.max_restarts=0" in err
+    assert err.endswith(f"The newest checkpoint, '{run / 'checkpoints' / 'step_2'}', is unchanged; "
+                        "trainer.resume=auto continues from it."), err
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1", "step_2"]
+
+    assert cli.main(["train", *overrides]) == 0  # trainer.resume=auto: from step 2, nobody killed
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
