@@ -56,7 +56,8 @@ def _matmuls():
     logger.info("building reprorl's CPU matmul kernels (%s), once per machine, about 30 s", source.name)
     try:
         return load(name="reprorl_cpu_matmul", sources=[str(source)], verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off"])
+                    extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
             f"full_determinism on the CPU needs reprorl's matmul kernels ({source}), built with a C++ "

@@ -15,6 +15,7 @@
 // columns, and each entry is computed by one thread from start to end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <cmath>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -137,8 +138,13 @@ void run(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
   float* po = out.data_ptr<float>();
-  at::parallel_for(0, G * tm * tn, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
+  // Our own OpenMP loop at torch's thread count (this module is built with -fopenmp; ATen's
+  // inline parallel_for would run serially in an extension built without it).
+  const int64_t tasks = G * tm * tn;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t t = 0; t < tasks; ++t) {
+    {
       const int64_t g = t / (tm * tn), rest = t % (tm * tn), ti = rest / tn, tj = rest % tn;
       const T* ag = pa + g * M * K;
       const T* bg = pb + g * K * N;
@@ -158,7 +164,7 @@ void run(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
         }
       }
     }
-  });
+  }
 }
 
 torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt) {
