@@ -132,8 +132,10 @@ void nn_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_
 template <typename T, bool NT>
 void run(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
-  const int64_t bc = NT ? NT_COLS * 16 : NN_COLS;  // columns per task
-  const int64_t br = NT ? NT_ROWS * 4 : ROWS * 4;  // rows per task
+  // Tasks of a few register blocks: enough of them to keep 16 threads busy at 16 rows
+  // (a decode step), large enough that a task's blocks reuse its rows from cache.
+  const int64_t bc = NT ? NT_COLS * 8 : NN_COLS;  // columns per task
+  const int64_t br = NT ? NT_ROWS * 2 : ROWS * 2;  // rows per task
   const int64_t tm = (M + br - 1) / br, tn = (N + bc - 1) / bc;
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
