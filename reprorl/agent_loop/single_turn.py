@@ -26,8 +26,8 @@ GenerateFn = Callable[[str, list[int], SamplingParams, int, int], Awaitable[Any]
 class AgentSample:
     """One row of a rollout batch, as the loop sees it (control columns already removed).
 
-    `sampling_params.max_tokens` is the whole response budget (`max_response_length`);
-    a multi-turn loop shares it among its turns.
+    `sampling_params.max_tokens` is the whole response budget (`rollout.max_tokens`, at
+    most `max_response_length`); a multi-turn loop shares it among its turns.
     """
 
     index: int
