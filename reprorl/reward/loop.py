@@ -1,6 +1,6 @@
 """The reward loop: one score per sample, from a rule function and/or a reward model.
 
-    RewardLoop.compute(batch, tokenizer) -> (scores [B] float32, metrics)
+    RewardLoop.compute(batch, tokenizer) -> Rewards(scores [B] float32, rule [B] | None, metrics)
       1. decode each response (model tokens only, no eos/pad) -> solution_str
       2. rule reward per sample, in sample order, in this process's main thread
          (math-verify's timeout needs signals); a function that raises, or returns NaN
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -35,6 +35,16 @@ class RewardModel(Protocol):
     def score(self, prompts: Sequence[list[dict]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores of (prompt messages, response text) pairs, in the order given."""
         ...
+
+
+class Rewards(NamedTuple):
+    """What `RewardLoop.compute` gives for a batch, in sample order."""
+
+    scores: torch.Tensor
+    """[B] float32: rule_weight * rule + model_weight * model, the reward that is trained on."""
+    rule: torch.Tensor | None
+    """[B] float32 rule scores alone (validation's accuracy); None when the rule function did not run."""
+    metrics: dict[str, float]
 
 
 def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any) -> list[str]:
@@ -85,7 +95,7 @@ class RewardLoop:
         self.model_weight = float(model_weight)
         self.fn_errors_total = 0  # over the run, for the log line
 
-    def rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int]:
+    def _rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int]:
         """([B] float32 rule scores, number of samples whose function raised), in sample order."""
         for key in ("data_source", "ground_truth"):
             if key not in batch.non_tensors:
@@ -118,8 +128,8 @@ class RewardLoop:
         self.fn_errors_total += errors
         return torch.tensor(scores, dtype=torch.float32), errors
 
-    def compute(self, batch: Batch, tokenizer: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores [B] float32, metrics) for the batch, in sample order.
+    def compute(self, batch: Batch, tokenizer: Any) -> Rewards:
+        """The batch's `Rewards` (scores, rule scores, metrics), in sample order.
 
         `tokenizer` is the policy's (it decodes the responses); the reward model tokenizes
         the text with its own. Metrics: `reward/rule_mean` (when rules run),
@@ -132,9 +142,9 @@ class RewardLoop:
         B = len(solutions)
         total = torch.zeros(B, dtype=torch.float32)
         metrics: dict[str, float] = {"reward/fn_errors": 0.0}
-
+        rule = None
         if self.reward_model is None or self.rule_weight != 0.0:
-            rule, errors = self.rule_scores(batch, solutions)
+            rule, errors = self._rule_scores(batch, solutions)
             total = total + self.rule_weight * rule
             metrics["reward/rule_mean"] = _mean(rule)
             metrics["reward/fn_errors"] = float(errors)
@@ -153,7 +163,7 @@ class RewardLoop:
             total = total + self.model_weight * model.float()
             metrics["reward/model_mean"] = _mean(model)
         metrics["reward/mean"] = _mean(total)
-        return total, metrics
+        return Rewards(total, rule, metrics)
 
 
 def _mean(x: torch.Tensor) -> float:

@@ -35,7 +35,7 @@ from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.arch import ModelArgs
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop, decode_responses
+from reprorl.reward.loop import RewardLoop
 from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.engine import eos_ids_from_dir
 from reprorl.rollout.sampling import SamplingParams
@@ -359,13 +359,13 @@ class Trainer:
         metrics["timing/gen_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        scores, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
+        scores, _, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
         metrics.update(reward_metrics)
         reward_baselines = None
         if baseline is not None:
             # ReMax's baseline is the greedy response's reward only, without the KL penalty
             # (as in the paper and verl): the KL term belongs to the sampled trajectory.
-            baseline_scores, _ = self.reward_loop.compute(baseline, self.tokenizer)  # [B]
+            baseline_scores = self.reward_loop.compute(baseline, self.tokenizer).scores  # [B]
             metrics["reward/baseline_mean"] = baseline_scores.mean().item()
             reward_baselines = baseline_scores.repeat_interleave(n)  # [B*n]: row i is prompt i // n
         metrics["timing/reward_s"] = time.perf_counter() - t0
@@ -468,7 +468,8 @@ class Trainer:
     def validate(self, step: int) -> dict[str, float]:
         """Roll out the whole validation set with the validation sampling params.
 
-        `val/accuracy` is the share of samples whose rule reward is full credit (>= 1.0);
+        `val/accuracy` is the share of samples whose rule reward is full credit (>= 1.0),
+        absent when the rule function does not run (a reward model alone, rule_weight 0);
         `val/reward_mean` is the mean of the final reward (rule and model, weighted).
         """
         cfg = self.cfg
@@ -479,18 +480,19 @@ class Trainer:
         for start in range(0, len(positions), size):
             prompts = self._prompt_batch(self.val_set, positions[start : start + size], step=step, validate=True)
             output = self.agent.generate_sequences(self._repeat(prompts, cfg.rollout.val.n))
-            batch_scores, _ = self.reward_loop.compute(output, self.tokenizer)
-            solutions = decode_responses(output["responses"], output["response_mask"], self.tokenizer)
-            rule, _ = self.reward_loop.rule_scores(output, solutions)
-            scores.append(batch_scores)
-            correct.append((rule >= 1.0).float())
+            rewards = self.reward_loop.compute(output, self.tokenizer)
+            scores.append(rewards.scores)
+            if rewards.rule is not None:
+                correct.append((rewards.rule >= 1.0).float())
             lengths.append(output["response_mask"].float().sum(-1))
-        return {
-            "val/accuracy": torch.cat(correct).mean().item(),
+        metrics = {
             "val/reward_mean": torch.cat(scores).mean().item(),
             "val/response_length_mean": torch.cat(lengths).mean().item(),
             "timing/val_s": time.perf_counter() - t0,
         }
+        if correct:
+            metrics["val/accuracy"] = torch.cat(correct).mean().item()
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 

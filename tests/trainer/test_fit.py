@@ -148,6 +148,24 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
         trainer.close()
 
 
+def test_validation_calls_the_rule_function_once_per_sample(assets, tmp_path, monkeypatch):
+    """Once per sample (validation scored every rule reward twice), and never for a run
+    scored by a reward model alone (rule_weight 0), which then has no val/accuracy."""
+    counting_fn = f"{Path(__file__).parent / 'counting_reward.py'}:count_calls"
+    model_only = (f"reward.model_path={assets['reward']}", "reward.rule_weight=0")
+    for name, extra, expected_calls in (("rule", (), 8), ("model", model_only, 0)):  # 8 validation prompts, n=1
+        calls = tmp_path / f"{name}-calls.txt"
+        calls.touch()
+        monkeypatch.setenv("REPRORL_TEST_CALLS_FILE", str(calls))
+        trainer = Trainer(small_config(assets, tmp_path / name, f"reward.fn={counting_fn}", *extra))
+        try:
+            val = trainer.validate(0)
+        finally:
+            trainer.close()
+        assert len(calls.read_text().splitlines()) == expected_calls, name
+        assert ("val/accuracy" in val) == (name == "rule")
+
+
 def test_missing_model_path_names_the_key(assets, tmp_path):
     cfg = small_config(assets, tmp_path / "run", f"model.path={tmp_path / 'nope'}", f"model.ref_path={tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match=r"model.path: '.*nope' does not exist"):
