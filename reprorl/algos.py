@@ -35,9 +35,13 @@ Count = int | float | torch.Tensor
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of `values` where `mask` is 1: over all entries (a scalar), or along `dim`."""
-    product = values * mask
-    return product.sum() if dim is None else product.sum(dim)
+    """Sum of `values` where `mask` is 1: over all entries (a scalar), or along `dim`.
+
+    Masked entries contribute exactly nothing, even NaN or inf (`torch.where`, not
+    `values * mask`, where 0 * nan = nan); the result has the dtype `values * mask` has.
+    """
+    kept = torch.where(mask > 0, values, 0.0).to(torch.promote_types(values.dtype, mask.dtype))
+    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -71,11 +75,11 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
     (x - mean) / sqrt(var + eps) with the unbiased variance over all valid entries of the
     batch (so a long response weighs more than a short one, as in verl). Masked entries
-    become 0.
+    become 0, whatever they held.
     """
     mean = masked_mean(values, mask)
     var = masked_var(values, mask, unbiased=True)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    return torch.where(mask > 0, (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,22 @@ def test_masked_helpers():
     assert_close(masked_whiten(values, mask), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]], tol=1e-7)
 
 
+def test_masked_entries_contribute_nothing_even_nan_or_inf():
+    nan, inf = math.nan, math.inf
+    values = t([[1.0, nan], [3.0, -inf]])
+    mask = t([[1, 0], [1, 0]])
+    assert_close(masked_sum(values, mask), 4.0)
+    assert_close(masked_mean(values, mask, dim=-1), [1.0, 3.0])
+    # valid 1 and 3: mean 2, unbiased var 2; (x - 2) / sqrt(2 + 1e-8) = +-(1 / sqrt(2)) * (1 - 2.5e-9)
+    assert_close(masked_whiten(values, mask), [[-0.7071067794187805, 0.0], [0.7071067794187805, 0.0]])
+    # verl gives 1.0 here; 1 * 1 + nan * 0 would be nan.
+    for mode in LOSS_AGG_MODES:
+        assert agg_loss(t([[1.0, nan]]), t([[1.0, 0.0]]), mode, max_response_length=1) == 1.0, mode
+    # A float32 loss with a float mask stays float32; a bool mask works too.
+    assert masked_sum(torch.tensor([2.0, nan]), torch.tensor([True, False])).dtype == torch.float32
+    assert masked_sum(torch.tensor([2.0, nan]), torch.tensor([True, False])).item() == 2.0
+
+
 def test_masked_mean_of_nothing_is_zero_and_unbiased_var_needs_two():
     values = t([[5.0, 6.0], [7.0, 8.0]])
     mask = t([[0, 0], [1, 0]])
