@@ -33,7 +33,8 @@ from reprorl.models.transformer import CausalLM
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop
 from reprorl.trainer.checkpoint import load_checkpoint
-from reprorl.trainer.fit import Trainer, check_models
+from reprorl.trainer.checks import check_models
+from reprorl.trainer.fit import Trainer
 from reprorl.trainer.optim import NonFiniteError
 from small_run import run_trainer, small_run_overrides
 
@@ -142,7 +143,7 @@ def test_reward_model_shorter_than_a_sample_warns_at_start(assets, tmp_path, cap
     config_file = rm / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": 40}))
     cfg = config(assets, tmp_path / "run", f"reward.model_path={rm}", "reward.model_weight=0.5")
-    with caplog.at_level("WARNING", logger="reprorl.trainer.fit"):
+    with caplog.at_level("WARNING", logger="reprorl.trainer.checks"):
         check_models(cfg, make_char_tokenizer())
     assert "max_position_embeddings=40, fewer than data.max_prompt_length + data.max_response_length = 72" in caplog.text
 

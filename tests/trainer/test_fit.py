@@ -15,7 +15,8 @@ import torch
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
-from reprorl.trainer.fit import Trainer, check_paths
+from reprorl.trainer.checks import check_paths
+from reprorl.trainer.fit import Trainer
 from small_run import run_trainer, small_run_overrides
 
 pytestmark = pytest.mark.slow
