@@ -28,6 +28,7 @@ from reprorl import algos
 from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptDataset, PromptSampler
+from reprorl.data.rewards import check_ground_truth
 from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError
@@ -130,10 +131,13 @@ class Trainer:
     # ------------------------------------------------------------------ parts
 
     def _make_datasets(self) -> tuple[PromptDataset, PromptDataset]:
-        data = self.cfg.data
+        data, rw = self.cfg.data, self.cfg.reward
+        # The built-in rule rewards know which ground truths they can ever match: a row that
+        # could only score 0 is an error naming it, before the run starts.
+        builtin_rules = rw.fn is None and (rw.model_path is None or rw.rule_weight != 0)
         return tuple(
             PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
-                          prompt_key=data.prompt_key)
+                          prompt_key=data.prompt_key, check_ground_truth=check_ground_truth if builtin_rules else None)
             for files in (data.train_files, data.val_files)
         )
 
