@@ -330,15 +330,16 @@ def ppo_policy_loss(
     Returns (loss, stats); stats (detached scalars, token means over this batch):
     "clipfrac" (share of tokens where the clipped term was taken), "clipfrac_lower"
     (share where the dual-clip cap was taken), "approx_kl" (mean of old_log_prob -
-    log_prob, the k1 estimate of KL(old || new)).
+    log_prob, the k1 estimate of KL(old || new), with the log-ratio clamped to [-20, 20]
+    as the loss uses it).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 (the dual-clip cap on the ratio); got {clip_ratio_c}")
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    log_ratio = log_prob - old_log_prob
     # exp(20) ~ 4.9e8 is finite in float32 (and bfloat16); an unclamped log-ratio of a
     # token whose probability collapsed could reach exp(~88) = inf and turn the loss NaN.
-    ratio = torch.exp(log_ratio.clamp(min=-20.0, max=20.0))
+    log_ratio = (log_prob - old_log_prob).clamp(min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)

@@ -344,10 +344,12 @@ def test_ppo_policy_loss_huge_log_ratio_stays_finite():
     # float32: exp(100) would be inf; clamped to exp(20) the loss and its gradient stay finite.
     new = torch.tensor([[100.0, 100.0]], requires_grad=True)
     old, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    loss, _ = ppo_policy_loss(old, new, torch.tensor([[1.0, -1.0]]), mask, 0.2, 0.2, 3.0, "token-mean")
+    loss, stats = ppo_policy_loss(old, new, torch.tensor([[1.0, -1.0]]), mask, 0.2, 0.2, 3.0, "token-mean")
     loss.backward()
     assert_close(loss.detach(), (-1.2 + 3.0) / 2)
     assert torch.isfinite(new.grad).all()
+    # approx_kl is what the loss used: old - new with the log-ratio clamped to 20, not -100.
+    assert stats["approx_kl"].item() == -20.0
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
