@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# k1/k2/k3 as in Schulman's note; "kl", "mse" and "low_var_kl" are verl's names for them.
-KL_PENALTY_KINDS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+# k1/k2/k3 as in Schulman's note, and abs; "kl", "mse" and "low_var_kl" are verl's names
+# for k1/k2/k3. A trailing "+" (k1+, k3+, ...) is the straight-through variant, as in verl.
+_KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")
+KL_PENALTY_KINDS = _KL_ESTIMATORS + tuple(kind + "+" for kind in _KL_ESTIMATORS)
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 Count = int | float | torch.Tensor
@@ -422,21 +424,33 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     - "k1": -d = log_prob - ref_log_prob (unbiased, can be negative);
     - "k2": 0.5 * d^2 (biased, low variance, >= 0);
     - "k3": exp(d) - d - 1 (unbiased, low variance, >= 0); d is clamped to [-20, 20] so
-      exp cannot overflow and the result to [-10, 10], as verl's "low_var_kl".
-    verl's names "kl", "mse", "low_var_kl" are accepted for k1, k2, k3.
+      exp cannot overflow and the result to [-10, 10], as verl's "low_var_kl";
+    - "abs": |d|.
+    A "+" after any of them ("k1+", "k3+", ...) gives its value with the gradient of k2:
+    the expected gradient of k1 and k3 is not the gradient of the KL, k2's is (verl's
+    straight-through estimators). The value is the plain one, bit for bit.
+    verl's names "kl", "mse", "low_var_kl" are accepted for k1, k2, k3 (with or without "+").
     Used for the KL penalty in the reward and for the KL loss.
     """
     if kind not in KL_PENALTY_KINDS:
         raise ValueError(f"kl penalty kind must be one of {', '.join(KL_PENALTY_KINDS)}; got {kind!r}")
     _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
-    kind = _KL_ALIASES.get(kind, kind)
+    base = kind.removesuffix("+")
+    base = _KL_ALIASES.get(base, base)
     log_ratio = log_prob - ref_log_prob
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    d = (-log_ratio).clamp(min=-20.0, max=20.0)
-    return (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+    if base == "k1":
+        value = log_ratio
+    elif base == "k2":
+        value = 0.5 * log_ratio.square()
+    elif base == "abs":
+        value = log_ratio.abs()
+    else:
+        d = (-log_ratio).clamp(min=-20.0, max=20.0)
+        value = (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * log_ratio.square()
+    return k2 - k2.detach() + value.detach()  # (k2 - k2) is exactly 0: the value is `value`'s bits
 
 
 def apply_kl_to_rewards(

@@ -50,7 +50,7 @@ def _section(cls: type, help: str) -> Any:
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLType = Literal["k1", "k2", "k3"]
+KLType = Literal["k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+"]
 
 
 @dataclass
@@ -162,7 +162,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _field(
         False, "subtract a KL penalty from the token rewards (exclusive with actor.use_kl_loss)"
     )
-    kl_penalty: KLType = _field("k1", "KL estimator for the in-reward penalty")
+    kl_penalty: KLType = _field(
+        "k1", "KL estimator for the in-reward penalty: k1, k2, k3 (Schulman's), abs; '+' as in actor.kl_loss_type"
+    )
     kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "the in-reward KL coefficient")
 
 
@@ -185,7 +187,10 @@ class ActorConfig:
     loss_agg_mode: LossAggMode = _field("token-mean", "how token losses are reduced to one loss")
     entropy_coeff: float = _field(0.0, "entropy bonus coefficient", ge=0)
     use_kl_loss: bool = _field(True, "add a KL-to-reference loss (exclusive with algorithm.use_kl_in_reward)")
-    kl_loss_type: KLType = _field("k3", "KL estimator for the KL loss")
+    kl_loss_type: KLType = _field(
+        "k3", "KL estimator for the KL loss: k1, k2, k3 (Schulman's), abs; a '+' (k3+) keeps its value with k2's "
+        "gradient (straight-through, as verl)"
+    )
     kl_loss_coef: float = _field(0.001, "KL loss coefficient", ge=0)
     grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
 

@@ -410,8 +410,21 @@ def test_kl_penalty_kinds():
     assert_close(kl_penalty(log_prob, ref, "k3"), [[0.36787944117144233, 0.7182818284590451, 0.0, 10.0]])
     for alias, kind in [("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")]:
         assert torch.equal(kl_penalty(log_prob, ref, alias), kl_penalty(log_prob, ref, kind))
-    with pytest.raises(ValueError, match="k1, k2, k3.*got 'k4'"):
+    assert_close(kl_penalty(log_prob, ref, "abs"), [[1.0, 1.0, 0.0, 5.0]])
+    with pytest.raises(ValueError, match="k1, k2, k3, abs.*got 'k4'"):
         kl_penalty(log_prob, ref, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs", "kl", "low_var_kl"])
+def test_straight_through_kl_has_the_value_of_its_kind_and_the_gradient_of_k2(kind):
+    ref = t([[-2.0, -1.0, 0.0, 4.0]])  # d = ref - log_prob = [-1, 1, 0, 5]
+    plain = t([[-1.0, -2.0, 0.0, -1.0]]).requires_grad_()
+    through = t([[-1.0, -2.0, 0.0, -1.0]]).requires_grad_()
+    value = kl_penalty(through, ref, kind + "+")
+    assert torch.equal(value.detach(), kl_penalty(plain, ref, kind).detach())  # the same bits
+    value.sum().backward()
+    # d(0.5 (log_prob - ref)^2) / d log_prob = log_prob - ref = -d
+    assert_close(through.grad, [[1.0, -1.0, 0.0, -5.0]])
 
 
 def test_k3_far_from_the_reference_stays_finite():
