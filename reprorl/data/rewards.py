@@ -119,6 +119,13 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     from a process's main thread (math-verify's timeout needs signals); elsewhere it
     raises RuntimeError rather than scoring everything 0.
 
+    This is NOT verl's default for these datasets: verl scores the string in the LAST
+    `\boxed{}` against the truth after normalising both (`math_reward.compute_score`).
+    math-verify compares mathematical values, so `\boxed{0.5}` against `\frac{1}{2}`
+    scores 1.0 here and 0.0 in verl; and it takes a response with several boxed answers
+    as a set, so `\boxed{5} and \boxed{6}` against 6 scores 0.0 here and 1.0 in verl (a
+    policy cannot hedge by boxing every candidate).
+
     >>> math_score("lighteval/MATH", "So $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}")
     1.0
     >>> math_score("lighteval/MATH", "\\boxed{0.5}", "\\frac{1}{2}")
@@ -128,6 +135,8 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     >>> math_score("lighteval/MATH", "\\boxed{3}", "\\frac{1}{2}")
     0.0
     >>> math_score("lighteval/MATH", "I don't know", "\\frac{1}{2}")
+    0.0
+    >>> math_score("lighteval/MATH", "\\boxed{5} and \\boxed{6}", "6")
     0.0
     """
     if threading.current_thread() is not threading.main_thread():
@@ -143,7 +152,9 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
         return 0.0
 
 
-# data_source -> reward function; verl's names for the public datasets.
+# data_source -> reward function, by the names verl's preprocessing gives the public
+# datasets; the MATH ones are scored by math-verify, not verl's last-\boxed string match
+# (see math_score).
 REWARD_FNS = {
     "reprorl/arithmetic": arithmetic_score,
     "openai/gsm8k": gsm8k_score,
