@@ -139,6 +139,12 @@ class RewardConfig:
     )
     num_replicas: int = _field(1, "reward-model replicas", ge=1)
     max_num_seqs: int = _field(64, "most sequences a reward-model replica scores at once", ge=1)
+    timeout_s: float | None = _field(
+        60.0, "most seconds one call of the rule function may take; the calls then run in a child process, killed "
+        "at the limit: with full_determinism the run stops naming the sample (a 0 would depend on timing), without "
+        "it the sample scores 0 (metric reward/fn_timeouts); null = no limit, calls run in the trainer's process",
+        gt=0,
+    )
     rule_weight: float = _field(1.0, "weight of the rule reward in the total reward")
     model_weight: float = _field(1.0, "weight of the reward-model score in the total reward")
 

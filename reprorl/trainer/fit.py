@@ -14,10 +14,12 @@ comes from a seed named by its origin, so a run is a pure function of its config
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop
+from reprorl.reward.loop import RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
@@ -185,7 +187,7 @@ class Trainer:
                 max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
             )
         loop = RewardLoop(resolve_reward_fn(rw.fn), reward_model, rule_weight=rw.rule_weight,
-                          model_weight=rw.model_weight)
+                          model_weight=rw.model_weight, timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
         return reward_model, loop
 
     def _make_rollout(self) -> tuple[ReplicaPool, AgentLoopManager]:
@@ -511,9 +513,10 @@ class Trainer:
     def fit(self) -> Path:
         """Train from the resumed step to `trainer.total_steps`; returns the run directory.
 
-        A NaN or infinity in a step raises `NonFiniteError` naming the step and where; the
-        step is not finished (no optimizer step for that mini-batch, no weights pushed, no
-        metrics or checkpoint written), so the newest checkpoint is the one to resume from.
+        A NaN or infinity in a step raises `NonFiniteError` naming the step and where, and
+        a rule reward past `reward.timeout_s` with full determinism `RewardTimeoutError`;
+        the step is not finished (no optimizer step for that mini-batch, no weights pushed,
+        no metrics or checkpoint written), so the newest checkpoint is the one to resume from.
         """
         from tqdm import tqdm
 
@@ -529,18 +532,17 @@ class Trainer:
             logger.info("run in %s is already at step %d of %d: nothing to do", self.run_dir, start, cfg.total_steps)
             return self.run_dir
         if start == 0 and cfg.val_before_train:
-            self.tracker.log(0, self.validate(0))
+            with self._stop_note(0):
+                self.tracker.log(0, self.validate(0))
         progress = tqdm(range(start + 1, cfg.total_steps + 1), initial=start, total=cfg.total_steps,
                         desc="train", unit="step", dynamic_ncols=True)
         for step in progress:
             self.step = step
-            try:
-                metrics = self.train_step(step, next(self.sampler))
-            except NonFiniteError as err:
-                raise NonFiniteError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
             last = step == cfg.total_steps
-            if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
-                metrics.update(self.validate(step))
+            with self._stop_note(step):
+                metrics = self.train_step(step, next(self.sampler))
+                if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
+                    metrics.update(self.validate(step))
             self.tracker.log(step, metrics)
             progress.set_postfix(
                 {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in ("reward/mean", "val/accuracy", "actor/pg_loss")
@@ -549,6 +551,14 @@ class Trainer:
             if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last):
                 self.save(step)
         return self.run_dir
+
+    @contextlib.contextmanager
+    def _stop_note(self, step: int) -> Iterator[None]:
+        """Errors that stop a run in a step say which step, and where it can resume from."""
+        try:
+            yield
+        except (NonFiniteError, RewardTimeoutError) as err:
+            raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
 
     def close(self) -> None:
         """Stop the replicas and workers, close the loggers, draw the curves."""
@@ -559,6 +569,7 @@ class Trainer:
         metrics_path = self.run_dir / METRICS_FILE
         if metrics_path.exists():
             plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
+        self.reward_loop.close()
         self.agent.shutdown()
         self.pool.shutdown()
         if self.reward_model is not None:
