@@ -82,6 +82,27 @@ def _vllm_options(ro: Any) -> dict[str, Any]:
             "enforce_eager": ro.vllm_enforce_eager}
 
 
+def length_metrics(batch: Batch) -> dict[str, float]:
+    """The length metrics verl reports, of a rollout batch.
+
+    `response_length/mean`, `/max`, `/min`: model tokens per response (`response_mask`);
+    `response_length/clip_ratio`: the share of responses that ran out of budget (finish
+    reason "length": rollout.max_tokens, or a tool turn that did not fit);
+    `prompt_length/mean`, `/max`: prompt tokens, padding left out.
+    """
+    response = batch["response_mask"].sum(-1).float()  # [B]
+    prompt = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()  # [B]
+    reasons = list(batch.non_tensors["finish_reason"])
+    return {
+        "response_length/mean": response.mean().item(),
+        "response_length/max": response.max().item(),
+        "response_length/min": response.min().item(),
+        "response_length/clip_ratio": sum(r == "length" for r in reasons) / len(reasons),
+        "prompt_length/mean": prompt.mean().item(),
+        "prompt_length/max": prompt.max().item(),
+    }
+
+
 def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
     """Raise `NonFiniteError` naming the first of `keys` (those in `batch`) that holds NaN
     or an infinity, and its samples: a clearer cause than the NaN loss it would become."""
@@ -268,13 +289,12 @@ class Trainer:
         _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
         self._update(step, batch, metrics)
 
-        response_lengths = mask.sum(-1)
         metrics["reward/mean"] = scores.mean().item()
         metrics["reward/std"] = scores.std(unbiased=False).item()
-        metrics["response_length/mean"] = response_lengths.mean().item()
+        metrics.update(length_metrics(batch))
         metrics["advantages/mean"] = algos.masked_mean(advantages, mask).item()
         metrics["timing/step_s"] = time.perf_counter() - t_step
-        metrics["throughput/tokens_per_s"] = response_lengths.sum().item() / max(metrics["timing/gen_s"], 1e-9)
+        metrics["throughput/tokens_per_s"] = mask.sum().item() / max(metrics["timing/gen_s"], 1e-9)
         self._write_fingerprint(step, batch, scores, metrics)
         return metrics
 
