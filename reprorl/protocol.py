@@ -28,9 +28,7 @@ batch itself). What they share with their input:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +36,7 @@ import numpy as np
 import torch
 
 from reprorl.errors import DataError
+from reprorl.io import atomic_write
 
 _FILE_FORMAT = "reprorl.Batch"
 _FILE_VERSION = 1
@@ -358,8 +357,8 @@ class Batch:
 
         Non-tensor values and meta must be plain Python (None, bool, int, float, complex, str,
         bytes, list, tuple, set, dict, tensors), so that `load` never has to unpickle code.
-        Written to a temporary file in the same folder, then renamed over `path`: a crash
-        leaves either the old file or the new one, never half of one.
+        Written with `reprorl.io.atomic_write`: a crash leaves either the old file or the
+        new one, never half of one.
         """
         for key, array in self.non_tensors.items():
             for row, value in enumerate(array):
@@ -374,19 +373,8 @@ class Batch:
             "non_tensors": {k: list(a) for k, a in self.non_tensors.items()},
             "meta": self.meta,
         }
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                   prefix=os.path.basename(path) + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_write(path) as tmp:
+            torch.save(payload, tmp)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Batch:

@@ -436,7 +436,8 @@ def test_crash_during_save_keeps_the_old_file(tmp_path, monkeypatch):
     before = path.read_bytes()
 
     def half_write_then_crash(obj, f):
-        f.write(b"partial")
+        with open(f, "wb") as out:
+            out.write(b"partial")
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(torch, "save", half_write_then_crash)
