@@ -177,7 +177,6 @@ class AlgorithmConfig:
 @dataclass
 class ActorConfig:
     lr: float = _field(5e-5, "learning rate", gt=0)
-    optimizer: Literal["adamw"] = _field("adamw", "optimizer")
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
@@ -204,7 +203,6 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     lr: float = _field(1e-4, "learning rate", gt=0)
-    optimizer: Literal["adamw"] = _field("adamw", "optimizer")
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)

@@ -56,10 +56,6 @@ from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_cu
 
 logger = logging.getLogger(__name__)
 
-# Estimators that compare the n samples of a prompt with each other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-
-
 def _optim_args(section: Any, total_steps: int) -> OptimArgs:
     return OptimArgs(
         lr=section.lr,
