@@ -101,6 +101,17 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
     return rewards
 
 
+def group_rows(group_ids: Sequence[Hashable], batch_size: int) -> list[list[int]]:
+    """Row indices of each group of `group_ids`, groups in first-appearance order (dicts keep
+    insertion order), never set or hash order: the group loops of the estimators below."""
+    if len(group_ids) != batch_size:
+        raise ValueError(f"group_ids has {len(group_ids)} ids for a batch of {batch_size} samples")
+    rows: dict[Hashable, list[int]] = {}
+    for i, gid in enumerate(group_ids):
+        rows.setdefault(gid, []).append(i)
+    return list(rows.values())
+
+
 # ---------------------------------------------------------------- advantage estimators
 
 
@@ -179,7 +190,7 @@ def grpo_outcome_advantages(
     """
     _check_scores(scores, response_mask)
     advantages = torch.empty_like(scores)
-    for rows in _group_rows(group_ids, len(scores)):
+    for rows in group_rows(group_ids, len(scores)):
         idx = torch.tensor(rows, device=scores.device)
         group = scores[idx]
         if len(rows) == 1:
@@ -219,7 +230,7 @@ def rloo_advantages(
     """
     _check_scores(scores, response_mask)
     advantages = torch.empty_like(scores)
-    for rows in _group_rows(group_ids, len(scores)):
+    for rows in group_rows(group_ids, len(scores)):
         idx = torch.tensor(rows, device=scores.device)
         group = scores[idx]
         n = len(rows)
@@ -251,7 +262,7 @@ def reinforce_pp_baseline_advantages(
     """
     _check_scores(scores, response_mask)
     centered = torch.empty_like(scores)
-    for rows in _group_rows(group_ids, len(scores)):
+    for rows in group_rows(group_ids, len(scores)):
         idx = torch.tensor(rows, device=scores.device)
         group = scores[idx]
         centered[idx] = group if len(rows) == 1 else group - group.mean()
@@ -513,16 +524,6 @@ class AdaptiveKLController:
 
 
 # ---------------------------------------------------------------- private checks
-
-
-def _group_rows(group_ids: Sequence[Hashable], batch_size: int) -> list[list[int]]:
-    """Row indices of each group, groups in first-appearance order (dicts keep insertion order)."""
-    if len(group_ids) != batch_size:
-        raise ValueError(f"group_ids has {len(group_ids)} ids for a batch of {batch_size} samples")
-    rows: dict[Hashable, list[int]] = {}
-    for i, gid in enumerate(group_ids):
-        rows.setdefault(gid, []).append(i)
-    return list(rows.values())
 
 
 def _at_least_one(count: Count) -> Count:

@@ -189,9 +189,9 @@ def test_grpo_group_of_equal_scores_gets_zero():
 
 
 def test_group_rows_are_in_first_appearance_order():
-    assert algos._group_rows(["b", "a", "b", "c", "a"], 5) == [[0, 2], [1, 4], [3]]
+    assert algos.group_rows(["b", "a", "b", "c", "a"], 5) == [[0, 2], [1, 4], [3]]
     with pytest.raises(ValueError, match="3 ids for a batch of 2"):
-        algos._group_rows(["a", "b", "c"], 2)
+        algos.group_rows(["a", "b", "c"], 2)
 
 
 def test_rloo_advantages():

@@ -78,14 +78,14 @@ class SingleTurnAgentLoop:
             prompt_ids=list(sample.prompt_ids),
             response_ids=tokens,
             response_mask=[1] * len(tokens),
-            response_log_probs=_log_probs(out, len(tokens)),
+            response_log_probs=output_log_probs(out, len(tokens)),
             num_turns=1,
             finish_reason=out.finish_reason,
         )
 
 
-def _log_probs(out: Any, n: int) -> list[float]:
-    """The output's log-probs as floats (zeros when the params asked for none)."""
+def output_log_probs(out: Any, n: int) -> list[float]:
+    """A generate output's `n` log-probs as floats (zeros when the params asked for none)."""
     if out.log_probs is None:
         return [0.0] * n
     values = [float(x) for x in out.log_probs]

@@ -212,3 +212,14 @@ def test_reward_loop_with_the_reward_model(scorer, char_tokenizer):
     assert torch.equal(model[0], model[2])  # same (prompt, response), different rows
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0]) + 0.5 * model)
     assert metrics["reward/model_mean"] == pytest.approx(model.double().mean().item(), abs=1e-7)
+
+
+def test_the_two_scorer_backends_do_not_import_each_other():
+    """vllm_reward imported reward_model (for ChatScorer) while reward_model imports vllm_reward:
+    the base class lives in reward/chat.py now."""
+    import subprocess
+    import sys
+
+    code = ("import sys, reprorl.reward.vllm_reward; "
+            "assert 'reprorl.reward.reward_model' not in sys.modules, 'vllm_reward imports reward_model'")
+    subprocess.run([sys.executable, "-c", code], check=True)
