@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,11 @@ from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
 
 logger = logging.getLogger(__name__)
+
+TEST_KILL_AT_STEP_ENV = "REPRORL_TEST_KILL_AT_STEP"
+"""A test hook, not a setting: with it set to N, `fit` SIGKILLs its own process at the end of
+step N, right after the step's metrics and checkpoint are written, so a crash-and-resume
+test kills the run at a known point (tests/trainer/test_fit.py) instead of racing it."""
 
 def _optim_args(section: Any, total_steps: int) -> OptimArgs:
     return OptimArgs(
@@ -97,6 +103,16 @@ def length_metrics(batch: Batch) -> dict[str, float]:
         "prompt_length/mean": prompt.mean().item(),
         "prompt_length/max": prompt.max().item(),
     }
+
+
+def _test_kill_step() -> int | None:
+    """The step `TEST_KILL_AT_STEP_ENV` names, or None when it is unset."""
+    value = os.environ.get(TEST_KILL_AT_STEP_ENV)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{TEST_KILL_AT_STEP_ENV}={value!r}: expected a step number (a test hook; unset it)")
+    return int(value)
 
 
 def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
@@ -537,6 +553,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg = self.cfg.trainer
+        kill_at = _test_kill_step()
         start = self.resume()
         self.tracker = Tracker(
             self.run_dir, cfg.loggers, project_name=cfg.project_name,
@@ -566,6 +583,8 @@ class Trainer:
             )
             if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last):
                 self.save(step)
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # TEST_KILL_AT_STEP_ENV: no close(), no flush
         return self.run_dir
 
     @contextlib.contextmanager

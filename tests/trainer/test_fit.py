@@ -1,12 +1,12 @@
 """The fit loop end to end on tiny models: every estimator trains, runs are bitwise
 reproducible, and ReMax's sampled and greedy rows share one rollout call."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from reprorl.trainer.checks import check_paths
-from reprorl.trainer.fit import Trainer
+from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV, Trainer
 from small_run import run_trainer, small_run_overrides
 
 pytestmark = pytest.mark.slow
@@ -173,27 +173,27 @@ def test_missing_model_path_names_the_key(assets, tmp_path):
         check_paths(cfg)
 
 
-def _train_process(args):
-    # Its own session: SIGKILL to the group takes the driver and what it started down at once.
+def _train_process(args, **env):
+    # Its own session: a SIGKILL to the group takes down whatever the driver started.
     return subprocess.Popen([sys.executable, "-m", "reprorl.cli", "train", *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
-    """Kill -9 after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped."""
+    """SIGKILL right after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped.
+
+    The run kills itself at that point (TEST_KILL_AT_STEP_ENV), so the test cannot race it."""
     common = ("trainer.total_steps=4", "trainer.save_freq=1")
     whole = _train_process(small_run_overrides(assets, tmp_path / "whole", *common))
     assert whole.wait(timeout=600) == 0, whole.stderr.read()
 
-    killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common))
-    step_2 = tmp_path / "killed" / "checkpoints" / "step_2"
-    deadline = time.monotonic() + 600
-    while not step_2.exists() and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert step_2.exists(), "the run ended or timed out before its step-2 checkpoint"
-    os.killpg(killed.pid, signal.SIGKILL)  # not a clean exit: no close(), no flush beyond what was fsynced
-    killed.wait(timeout=60)
-    assert killed.returncode == -signal.SIGKILL
+    killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common), **{TEST_KILL_AT_STEP_ENV: "2"})
+    returncode = killed.wait(timeout=600)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(killed.pid, signal.SIGKILL)  # what the driver started and left behind, if anything
+    assert returncode == -signal.SIGKILL, killed.stderr.read()
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["latest", "step_1", "step_2"]
+    assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2]
 
     resumed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
