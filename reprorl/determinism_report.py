@@ -76,15 +76,23 @@ def process_info() -> dict[str, Any]:
     }
 
 
-def model_part_info(*, backend: str, batch_invariant: bool, dtype: Any, num_threads: int | None = None) -> dict[str, Any]:
-    """A model-running part's info in this process: `process_info()` plus the model's mode."""
+def model_part_info(*, backend: str, batch_invariant: bool, dtype: Any, num_threads: int | None = None,
+                    kernels: str | None = None, device: Any = None) -> dict[str, Any]:
+    """A model-running part's info in this process: `process_info()` plus the model's mode:
+    its backend, kernels (`reprorl.kernels` backend name; None for vLLM) and device."""
     info = process_info()
     info.update(
         backend=backend,
         batch_invariant=bool(batch_invariant),
         num_threads=info["num_threads"] if num_threads is None else int(num_threads),
         dtype=str(dtype).removeprefix("torch."),
+        kernels=kernels,
+        device=None if device is None else str(device),
     )
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
 
 
@@ -179,8 +187,9 @@ def format_report(report: Mapping[str, Any]) -> str:
     width = max((len(n) for n in parts), default=0)
     for name, info in parts.items():
         if "backend" in info:
-            mode = (f"{info['backend']}, batch-invariant {_on(info['batch_invariant'])}, deterministic algorithms "
-                    f"{_on(info['deterministic_algorithms'])}, {info['num_threads']} thread(s), {info['dtype']}")
+            kernels = f" ({info['kernels']} kernels on {info.get('device') or 'cpu'})" if info.get("kernels") else ""
+            mode = (f"{info['backend']}{kernels}, batch-invariant {_on(info['batch_invariant'])}, deterministic "
+                    f"algorithms {_on(info['deterministic_algorithms'])}, {info['num_threads']} thread(s), {info['dtype']}")
         else:
             mode = "no model (environment only)"
         lines.append(f"  {name:<{width}}  {mode}")

@@ -190,7 +190,7 @@ class RewardReplica:
         if hasattr(self.scorer, "determinism_info"):  # vLLM's, measured in its worker
             return self.scorer.determinism_info()
         return model_part_info(backend="reprorl", batch_invariant=self.scorer.batch_invariant,
-                               dtype=self.scorer.dtype)
+                               dtype=self.scorer.dtype, kernels=self.scorer.model.kernels.name, device="cpu")
 
 
 class RewardModelPool:

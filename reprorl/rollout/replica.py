@@ -20,8 +20,9 @@ determinism report (`reprorl.determinism_report`), with at least these keys:
     dtype                     str: the weights' dtype, e.g. "float32"
     deterministic_algorithms  bool: `torch.are_deterministic_algorithms_enabled()`
     env                       dict[str, str]: the determinism variables the process sees
+    kernels, device           str | None: the `reprorl.kernels` backend and where it runs
 `determinism_report.model_part_info(backend=..., batch_invariant=..., dtype=...,
-num_threads=...)` builds such a dict (adding pid, host and torch's flags); a backend may
+num_threads=..., kernels=..., device=...)` builds such a dict (adding pid, host and torch's flags); a backend may
 add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id.
 """
 
@@ -142,7 +143,8 @@ class RolloutReplica:
     async def determinism_info(self) -> dict[str, Any]:
         """This replica's determinism mode (keys: see the module doc)."""
         return model_part_info(backend="reprorl", batch_invariant=self.engine.batch_invariant,
-                               dtype=self.engine.dtype, num_threads=self.engine.num_threads)
+                               dtype=self.engine.dtype, num_threads=self.engine.num_threads,
+                               kernels=self.engine.kernels.name, device=self.engine.device)
 
     async def weight_version(self) -> int:
         return self.engine.weight_version

@@ -189,5 +189,6 @@ class CriticWorker:
 
     def determinism_info(self) -> dict[str, Any]:
         """This worker's determinism mode, for the run's determinism report."""
-        return model_part_info(backend="torch", batch_invariant=self.batch_invariant,
-                               dtype=next(self.model.parameters()).dtype)
+        first = next(self.model.parameters())
+        return model_part_info(backend="torch", batch_invariant=self.batch_invariant, dtype=first.dtype,
+                               kernels=self.model.kernels.name, device=first.device)
