@@ -5,13 +5,13 @@
 // call's shape and the machine; an Intel Xeon gave a row different bits at place 0 and 1
 // of one fixed-shape single-threaded call. Here the arithmetic is written out:
 //   mm_nt: out[i, j] = sum_k a[i, k] * b[j, k]    (a linear layer; attention's scores)
-//          16 lane sums, lane l over k = l, l+16, ... in order (fused multiply-adds), then
-//          the lanes added in one fixed tree.
+//          LANES lane sums, lane l over k = l, l+LANES, ... in order (fused multiply-adds),
+//          then the lanes added in one fixed tree (LANES: 16 with AVX-512, 8 with AVX2).
 //   mm_nn: out[i, j] = sum_k a[i, k] * b[k, j]    (attention's p v)
 //          one running sum per entry over k in order (fused multiply-adds).
-// `std::fma` is exact-then-round-once, so the compiler's vectorisation of the lane loops
-// (built with -O3 -march=native, no fast-math) cannot change a bit: every lane computes
-// exactly what the scalar source says. Work is split over threads by blocks of rows and
+// A fused multiply-add (the FMA instructions, or std::fma) is exact-then-round-once, and the
+// module is built without fast-math or contraction, so every lane computes exactly what
+// the scalar source says, whichever instructions carry it. Work is split over threads by blocks of rows and
 // columns, and each entry is computed by one thread from start to end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,14 +24,20 @@
 
 namespace {
 
+// LANES partial sums per a @ b^T entry (one vector register) and the register blocks: as
+// many accumulators as the vector registers hold (32 zmm with AVX-512, 16 ymm with AVX2).
+// The lane count is part of the arithmetic, so it is fixed per instruction set (two CPUs
+// may give different bits; one CPU always gives the same); the block shape only changes
+// speed: an entry's arithmetic is the same in a full block and in an edge block.
+#if defined(__AVX512F__)
 constexpr int64_t LANES = 16;
-// Register blocks of the a @ b^T kernel: as many accumulators as the vector registers hold
-// (32 zmm with AVX-512, 16 ymm otherwise). The block shape changes speed, never a bit: an
-// entry's arithmetic is the same in a full block and in an edge block.
-#ifdef __AVX512F__
 constexpr int64_t NT_ROWS = 4, NT_COLS = 4;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t LANES = 8;
+constexpr int64_t NT_ROWS = 4, NT_COLS = 3;
 #else
-constexpr int64_t NT_ROWS = 2, NT_COLS = 2;  // measured here (AVX2): 2x2 beat 3x2, 2x3, 4x1, 1x4
+constexpr int64_t LANES = 16;
+constexpr int64_t NT_ROWS = 2, NT_COLS = 2;
 #endif
 constexpr int64_t ROWS = 4;      // rows of a register block (mm_nn)
 constexpr int64_t NN_COLS = 64;  // columns of a register block (mm_nn)
@@ -39,47 +45,48 @@ constexpr int64_t NN_COLS = 64;  // columns of a register block (mm_nn)
 template <typename T>
 inline float f(T x) { return static_cast<float>(x); }
 
-// 16 float lanes and a lane-wise fused multiply-add: one _mm512_fmadd_ps, two
-// _mm256_fmadd_ps, or 16 std::fma; each lane exact-then-rounded-once all the same, so the
-// instruction set changes speed, never a bit.
-struct V16 {
+// LANES float lanes and a lane-wise fused multiply-add (_mm512_fmadd_ps, _mm256_fmadd_ps or
+// std::fma): each lane exact-then-rounded-once, as the scalar source says.
+struct Vec {
 #if defined(__AVX512F__)
   __m512 v;
-  static V16 zero() { return {_mm512_setzero_ps()}; }
-  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static V16 load(const at::BFloat16* p) {
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const at::BFloat16* p) {
     __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16))};
   }
-  static V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 lo, hi;
-  static V16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static V16 load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-  static __m256 widen(const at::BFloat16* p) {
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const at::BFloat16* p) {
     __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(x, 16))};
   }
-  static V16 load(const at::BFloat16* p) { return {widen(p), widen(p + 8)}; }
-  static V16 fma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  void store(float* p) const { _mm256_storeu_ps(p, lo); _mm256_storeu_ps(p + 8, hi); }
+  static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
 #else
-  float v[16];
-  static V16 zero() { V16 r; for (int l = 0; l < 16; ++l) r.v[l] = 0.f; return r; }
+  float v[LANES];
+  static Vec zero() { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = 0.f; return r; }
   template <typename T>
-  static V16 load(const T* p) { V16 r; for (int l = 0; l < 16; ++l) r.v[l] = f(p[l]); return r; }
-  static V16 fma(V16 a, V16 b, V16 c) { V16 r; for (int l = 0; l < 16; ++l) r.v[l] = std::fma(a.v[l], b.v[l], c.v[l]); return r; }
-  void store(float* p) const { for (int l = 0; l < 16; ++l) p[l] = v[l]; }
+  static Vec load(const T* p) { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = f(p[l]); return r; }
+  static Vec fma(Vec a, Vec b, Vec c) {
+    Vec r;
+    for (int l = 0; l < LANES; ++l) r.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+    return r;
+  }
+  void store(float* p) const { for (int l = 0; l < LANES; ++l) p[l] = v[l]; }
 #endif
 };
 
-inline float lane_total(const float* acc) {
-  // A fixed pairwise tree over the 16 lanes.
-  float s8[8], s4[4];
-  for (int l = 0; l < 8; ++l) s8[l] = acc[l] + acc[l + 8];
-  for (int l = 0; l < 4; ++l) s4[l] = s8[l] + s8[l + 4];
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+inline float lane_total(float* acc) {
+  // A fixed pairwise tree over the lanes.
+  for (int64_t width = LANES / 2; width >= 1; width /= 2)
+    for (int64_t l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
+  return acc[0];
 }
 
 // Entries (i0..i0+NR) x (j0..j0+NC) of a [M, K] @ b [N, K]^T. NR, NC known at compile time
@@ -89,16 +96,16 @@ template <typename T, int64_t NR, int64_t NC, bool DYN>
 void nt_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
               int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
   const int64_t R = DYN ? nr : NR, C = DYN ? nc : NC;
-  V16 acc[NR][NC];
+  Vec acc[NR][NC];
   for (int64_t r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < NC; ++c) acc[r][c] = V16::zero();
+    for (int64_t c = 0; c < NC; ++c) acc[r][c] = Vec::zero();
   const int64_t kv = K - K % LANES;
   for (int64_t k = 0; k < kv; k += LANES) {
-    V16 bv[NC];
-    for (int64_t c = 0; c < C; ++c) bv[c] = V16::load(b + (j0 + c) * ldb + k);
+    Vec bv[NC];
+    for (int64_t c = 0; c < C; ++c) bv[c] = Vec::load(b + (j0 + c) * ldb + k);
     for (int64_t r = 0; r < R; ++r) {
-      const V16 av = V16::load(a + (i0 + r) * lda + k);
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = V16::fma(av, bv[c], acc[r][c]);
+      const Vec av = Vec::load(a + (i0 + r) * lda + k);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = Vec::fma(av, bv[c], acc[r][c]);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
