@@ -7,8 +7,9 @@ One training step, in the order of DESIGN.md:
     values (gae) -> KL (in reward or as a loss) -> advantages -> critic update -> actor
     update -> push weights to the replicas (versioned) -> metrics, validation, checkpoint
 
-Actor, reference and critic run in this process; rollout and reward-model replicas are
-Ray actors. Every reduction over the batch runs in sample order, and every random draw
+Actor, reference and critic are worker groups of `trainer.num_workers` Ray processes each
+(reprorl/workers: the same bits for every allowed count); rollout and reward-model
+replicas are Ray actors too. Every reduction over the batch runs in sample order, and every random draw
 comes from a seed named by its origin, so a run is a pure function of its config.
 """
 
@@ -29,7 +30,7 @@ from reprorl import algos
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.determinism import determinism_env, enable_full_determinism
-from reprorl.determinism_report import build_report, format_report, model_part_info, write_report
+from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.arch import ModelArgs
@@ -46,9 +47,9 @@ from reprorl.trainer.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
-from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker
+from reprorl.trainer.policy import PolicyLossArgs
+from reprorl.workers.group import WorkerError, WorkerGroup
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
 
 logger = logging.getLogger(__name__)
@@ -222,12 +223,17 @@ class Trainer:
             )
         self.sampler = PromptSampler(len(self.train_set), data.train_batch_size, cfg.seed, shuffle=data.shuffle)
 
+        import ray
+
+        from reprorl.rollout.replica import init_ray
+
+        self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
+        init_ray()
         estimator = cfg.algorithm.adv_estimator
         actor, total = cfg.actor, cfg.trainer.total_steps
-        self.actor = PolicyWorker(
-            cfg.model.path, optim=_optim_args(actor, total), dtype=cfg.model.dtype,
-            batch_invariant=cfg.full_determinism, name="actor",
-        )
+        groups = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
+                  "dtype": cfg.model.dtype}
+        self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(actor, total), **groups)
         self.loss_args = PolicyLossArgs(
             clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
@@ -236,16 +242,9 @@ class Trainer:
             max_response_length=data.max_response_length,
         )
         self.needs_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = (
-            PolicyWorker(cfg.model.ref_path, dtype=cfg.model.dtype, batch_invariant=cfg.full_determinism, name="ref")
-            if self.needs_ref
-            else None
-        )
+        self.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **groups) if self.needs_ref else None
         self.critic = (
-            CriticWorker(
-                cfg.model.critic_path, optim=_optim_args(cfg.critic, total), dtype=cfg.model.dtype,
-                batch_invariant=cfg.full_determinism, seed=cfg.seed,
-            )
+            WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total), **groups)
             if estimator == "gae"
             else None
         )
@@ -256,9 +255,6 @@ class Trainer:
             else algos.FixedKLController(kl.kl_coef)
         )
 
-        import ray
-
-        self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
         self.reward_model = None
         if cfg.reward.model_path is not None:
             from reprorl.reward.reward_model import RewardModelPool
@@ -406,14 +402,16 @@ class Trainer:
         if self.critic is not None:
             metrics.update(self.critic.update(
                 batch, ppo_epochs=cfg.critic.ppo_epochs, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
-                micro_batch_size=cfg.critic.ppo_micro_batch_size, cliprange_value=cfg.critic.cliprange_value,
-                loss_agg_mode=cfg.critic.loss_agg_mode, max_response_length=cfg.data.max_response_length,
+                micro_batch_size=cfg.critic.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+                cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode,
             ))
         metrics.update(self.actor.update(
-            batch, self.loss_args, temperature=cfg.rollout.temperature, ppo_epochs=actor.ppo_epochs,
-            mini_batch_size=actor.ppo_mini_batch_size * n, micro_batch_size=actor.ppo_micro_batch_size,
+            batch, ppo_epochs=actor.ppo_epochs, mini_batch_size=actor.ppo_mini_batch_size * n,
+            micro_batch_size=actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+            loss=self.loss_args, temperature=cfg.rollout.temperature,
         ))
-        self.pool.update_weights(self.actor.named_weights(), version=step)
+        weights = self.actor.named_weights()
+        self.pool.update_weights(weights, version=step)
         metrics["timing/update_s"] = time.perf_counter() - t0
 
         response_lengths = mask.sum(-1)
@@ -436,7 +434,7 @@ class Trainer:
                     [metrics[k] for k in sorted(metrics) if k.endswith("grad_norm")], dtype=torch.float64
                 ),
             },
-            params=self.actor.named_weights(),
+            params=weights,
         )
         return metrics
 
@@ -494,17 +492,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _trained_groups(self) -> dict[str, WorkerGroup]:
+        return {name: group for name, group in (("actor", self.actor), ("critic", self.critic)) if group is not None}
+
     def save(self, step: int) -> Path:
+        """A checkpoint of the step: the driver's state, and each trained group's shards
+        (`<name>.shards/`, one file a worker) written into the same atomic directory."""
         state: dict[str, Any] = {
             "trainer": {"step": step},
-            "actor": self.actor.state_dict(),
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "rng": capture_rng_state(),
         }
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-        path = save_checkpoint(self.run_dir, step, state, max_to_keep=self.cfg.trainer.max_ckpt_to_keep)
+        groups = self._trained_groups()
+        state.update({name: group.state_dict() for name, group in groups.items()})
+        path = save_checkpoint(self.run_dir, step, state, max_to_keep=self.cfg.trainer.max_ckpt_to_keep,
+                               write_dirs={f"{name}.shards": group.save for name, group in groups.items()})
         logger.info("saved checkpoint %s", path)
         return path
 
@@ -530,7 +533,10 @@ class Trainer:
             return 0
         source = self.run_dir if mode == "auto" else Path(mode)
         try:
-            step, state = load_checkpoint(source, "auto")
+            ckpt = find_checkpoint(source)
+            if ckpt is None:
+                raise FileNotFoundError(source)
+            step, state = load_checkpoint(ckpt)
         except FileNotFoundError:
             if mode != "auto":
                 raise ConfigError(f"trainer.resume: no checkpoint found at {mode!r}") from None
@@ -539,9 +545,8 @@ class Trainer:
                 truncate_metrics(self.run_dir / METRICS_FILE, 0)
                 truncate_fingerprints(self.run_dir, 0)
             return 0
-        self.actor.load_state_dict(state["actor"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
+        for name, group in self._trained_groups().items():
+            group.load(ckpt / f"{name}.shards", state[name])  # shards of any number of workers
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         restore_rng_state(state["rng"])
@@ -557,10 +562,9 @@ class Trainer:
     def report_determinism(self, step: int) -> dict[str, Any]:
         """Ask every part for its determinism mode; write, log and return the report."""
         parts: dict[str, dict[str, Any]] = {}
-        for name, worker in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
-            if worker is not None:
-                parts[name] = model_part_info(backend="torch", batch_invariant=worker.batch_invariant,
-                                              dtype=next(worker.model.parameters()).dtype)
+        for group in (self.actor, self.ref, self.critic):
+            if group is not None:
+                parts.update(group.determinism_info())
         parts.update({f"rollout replica {i}": info for i, info in self.pool.determinism_info().items()})
         if self.reward_model is not None:
             parts.update({f"reward replica {i}": info for i, info in self.reward_model.determinism_info().items()})
@@ -603,6 +607,8 @@ class Trainer:
                 metrics = self.train_step(step, next(self.sampler))
             except NonFiniteError as err:
                 raise NonFiniteError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
+            except WorkerError as err:
+                raise WorkerError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
             last = step == cfg.total_steps
             if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
                 metrics.update(self.validate(step))
@@ -628,6 +634,9 @@ class Trainer:
             plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
         self.agent.shutdown()
         self.pool.shutdown()
+        for group in (self.actor, self.ref, self.critic):
+            if group is not None:
+                group.shutdown()
         if self.reward_model is not None:
             self.reward_model.shutdown()
         if self._owns_ray and ray.is_initialized():

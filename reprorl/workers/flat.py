@@ -8,7 +8,7 @@ parameters and the AdamW moments of those elements. Every rank also holds the wh
 parameter vector for its forward passes, rebuilt after each optimizer step by an
 all-gather (exact: it only moves bytes, each shard to its place by rank index).
 
-What keeps the bits independent of N (the rule of `check_world_size`):
+What keeps the bits independent of N (the rule `config.py` checks for `trainer.num_workers`):
 - Micro-batches are cut from the mini-batch by sample order, whatever N is; rank r takes
   the contiguous block `[r * M / N, (r + 1) * M / N)` of the M micro-batches, and each
   micro-batch's gradient is computed alone, so it has the same bits on any rank.
@@ -45,25 +45,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reprorl.errors import ConfigError
 
 CHUNK = 4096
 """Elements per chunk: the unit of sharding and of the gradient norm's partial sums. Part
 of the bits of a run (it fixes the norm's summation order); small enough that tiny test
 models still spread over 4 ranks."""
-
-
-def check_world_size(num_workers: int, micro_batches: int, key: str, what: str) -> None:
-    """Raise a one-line `ConfigError` naming `key` unless `num_workers` is a power of two
-    that divides `micro_batches` (the micro-batches of one mini-batch, `what` says how
-    they are counted): the rank blocks are then subtrees of the gradient tree."""
-    if num_workers & (num_workers - 1) == 0 and micro_batches % num_workers == 0:
-        return
-    allowed = [n for n in (1 << i for i in range(micro_batches.bit_length())) if micro_batches % n == 0]
-    raise ConfigError(
-        f"{key}={num_workers}: expected a power of two that divides the {micro_batches} micro-batches of a "
-        f"mini-batch ({what}), so that any allowed count gives the same bits: one of {allowed}"
-    )
 
 
 # ------------------------------------------------------------------------------ layout

@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from reprorl.errors import ConfigError
 from reprorl.trainer.optim import OptimArgs, make_adamw
-from reprorl.workers.flat import CHUNK, FlatLayout, bind_params, check_world_size, rank_block, tree_sum
+from reprorl.workers.flat import CHUNK, FlatLayout, bind_params, rank_block, tree_sum
 
 
 def test_tree_sum_groups_as_halves_by_index():
@@ -23,7 +22,7 @@ def test_tree_sum_groups_as_halves_by_index():
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
 def test_rank_blocks_are_subtrees_of_the_micro_batch_tree(world_size):
     """Each rank sums its block, then the block sums go through the tree over ranks: the
-    same bits as one worker's tree over all 8 micro-batches (the rule of check_world_size)."""
+    same bits as one worker's tree over all 8 micro-batches (the rule for trainer.num_workers)."""
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(1000, generator=g) * 10.0 ** float(torch.randint(-3, 4, (1,), generator=g))
              for _ in range(8)]
@@ -38,21 +37,6 @@ def test_a_world_size_that_is_not_a_power_of_two_would_regroup_the_sum():
     grads = [torch.randn(4096, generator=g) for _ in range(6)]
     blocks = [tree_sum(grads[i:i + 2]) for i in (0, 2, 4)]
     assert not torch.equal(tree_sum(blocks), tree_sum(grads))
-
-
-def test_check_world_size_names_the_key_and_the_allowed_counts():
-    for ok in (1, 2, 4, 8):
-        check_world_size(ok, 8, "trainer.num_workers", "")
-    with pytest.raises(ConfigError) as info:
-        check_world_size(3, 8, "trainer.num_workers", "actor.ppo_mini_batch_size * rollout.n / "
-                         "actor.ppo_micro_batch_size = 16 * 4 / 8")
-    message = str(info.value)
-    assert "\n" not in message
-    assert message == ("trainer.num_workers=3: expected a power of two that divides the 8 micro-batches of a "
-                       "mini-batch (actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 16 * 4 "
-                       "/ 8), so that any allowed count gives the same bits: one of [1, 2, 4, 8]")
-    with pytest.raises(ConfigError, match=r"one of \[1, 2\]$"):
-        check_world_size(4, 6, "trainer.num_workers", "")
 
 
 def test_layout_shards_cover_the_padded_vector_in_whole_chunks():
