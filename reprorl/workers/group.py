@@ -34,6 +34,7 @@ import torch
 from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import ReproRLError
 from reprorl.protocol import Batch
+from reprorl.trainer.checkpoint import CheckpointError
 from reprorl.trainer.optim import OptimArgs
 from reprorl.workers.worker import ShardWorker
 
@@ -54,8 +55,9 @@ class WorkerGroup:
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
                  device: str = "cpu") -> None:
-        if num_workers < 1:
-            raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected >= 1")
+        if num_workers < 1 or num_workers & (num_workers - 1):
+            # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
+            raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
         self.role, self.num_workers, self.trainable = role, num_workers, optim is not None
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
         remote = ray.remote(ShardWorker).options(
@@ -71,8 +73,8 @@ class WorkerGroup:
         self._call("ready", what="start-up")
         address = self._call_one(0, "address")
         self._call("join", address, what="joining the process group")
-        self.info = self._call("determinism_info", what="determinism_info")
-        self.pids = {rank: info["pid"] for rank, info in enumerate(self.info)}
+        self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
+        self.layout = self._call_one(0, "layout_json")
 
     # ---------------------------------------------------------------- calls
 
@@ -173,11 +175,18 @@ class WorkerGroup:
         self._call("save_shard", str(directory), what="saving a checkpoint")
 
     def state_dict(self) -> dict[str, Any]:
-        """What the driver keeps of the group in a checkpoint: how many shards it wrote."""
-        return {"num_shards": self.num_workers}
+        """What the driver keeps of the group in a checkpoint: how many shards it wrote, of which layout."""
+        layout = {k: self.layout[k] for k in ("names", "shapes", "numel", "chunk")}  # not world_size: any count reads it
+        return {"num_shards": self.num_workers, "layout": layout}
 
     def load(self, directory: Path, state: dict[str, Any]) -> None:
-        """Every rank takes its range from the shard files in `directory` (written by any number of workers)."""
+        """Every rank takes its range from the shard files in `directory` (written by any
+        number of workers). A checkpoint of other parameters (names, shapes) is refused."""
+        saved, ours = state["layout"], self.state_dict()["layout"]
+        if saved != ours:
+            diff = [k for k in ours if saved.get(k) != ours[k]]
+            raise CheckpointError(f"{directory}: the {self.role} shards hold other parameters than this model "
+                                  f"(they differ in {', '.join(diff)}): a checkpoint of another model or layout")
         self._call("load_shards", str(directory), int(state["num_shards"]), what="loading a checkpoint")
 
     def determinism_info(self) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,7 @@ own range, so a run saved with N workers resumes with M.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -210,6 +211,9 @@ class ShardWorker:
 
     # ---------------------------------------------------------------- weights and state
 
+    def layout_json(self) -> dict[str, Any]:
+        return self.layout.to_json()
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, CPU tensor) of every weight: the whole model, the same on every rank."""
         return [(name, p.detach().cpu().clone()) for name, p in self.model_worker.model.named_parameters()]
@@ -228,12 +232,17 @@ class ShardWorker:
         write_synced(Path(directory) / f"shard_{self.rank}.pt", lambda f: torch.save(shard, f))
 
     def load_shards(self, directory: str, num_shards: int) -> None:
-        """Take this rank's range from the `num_shards` shard files in `directory` (any count)."""
+        """Take this rank's range from the `num_shards` shard files in `directory` (any
+        count), reading only the files that overlap it (and file 0: the schedule, the step)."""
         start, end = self.layout.shard_range(self.rank)
+        saved_layout = dataclasses.replace(self.layout, world_size=num_shards)
         param = torch.zeros_like(self.shard.detach())
         moments = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
         step, schedule = None, None
         for i in range(num_shards):
+            saved_start, saved_end = saved_layout.shard_range(i)
+            if i > 0 and (saved_end <= start or saved_start >= end):
+                continue
             saved = torch.load(Path(directory) / f"shard_{i}.pt", map_location="cpu", weights_only=True)
             schedule = saved["schedule"]
             lo, hi = max(start, saved["start"]), min(end, saved["end"])

@@ -307,13 +307,17 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
 
 @pytest.mark.slow
 def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(assets, tmp_path, ray_local, monkeypatch):
-    trainer = Trainer(config(assets, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1"))
+    # One-token responses: 4 tokens a mini-batch, 2 a micro-batch.
+    trainer = Trainer(config(assets, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1",
+                             "data.max_response_length=1"))
     real_update = trainer.critic.update
 
     def returns_whose_gradient_overflows(batch, **kwargs):
-        # Returns of 1e19: the value loss (~1e38) is finite in float32, the squares of the
-        # value head's gradient (~1e38 each, 129 of them) add up past float32's 3.4e38.
-        batch["returns"] = torch.full_like(batch["returns"], 1e19)
+        # Returns R = 8e18 (the workers are other processes: it travels in the batch). A
+        # micro-batch's loss sums 2 errors of R^2 = 6.4e37: finite in float32 (3.4e38). The
+        # value head's gradient is -R times the mean of 4 normed hidden states (each of
+        # squared norm 128), so its chunk's sum of squares is about R^2 * 32 = 2e39: inf.
+        batch["returns"] = torch.full_like(batch["returns"], 8e18)
         return real_update(batch, **kwargs)
 
     monkeypatch.setattr(trainer.critic, "update", returns_whose_gradient_overflows)

@@ -119,7 +119,7 @@ def test_a_checkpoint_saved_by_two_workers_resumes_on_one_and_on_four(tiny_polic
     for num_workers in (1, 4):
         group = WorkerGroup("actor", num_workers, tiny_policy_dir, optim=OPTIM, seed=1, full_determinism=True)
         try:
-            group.load(shards, {"num_shards": 2})
+            group.load(shards, {**group.state_dict(), "num_shards": 2})  # the saver's: 2 shards, this layout
             assert group.update(b, **STEP, loss=LOSS, temperature=1.0) == expected_metrics
             weights = dict(group.named_weights())
         finally:
