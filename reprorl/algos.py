@@ -24,8 +24,10 @@ from typing import Any
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# k1/k2/k3 as in Schulman's note; "kl", "mse" and "low_var_kl" are verl's names for them.
-KL_PENALTY_KINDS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+# k1/k2/k3 as in Schulman's note, and abs; "kl", "mse" and "low_var_kl" are verl's names
+# for k1/k2/k3. A trailing "+" (k1+, k3+, ...) is the straight-through variant, as in verl.
+_KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl")
+KL_PENALTY_KINDS = _KL_ESTIMATORS + tuple(kind + "+" for kind in _KL_ESTIMATORS)
 _KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 Count = int | float | torch.Tensor
@@ -35,9 +37,13 @@ Count = int | float | torch.Tensor
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of `values` where `mask` is 1: over all entries (a scalar), or along `dim`."""
-    product = values * mask
-    return product.sum() if dim is None else product.sum(dim)
+    """Sum of `values` where `mask` is 1: over all entries (a scalar), or along `dim`.
+
+    Masked entries contribute exactly nothing, even NaN or inf (`torch.where`, not
+    `values * mask`, where 0 * nan = nan); the result has the dtype `values * mask` has.
+    """
+    kept = torch.where(mask > 0, values, 0.0).to(torch.promote_types(values.dtype, mask.dtype))
+    return kept.sum() if dim is None else kept.sum(dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -71,11 +77,11 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
     (x - mean) / sqrt(var + eps) with the unbiased variance over all valid entries of the
     batch (so a long response weighs more than a short one, as in verl). Masked entries
-    become 0.
+    become 0, whatever they held.
     """
     mean = masked_mean(values, mask)
     var = masked_var(values, mask, unbiased=True)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    return torch.where(mask > 0, (values - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -93,6 +99,17 @@ def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -
     rewards = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
     rewards[torch.arange(len(scores), device=scores.device), last] = scores
     return rewards
+
+
+def group_rows(group_ids: Sequence[Hashable], batch_size: int) -> list[list[int]]:
+    """Row indices of each group of `group_ids`, groups in first-appearance order (dicts keep
+    insertion order), never set or hash order: the group loops of the estimators below."""
+    if len(group_ids) != batch_size:
+        raise ValueError(f"group_ids has {len(group_ids)} ids for a batch of {batch_size} samples")
+    rows: dict[Hashable, list[int]] = {}
+    for i, gid in enumerate(group_ids):
+        rows.setdefault(gid, []).append(i)
+    return list(rows.values())
 
 
 # ---------------------------------------------------------------- advantage estimators
@@ -173,7 +190,7 @@ def grpo_outcome_advantages(
     """
     _check_scores(scores, response_mask)
     advantages = torch.empty_like(scores)
-    for rows in _group_rows(group_ids, len(scores)):
+    for rows in group_rows(group_ids, len(scores)):
         idx = torch.tensor(rows, device=scores.device)
         group = scores[idx]
         if len(rows) == 1:
@@ -213,7 +230,7 @@ def rloo_advantages(
     """
     _check_scores(scores, response_mask)
     advantages = torch.empty_like(scores)
-    for rows in _group_rows(group_ids, len(scores)):
+    for rows in group_rows(group_ids, len(scores)):
         idx = torch.tensor(rows, device=scores.device)
         group = scores[idx]
         n = len(rows)
@@ -245,7 +262,7 @@ def reinforce_pp_baseline_advantages(
     """
     _check_scores(scores, response_mask)
     centered = torch.empty_like(scores)
-    for rows in _group_rows(group_ids, len(scores)):
+    for rows in group_rows(group_ids, len(scores)):
         idx = torch.tensor(rows, device=scores.device)
         group = scores[idx]
         centered[idx] = group if len(rows) == 1 else group - group.mean()
@@ -326,15 +343,16 @@ def ppo_policy_loss(
     Returns (loss, stats); stats (detached scalars, token means over this batch):
     "clipfrac" (share of tokens where the clipped term was taken), "clipfrac_lower"
     (share where the dual-clip cap was taken), "approx_kl" (mean of old_log_prob -
-    log_prob, the k1 estimate of KL(old || new)).
+    log_prob, the k1 estimate of KL(old || new), with the log-ratio clamped to [-20, 20]
+    as the loss uses it).
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 (the dual-clip cap on the ratio); got {clip_ratio_c}")
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
-    log_ratio = log_prob - old_log_prob
     # exp(20) ~ 4.9e8 is finite in float32 (and bfloat16); an unclamped log-ratio of a
     # token whose probability collapsed could reach exp(~88) = inf and turn the loss NaN.
-    ratio = torch.exp(log_ratio.clamp(min=-20.0, max=20.0))
+    log_ratio = (log_prob - old_log_prob).clamp(min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
@@ -417,21 +435,33 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
     - "k1": -d = log_prob - ref_log_prob (unbiased, can be negative);
     - "k2": 0.5 * d^2 (biased, low variance, >= 0);
     - "k3": exp(d) - d - 1 (unbiased, low variance, >= 0); d is clamped to [-20, 20] so
-      exp cannot overflow and the result to [-10, 10], as verl's "low_var_kl".
-    verl's names "kl", "mse", "low_var_kl" are accepted for k1, k2, k3.
+      exp cannot overflow and the result to [-10, 10], as verl's "low_var_kl";
+    - "abs": |d|.
+    A "+" after any of them ("k1+", "k3+", ...) gives its value with the gradient of k2:
+    the expected gradient of k1 and k3 is not the gradient of the KL, k2's is (verl's
+    straight-through estimators). The value is the plain one, bit for bit.
+    verl's names "kl", "mse", "low_var_kl" are accepted for k1, k2, k3 (with or without "+").
     Used for the KL penalty in the reward and for the KL loss.
     """
     if kind not in KL_PENALTY_KINDS:
         raise ValueError(f"kl penalty kind must be one of {', '.join(KL_PENALTY_KINDS)}; got {kind!r}")
     _check_same_shape(log_prob=log_prob, ref_log_prob=ref_log_prob)
-    kind = _KL_ALIASES.get(kind, kind)
+    base = kind.removesuffix("+")
+    base = _KL_ALIASES.get(base, base)
     log_ratio = log_prob - ref_log_prob
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    d = (-log_ratio).clamp(min=-20.0, max=20.0)
-    return (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+    if base == "k1":
+        value = log_ratio
+    elif base == "k2":
+        value = 0.5 * log_ratio.square()
+    elif base == "abs":
+        value = log_ratio.abs()
+    else:
+        d = (-log_ratio).clamp(min=-20.0, max=20.0)
+        value = (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * log_ratio.square()
+    return k2 - k2.detach() + value.detach()  # (k2 - k2) is exactly 0: the value is `value`'s bits
 
 
 def apply_kl_to_rewards(
@@ -494,16 +524,6 @@ class AdaptiveKLController:
 
 
 # ---------------------------------------------------------------- private checks
-
-
-def _group_rows(group_ids: Sequence[Hashable], batch_size: int) -> list[list[int]]:
-    """Row indices of each group, groups in first-appearance order (dicts keep insertion order)."""
-    if len(group_ids) != batch_size:
-        raise ValueError(f"group_ids has {len(group_ids)} ids for a batch of {batch_size} samples")
-    rows: dict[Hashable, list[int]] = {}
-    for i, gid in enumerate(group_ids):
-        rows.setdefault(gid, []).append(i)
-    return list(rows.values())
 
 
 def _at_least_one(count: Count) -> Count:

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_b", help="the run directory to compare with run_a")
     p.add_argument(
         "--plot", default=None, metavar="PATH.png",
-        help="overlay plot of both runs' reward/mean and val/accuracy (default: ./compare_<name_a>_vs_<name_b>.png)",
+        help="also draw both runs' reward/mean and val/accuracy curves, overlaid, into this PNG (none without it)",
     )
     p.set_defaults(func=_cmd_compare)
     return parser

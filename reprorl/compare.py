@@ -277,13 +277,6 @@ def _describe_index(index: tuple[int, ...]) -> str:
 # ------------------------------------------------------------------------------ plot
 
 
-def default_plot_path(run_a: str | Path, run_b: str | Path) -> Path:
-    """`./compare_<name_a>_vs_<name_b>.png`: in the working directory, never inside a run
-    (a run directory is a record; writing into it would change what is compared)."""
-    name_a, name_b = Path(run_a).resolve().name, Path(run_b).resolve().name
-    return Path.cwd() / f"compare_{name_a}_vs_{name_b}.png"
-
-
 def plot_overlay(run_a: str | Path, run_b: str | Path, out_path: str | Path, *,
                  divergence_step: int | None = None) -> Path:
     """Overlay the two runs' PLOT_KEYS curves from their metrics.jsonl; returns the path.
@@ -332,19 +325,20 @@ def plot_overlay(run_a: str | Path, run_b: str | Path, out_path: str | Path, *,
 
 
 def compare_main(run_a: str, run_b: str, *, plot: str | None = None) -> int:
-    """`reprorl compare`: print the verdict and write the overlay plot; 0 identical, 1 not.
+    """`reprorl compare`: print the verdict; 0 identical, 1 not.
 
-    `plot` is the PNG to write (default `default_plot_path`). A missing metrics.jsonl
-    only skips the plot: the fingerprints are the verdict.
+    With `plot` (a path ending in .png, `--plot`), also draw the overlay of the two runs'
+    curves there and print its path; without, no file is written. A missing
+    metrics.jsonl only skips the plot: the fingerprints are the verdict.
     """
-    out = Path(plot) if plot else default_plot_path(run_a, run_b)
-    if out.suffix.lower() != ".png":  # never overwrite a run's files by a slip of the argument
+    if plot is not None and Path(plot).suffix.lower() != ".png":  # never overwrite a run's files by a slip
         raise ReproRLError(f"--plot {plot}: expected a path ending in .png")
     result = compare_runs(run_a, run_b)
     print(format_result(result))
-    try:
-        step = result.divergence.step if result.divergence is not None else None
-        print(f"plot: {plot_overlay(run_a, run_b, out, divergence_step=step)}")
-    except (ReproRLError, OSError) as err:
-        print(f"no plot: {err}")
+    if plot is not None:
+        try:
+            step = result.divergence.step if result.divergence is not None else None
+            print(f"plot: {plot_overlay(run_a, run_b, plot, divergence_step=step)}")
+        except (ReproRLError, OSError) as err:
+            print(f"no plot: {err}")
     return 0 if result.identical else 1

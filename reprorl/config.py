@@ -50,7 +50,7 @@ def _section(cls: type, help: str) -> Any:
 
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLType = Literal["k1", "k2", "k3"]
+KLType = Literal["k1", "k2", "k3", "abs", "k1+", "k2+", "k3+", "abs+"]
 
 
 @dataclass
@@ -139,6 +139,12 @@ class RewardConfig:
     )
     num_replicas: int = _field(1, "reward-model replicas", ge=1)
     max_num_seqs: int = _field(64, "most sequences a reward-model replica scores at once", ge=1)
+    timeout_s: float | None = _field(
+        60.0, "most seconds one call of the rule function may take; the calls then run in a child process, killed "
+        "at the limit: with full_determinism the run stops naming the sample (a 0 would depend on timing), without "
+        "it the sample scores 0 (metric reward/fn_timeouts); null = no limit, calls run in the trainer's process",
+        gt=0,
+    )
     rule_weight: float = _field(1.0, "weight of the rule reward in the total reward")
     model_weight: float = _field(1.0, "weight of the reward-model score in the total reward")
 
@@ -162,14 +168,15 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _field(
         False, "subtract a KL penalty from the token rewards (exclusive with actor.use_kl_loss)"
     )
-    kl_penalty: KLType = _field("k1", "KL estimator for the in-reward penalty")
+    kl_penalty: KLType = _field(
+        "k1", "KL estimator for the in-reward penalty: k1, k2, k3 (Schulman's), abs; '+' as in actor.kl_loss_type"
+    )
     kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "the in-reward KL coefficient")
 
 
 @dataclass
 class ActorConfig:
     lr: float = _field(5e-5, "learning rate", gt=0)
-    optimizer: Literal["adamw"] = _field("adamw", "optimizer")
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
@@ -185,7 +192,10 @@ class ActorConfig:
     loss_agg_mode: LossAggMode = _field("token-mean", "how token losses are reduced to one loss")
     entropy_coeff: float = _field(0.0, "entropy bonus coefficient", ge=0)
     use_kl_loss: bool = _field(True, "add a KL-to-reference loss (exclusive with algorithm.use_kl_in_reward)")
-    kl_loss_type: KLType = _field("k3", "KL estimator for the KL loss")
+    kl_loss_type: KLType = _field(
+        "k3", "KL estimator for the KL loss: k1, k2, k3 (Schulman's), abs; a '+' (k3+) keeps its value with k2's "
+        "gradient (straight-through, as verl)"
+    )
     kl_loss_coef: float = _field(0.001, "KL loss coefficient", ge=0)
     grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
 
@@ -193,7 +203,6 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     lr: float = _field(1e-4, "learning rate", gt=0)
-    optimizer: Literal["adamw"] = _field("adamw", "optimizer")
     betas: tuple[float, float] = _field((0.9, 0.999), "AdamW betas")
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -45,13 +44,13 @@ import torch
 
 from reprorl.determinism import stable_digest, tensor_digest
 from reprorl.errors import ReproRLError
+from reprorl.io import TMP_PREFIX, atomic_write
 
 FINGERPRINTS_FILE = "fingerprints.jsonl"
 RAW_DIR = "fingerprints"
 _RAW_FORMAT = "reprorl.fingerprint_tensors"
 _RAW_VERSION = 1
 _RAW_FILE = re.compile(r"^step_(\d+)\.pt$")
-_TMP_PREFIX = ".tmp-"
 
 FieldValue = torch.Tensor | np.ndarray | list | tuple | float | int | str | None
 
@@ -218,21 +217,8 @@ def _save_raw(path: Path, step: int, values: dict[str, Any], params: dict[str, t
         "fields": {k: _cpu_copy(v) if isinstance(v, torch.Tensor) else v for k, v in values.items()},
         "params": {k: _cpu_copy(v) for k, v in params.items()},
     }
-    _write_atomic(path, lambda f: torch.save(data, f))
-
-
-def _write_atomic(path: Path, write) -> None:
-    """Write through a temp file in the same directory and `os.replace`: all or nothing."""
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path) as tmp:
+        torch.save(data, tmp)
 
 
 # ------------------------------------------------------------------------------ reading
@@ -334,11 +320,12 @@ def truncate_fingerprints(run_dir: str | os.PathLike, last_step: int) -> None:
     if path.is_file():
         kept = [r for s, r in _read(path, drop_torn_tail=True).items() if s <= last_step]
         data = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
-        _write_atomic(path, lambda f: f.write(data))
+        with atomic_write(path) as tmp:
+            tmp.write_bytes(data)
     raw_dir = run_dir / RAW_DIR
     if raw_dir.is_dir():
         for p in raw_dir.iterdir():
             m = _RAW_FILE.match(p.name)
-            if (m and int(m.group(1)) > last_step) or p.name.startswith(_TMP_PREFIX):
+            if (m and int(m.group(1)) > last_step) or p.name.startswith(TMP_PREFIX):
                 p.unlink()
 

@@ -10,27 +10,23 @@ A `Batch` holds three things:
 
 Row order is part of the determinism contract (DESIGN.md: "results are ordered by sample
 index"): every operation below states the row order it returns, and none reorders rows
-except `index`/`reorder`, which follow the indices they are given.
+except `index`, which follows the indices it is given.
 
 Operations return new `Batch` objects (only `pop` and `batch[key] = value` change the
 batch itself). What they share with their input:
 
 - `meta` is always shallow-copied: setting a key on a result's meta never changes the
   input's meta (a mutable value inside meta, e.g. a dict of timings, is still shared).
-- views, no data copied: `slice`, `chunk`, `split`, `unpad`, `select`, `pop`, `union`,
-  and `pad_to_divisor` when no padding is needed. Writing into a tensor of the result
+- views, no data copied: `slice`, `split`, `pop`. Writing into a tensor of the result
   writes into the input.
-- copies: `index`, `reorder`, `repeat`, `concat`, `pad_to_divisor` (when it pads), `to`
-  (to another device), `save`/`load`.
+- copies: `index`, `repeat`, `concat`, `to` (to another device), `save`/`load`.
 - the Python objects inside non-tensor columns (dicts, lists) are never copied, not even
   by `repeat`: treat them as read-only, or replace them rather than mutate them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +34,7 @@ import numpy as np
 import torch
 
 from reprorl.errors import DataError
+from reprorl.io import atomic_write
 
 _FILE_FORMAT = "reprorl.Batch"
 _FILE_VERSION = 1
@@ -72,13 +69,6 @@ class Batch:
         if both:
             raise ValueError(f"keys {both} are both tensor and non-tensor columns; a key names one column")
         self._check_lengths()
-
-    @classmethod
-    def from_dict(cls, columns: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> Batch:
-        """A batch from one dict of columns: tensors become tensor columns, the rest non-tensor."""
-        tensors = {k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}
-        non_tensors = {k: v for k, v in columns.items() if not isinstance(v, torch.Tensor)}
-        return cls(tensors, non_tensors, meta)
 
     def _check_lengths(self) -> None:
         first_key, n = None, None
@@ -191,25 +181,6 @@ class Batch:
         rows_np = rows.numpy()
         return self._map_rows(lambda t: t.index_select(0, rows.to(t.device)), lambda a: a[rows_np])
 
-    def reorder(self, indices: Sequence[int] | torch.Tensor | np.ndarray) -> Batch:
-        """Rows in the order of `indices`, which must be a permutation of `0 .. len-1` (copies)."""
-        n = len(self)
-        perm = _as_index_tensor(indices)
-        if perm.dtype == torch.bool or perm.dim() != 1:
-            raise ValueError(f"reorder needs a 1-D permutation of range({n}), got a "
-                             f"{str(perm.dtype).removeprefix('torch.')} tensor of shape {list(perm.shape)}")
-        values = perm.tolist()
-        if sorted(values) != list(range(n)):
-            seen, duplicated = set(), set()
-            for v in values:
-                (duplicated if v in seen else seen).add(v)
-            missing = sorted(set(range(n)) - seen)
-            outside = sorted(v for v in seen if not 0 <= v < n)
-            raise ValueError(f"reorder needs a permutation of range({n}); got {len(values)} indices, "
-                             f"duplicated {sorted(duplicated)[:10]}, missing {missing[:10]}, "
-                             f"out of range {outside[:10]}")
-        return self.index(perm)
-
     def repeat(self, n: int, interleave: bool = True) -> Batch:
         """Every row `n` times (copies): interleaved `a a b b` (GRPO's n samples of a prompt
         sit together), or tiled `a b a b`."""
@@ -255,17 +226,6 @@ class Batch:
             meta,
         )
 
-    def chunk(self, k: int) -> list[Batch]:
-        """`k` consecutive parts of equal length, in order (views)."""
-        n = len(self)
-        if k < 1:
-            raise ValueError(f"chunk needs k >= 1, got {k}")
-        if n % k != 0:
-            raise ValueError(f"cannot chunk a batch of {n} rows into {k} equal parts ({n} % {k} = {n % k}); "
-                             f"pad it first with pad_to_divisor({k}) and unpad the result")
-        size = n // k
-        return [self.slice(i * size, (i + 1) * size) for i in range(k)]
-
     def split(self, size: int) -> list[Batch]:
         """Consecutive parts of `size` rows, in order; the last may be smaller (views)."""
         if size < 1:
@@ -273,44 +233,7 @@ class Batch:
         n = len(self)
         return [self.slice(start, min(start + size, n)) for start in range(0, n, size)]
 
-    def pad_to_divisor(self, k: int) -> tuple[Batch, int]:
-        """`(padded, pad_size)`: the rows, then copies of rows 0, 1, ... (cycling) so that
-        `len(padded) % k == 0`. Undo with `unpad(pad_size)`. Copies when it pads."""
-        if k < 1:
-            raise ValueError(f"pad_to_divisor needs k >= 1, got {k}")
-        n = len(self)
-        pad_size = -n % k
-        if pad_size == 0:
-            return self.slice(0, n), 0
-        # A batch of 0 rows has pad_size 0, so n > 0 here.
-        return self.index(list(range(n)) + [i % n for i in range(pad_size)]), pad_size
-
-    def unpad(self, pad_size: int) -> Batch:
-        """The batch without its last `pad_size` rows (views)."""
-        n = len(self)
-        if not 0 <= pad_size <= n:
-            raise ValueError(f"unpad({pad_size}) needs 0 <= pad_size <= {n} (the batch length)")
-        return self.slice(0, n - pad_size)
-
     # ---- columns ------------------------------------------------------------------
-
-    def select(
-        self,
-        tensor_keys: Iterable[str] | None = None,
-        non_tensor_keys: Iterable[str] | None = None,
-        meta_keys: Iterable[str] | None = None,
-    ) -> Batch:
-        """A batch with only the named columns and meta keys; `None` keeps all of that kind
-        (as in verl). The columns are the same tensor/array objects."""
-        tensor_keys = _key_list(tensor_keys, self.tensors)
-        non_tensor_keys = _key_list(non_tensor_keys, self.non_tensors)
-        meta_keys = _key_list(meta_keys, self.meta)
-        _check_keys("select", tensor_keys, non_tensor_keys, meta_keys, self)
-        return Batch(
-            {k: self.tensors[k] for k in tensor_keys},
-            {k: self.non_tensors[k] for k in non_tensor_keys},
-            {k: self.meta[k] for k in meta_keys},
-        )
 
     def pop(
         self,
@@ -330,23 +253,6 @@ class Batch:
             {k: self.meta.pop(k) for k in meta_keys},
         )
 
-    def union(self, other: Batch) -> Batch:
-        """This batch's columns and meta plus `other`'s. A key in both must hold equal values
-        (`torch.equal` and same dtype for tensors); then this batch's object is kept."""
-        if self.keys() and other.keys() and len(self) != len(other):
-            raise ValueError(f"union: batches have {len(self)} and {len(other)} rows")
-        parts = []
-        for kind, ours, theirs in (("tensor", self.tensors, other.tensors),
-                                   ("non-tensor", self.non_tensors, other.non_tensors),
-                                   ("meta", self.meta, other.meta)):
-            merged = dict(ours)
-            for key, value in theirs.items():
-                if key in merged and not _same(merged[key], value):
-                    raise ValueError(f"union: {kind} key {key!r} is in both batches with different values")
-                merged.setdefault(key, value)
-            parts.append(merged)
-        return Batch(*parts)
-
     # ---- device and files -----------------------------------------------------------
 
     def to(self, device: torch.device | str) -> Batch:
@@ -358,8 +264,8 @@ class Batch:
 
         Non-tensor values and meta must be plain Python (None, bool, int, float, complex, str,
         bytes, list, tuple, set, dict, tensors), so that `load` never has to unpickle code.
-        Written to a temporary file in the same folder, then renamed over `path`: a crash
-        leaves either the old file or the new one, never half of one.
+        Written with `reprorl.io.atomic_write`: a crash leaves either the old file or the
+        new one, never half of one.
         """
         for key, array in self.non_tensors.items():
             for row, value in enumerate(array):
@@ -374,19 +280,8 @@ class Batch:
             "non_tensors": {k: list(a) for k, a in self.non_tensors.items()},
             "meta": self.meta,
         }
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                   prefix=os.path.basename(path) + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_write(path) as tmp:
+            torch.save(payload, tmp)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Batch:

@@ -62,6 +62,22 @@ def test_masked_helpers():
     assert_close(masked_whiten(values, mask), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]], tol=1e-7)
 
 
+def test_masked_entries_contribute_nothing_even_nan_or_inf():
+    nan, inf = math.nan, math.inf
+    values = t([[1.0, nan], [3.0, -inf]])
+    mask = t([[1, 0], [1, 0]])
+    assert_close(masked_sum(values, mask), 4.0)
+    assert_close(masked_mean(values, mask, dim=-1), [1.0, 3.0])
+    # valid 1 and 3: mean 2, unbiased var 2; (x - 2) / sqrt(2 + 1e-8) = +-(1 / sqrt(2)) * (1 - 2.5e-9)
+    assert_close(masked_whiten(values, mask), [[-0.7071067794187805, 0.0], [0.7071067794187805, 0.0]])
+    # verl gives 1.0 here; 1 * 1 + nan * 0 would be nan.
+    for mode in LOSS_AGG_MODES:
+        assert agg_loss(t([[1.0, nan]]), t([[1.0, 0.0]]), mode, max_response_length=1) == 1.0, mode
+    # A float32 loss with a float mask stays float32; a bool mask works too.
+    assert masked_sum(torch.tensor([2.0, nan]), torch.tensor([True, False])).dtype == torch.float32
+    assert masked_sum(torch.tensor([2.0, nan]), torch.tensor([True, False])).item() == 2.0
+
+
 def test_masked_mean_of_nothing_is_zero_and_unbiased_var_needs_two():
     values = t([[5.0, 6.0], [7.0, 8.0]])
     mask = t([[0, 0], [1, 0]])
@@ -173,9 +189,9 @@ def test_grpo_group_of_equal_scores_gets_zero():
 
 
 def test_group_rows_are_in_first_appearance_order():
-    assert algos._group_rows(["b", "a", "b", "c", "a"], 5) == [[0, 2], [1, 4], [3]]
+    assert algos.group_rows(["b", "a", "b", "c", "a"], 5) == [[0, 2], [1, 4], [3]]
     with pytest.raises(ValueError, match="3 ids for a batch of 2"):
-        algos._group_rows(["a", "b", "c"], 2)
+        algos.group_rows(["a", "b", "c"], 2)
 
 
 def test_rloo_advantages():
@@ -328,10 +344,12 @@ def test_ppo_policy_loss_huge_log_ratio_stays_finite():
     # float32: exp(100) would be inf; clamped to exp(20) the loss and its gradient stay finite.
     new = torch.tensor([[100.0, 100.0]], requires_grad=True)
     old, mask = torch.zeros(1, 2), torch.ones(1, 2)
-    loss, _ = ppo_policy_loss(old, new, torch.tensor([[1.0, -1.0]]), mask, 0.2, 0.2, 3.0, "token-mean")
+    loss, stats = ppo_policy_loss(old, new, torch.tensor([[1.0, -1.0]]), mask, 0.2, 0.2, 3.0, "token-mean")
     loss.backward()
     assert_close(loss.detach(), (-1.2 + 3.0) / 2)
     assert torch.isfinite(new.grad).all()
+    # approx_kl is what the loss used: old - new with the log-ratio clamped to 20, not -100.
+    assert stats["approx_kl"].item() == -20.0
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -392,8 +410,21 @@ def test_kl_penalty_kinds():
     assert_close(kl_penalty(log_prob, ref, "k3"), [[0.36787944117144233, 0.7182818284590451, 0.0, 10.0]])
     for alias, kind in [("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3")]:
         assert torch.equal(kl_penalty(log_prob, ref, alias), kl_penalty(log_prob, ref, kind))
-    with pytest.raises(ValueError, match="k1, k2, k3.*got 'k4'"):
+    assert_close(kl_penalty(log_prob, ref, "abs"), [[1.0, 1.0, 0.0, 5.0]])
+    with pytest.raises(ValueError, match="k1, k2, k3, abs.*got 'k4'"):
         kl_penalty(log_prob, ref, "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs", "kl", "low_var_kl"])
+def test_straight_through_kl_has_the_value_of_its_kind_and_the_gradient_of_k2(kind):
+    ref = t([[-2.0, -1.0, 0.0, 4.0]])  # d = ref - log_prob = [-1, 1, 0, 5]
+    plain = t([[-1.0, -2.0, 0.0, -1.0]]).requires_grad_()
+    through = t([[-1.0, -2.0, 0.0, -1.0]]).requires_grad_()
+    value = kl_penalty(through, ref, kind + "+")
+    assert torch.equal(value.detach(), kl_penalty(plain, ref, kind).detach())  # the same bits
+    value.sum().backward()
+    # d(0.5 (log_prob - ref)^2) / d log_prob = log_prob - ref = -d
+    assert_close(through.grad, [[1.0, -1.0, 0.0, -5.0]])
 
 
 def test_k3_far_from_the_reference_stays_finite():

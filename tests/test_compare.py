@@ -11,7 +11,6 @@ from reprorl.compare import (
     _END,
     compare_main,
     compare_runs,
-    default_plot_path,
     first_bitwise_difference,
     first_list_difference,
     format_steps,
@@ -203,16 +202,16 @@ def test_overlay_plot_is_written(tmp_path, plot_path, capsys):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_default_plot_goes_to_the_working_directory_not_into_a_run(tmp_path, monkeypatch, capsys):
+def test_no_plot_is_written_unless_asked(tmp_path, monkeypatch, capsys):
+    """Every call used to write ./compare_A_vs_B.png into the working directory."""
     a, b = make_run(tmp_path / "runs" / "a"), make_run(tmp_path / "runs" / "b")
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.chdir(work)
     before = {p: sorted(p.rglob("*")) for p in (a, b)}
     assert compare_main(str(a), str(b)) == 0
-    assert default_plot_path(a, b) == work / "compare_a_vs_b.png"
-    assert (work / "compare_a_vs_b.png").is_file()
-    assert f"plot: {work / 'compare_a_vs_b.png'}" in capsys.readouterr().out
+    assert list(work.iterdir()) == []
+    assert "plot:" not in capsys.readouterr().out
     assert {p: sorted(p.rglob("*")) for p in (a, b)} == before
 
 

@@ -173,7 +173,7 @@ OVERRIDE_ERRORS = [
     # choices
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: expected one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, got 'ppo'"),
     (["data.overlong_prompts=drop"], "data.overlong_prompts: expected one of error, filter, truncate_left, truncate_right, got 'drop'"),
-    (["actor.kl_loss_type=low_var_kl"], "actor.kl_loss_type: expected one of k1, k2, k3, got 'low_var_kl'"),
+    (["actor.kl_loss_type=low_var_kl"], "actor.kl_loss_type: expected one of k1, k2, k3, abs, k1+, k2+, k3+, abs+, got 'low_var_kl'"),
     (["model.dtype=float16"], "model.dtype: expected one of float32, bfloat16, got 'float16'"),
     # ranges
     (["rollout.n=0"], "rollout.n: expected an integer >= 1, got 0"),

@@ -62,7 +62,8 @@ def plan_samples(
     - seeds `request_seed(run_seed, step, uid, repeat_index, turn, phase=phase)`, with
       phase "val" when validating (apart from training's seeds, see `request_seed`);
     - params: `val_sampling_params` when validating, else `sampling_params`; greedy where
-      `__do_sample__` is False; `max_tokens = max_response_length` in every case.
+      `__do_sample__` is False. Their `max_tokens` is kept (`rollout.max_tokens`); it must
+      be at most `max_response_length`, the width the responses are padded to.
     Other non-tensor columns go to the loop in `extra` (e.g. `agent_name`, which picks
     the row's loop in the worker); control columns do not.
     """
@@ -83,7 +84,9 @@ def plan_samples(
         )
     do_sample = batch.non_tensors.get(DO_SAMPLE, np.full(n, True, dtype=object))
     base = val_sampling_params if validate else sampling_params
-    base = dataclasses.replace(base, max_tokens=max_response_length)
+    if base.max_tokens > max_response_length:
+        raise ValueError(f"sampling params max_tokens={base.max_tokens} is more than max_response_length="
+                         f"{max_response_length}, the width responses are padded to; expected at most that")
     greedy = greedy_params(base)
     skip = {DO_SAMPLE, "uid", "repeat_index", prompt_key}
     extra_keys = [k for k in batch.non_tensors if k not in skip]
@@ -224,8 +227,8 @@ class AgentLoopManager:
 
     `pool`: a `ReplicaPool` (its replicas, run seed and runtime_env are used).
     `sampling_params` / `val_sampling_params`: the rollout's and validation's params
-    (validation defaults to the rollout's); `max_tokens` is overridden by
-    `max_response_length`. `agent`: the default loop, "single_turn" or "tool" (a row's
+    (validation defaults to the rollout's); their `max_tokens` (at most
+    `max_response_length`, which responses are padded to) bounds each response. `agent`: the default loop, "single_turn" or "tool" (a row's
     `agent_name` column overrides it); `max_turns` bounds the tool loop, which may call
     the tools named in `tools` (None = every tool in `TOOLS`; an unknown name is a
     ValueError). `routing`: the balancer's mode ("least_loaded" or "hash").

@@ -26,8 +26,8 @@ GenerateFn = Callable[[str, list[int], SamplingParams, int, int], Awaitable[Any]
 class AgentSample:
     """One row of a rollout batch, as the loop sees it (control columns already removed).
 
-    `sampling_params.max_tokens` is the whole response budget (`max_response_length`);
-    a multi-turn loop shares it among its turns.
+    `sampling_params.max_tokens` is the whole response budget (`rollout.max_tokens`, at
+    most `max_response_length`); a multi-turn loop shares it among its turns.
     """
 
     index: int
@@ -78,14 +78,14 @@ class SingleTurnAgentLoop:
             prompt_ids=list(sample.prompt_ids),
             response_ids=tokens,
             response_mask=[1] * len(tokens),
-            response_log_probs=_log_probs(out, len(tokens)),
+            response_log_probs=output_log_probs(out, len(tokens)),
             num_turns=1,
             finish_reason=out.finish_reason,
         )
 
 
-def _log_probs(out: Any, n: int) -> list[float]:
-    """The output's log-probs as floats (zeros when the params asked for none)."""
+def output_log_probs(out: Any, n: int) -> list[float]:
+    """A generate output's `n` log-probs as floats (zeros when the params asked for none)."""
     if out.log_probs is None:
         return [0.0] * n
     values = [float(x) for x in out.log_probs]

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, GenerateFn, _log_probs
+from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, GenerateFn, output_log_probs
 from reprorl.agent_loop.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START, TOOLS, parse_tool_calls, run_tool_call
 
 
@@ -80,7 +80,7 @@ class ToolAgentLoop:
             turn += 1
             response += tokens
             mask += [1] * len(tokens)
-            log_probs += _log_probs(out, len(tokens))
+            log_probs += output_log_probs(out, len(tokens))
             finish = out.finish_reason
             if finish != "stop" or turn >= self.max_turns or len(response) >= budget:
                 break

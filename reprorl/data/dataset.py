@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +152,10 @@ class PromptDataset:
             and lengths), "filter" (drop the row), "truncate_left" (keep the last
             tokens), "truncate_right" (keep the first tokens).
         prompt_key: the field that holds the chat messages.
+        check_ground_truth: called as `check_ground_truth(data_source, ground_truth)` for
+            every row of reward style "rule"; a ValueError it raises becomes a DataError
+            naming file, row and field (the trainer passes `rewards.check_ground_truth`
+            when the built-in rule rewards score the run).
 
     `stats` counts rows read, kept, overlong, filtered and truncated; one log line says
     the same. `dataset[i]` is a `PromptRow`; `i` is a position, `dataset[i].index` the
@@ -165,6 +169,7 @@ class PromptDataset:
         max_prompt_length: int | None,
         overlong: str = "error",
         prompt_key: str = "prompt",
+        check_ground_truth: Callable[[str, str], None] | None = None,
     ) -> None:
         if overlong not in OVERLONG_MODES:
             raise ConfigError(f"overlong={overlong!r}: expected one of {', '.join(OVERLONG_MODES)}")
@@ -182,6 +187,12 @@ class PromptDataset:
                 index = self.stats["rows"]  # position in the concatenated files
                 self.stats["rows"] += 1
                 check_row(raw, path, row_idx, prompt_key)
+                rm = raw["reward_model"]
+                if check_ground_truth is not None and rm["style"] == "rule":
+                    try:
+                        check_ground_truth(raw["data_source"], rm["ground_truth"])
+                    except ValueError as err:
+                        raise DataError(f"{path}: row {row_idx}: field 'reward_model.ground_truth': {err}") from None
                 ids = _template_ids(tokenizer, raw[prompt_key])
                 if max_prompt_length is not None and len(ids) > max_prompt_length:
                     self.stats["overlong"] += 1
@@ -195,7 +206,6 @@ class PromptDataset:
                         continue
                     ids = ids[-max_prompt_length:] if overlong == "truncate_left" else ids[:max_prompt_length]
                     self.stats["truncated"] += 1
-                rm = raw["reward_model"]
                 self.rows.append(
                     PromptRow(
                         index=index,

@@ -43,29 +43,47 @@ def arithmetic_score(data_source: str, solution_str: str, ground_truth: str, ext
     return 1.0 if match is not None and match.group(1) == ground_truth.strip() else 0.0
 
 
-# GSM8K: the number after the last "#### ", as in the dataset's own solutions.
-_GSM8K_ANSWER = re.compile(r"####\s*\$?\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
+# GSM8K: the number after the last "#### ", as in the dataset's own solutions: digits with
+# optional thousands commas ("1,000") and decimals, or a bare decimal (".5"), and then an
+# end: whitespace, the end of the text, a special token, or a sentence's "." before one.
+_NUMBER = r"-?(?:(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?|\.[0-9]+)"
+_GSM8K_ANSWER = re.compile(rf"####\s*\$?\s*({_NUMBER})(?=\.?(?:\s|$|<\|))")
+_GSM8K_TRUTH = re.compile(rf"\s*\$?\s*({_NUMBER})\s*")
 
 
 def _gsm8k_number(text: str) -> Decimal | None:
-    found = _GSM8K_ANSWER.findall(text)
-    if not found:
+    """The number of the last `####` of `text` when it ends cleanly (see _GSM8K_ANSWER), else None."""
+    markers = [m.start() for m in re.finditer("####", text)]
+    if not markers:
         return None
-    try:
-        return Decimal(found[-1].replace(",", ""))
-    except InvalidOperation:
-        return None
+    match = _GSM8K_ANSWER.match(text, markers[-1])
+    return Decimal(match.group(1).replace(",", "")) if match else None
+
+
+def gsm8k_truth(ground_truth: str) -> Decimal:
+    """The number a GSM8K ground truth holds: a bare answer, or a whole solution ending in
+    `#### answer`. Raises ValueError for anything else (a fraction, a word, `1.2.3`)."""
+    if "####" in ground_truth:
+        number = _gsm8k_number(ground_truth)
+    else:
+        match = _GSM8K_TRUTH.fullmatch(ground_truth)
+        number = Decimal(match.group(1).replace(",", "")) if match else None
+    if number is None:
+        raise ValueError(f"GSM8K ground truth {ground_truth!r} is not a number (expected e.g. '72', '1,000' or '-3.5')")
+    return number
 
 
 def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    """GSM8K (`openai/gsm8k`): 1.0 iff the number after the last `#### ` equals the answer.
+    """GSM8K (`openai/gsm8k`): 1.0 iff the number after the last `####` equals the answer.
 
     Commas and a `$` are stripped and the numbers compared as decimals (`1,000` == `1000`,
-    `3.50` == `3.5`). `ground_truth` is the bare answer (verl's preprocessing) or a whole
-    GSM8K solution ending in `#### answer`. There is no last-number fallback: it would
-    reward any text that happens to end in the right number, and a policy learns to
-    list numbers; the prompt asks for `####`, so the reward checks for it (verl's
-    "strict" mode).
+    `3.50` == `3.5`). The number must end there (whitespace, the end, a special token, or a
+    sentence's `.` before one): `#### 1.2.3` or `#### 3/4` is no answer. `ground_truth` is
+    the bare answer (verl's preprocessing) or a whole GSM8K solution ending in `#### answer`;
+    one that is not a number raises ValueError (`gsm8k_truth`). There is no last-number
+    fallback: it would reward any text that happens to end in the right number, and a
+    policy learns to list numbers; the prompt asks for `####`, so the reward checks for it
+    (verl's "strict" mode).
 
     >>> gsm8k_score("openai/gsm8k", "3 + 4 = 7 apples.\\n#### 7", "7")
     1.0
@@ -77,10 +95,12 @@ def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_in
     0.0
     >>> gsm8k_score("openai/gsm8k", "#### 8", "He has 7.\\n#### 7")
     0.0
+    >>> gsm8k_score("openai/gsm8k", "#### 1.2.3", "1.2")
+    0.0
     """
-    truth = _gsm8k_number(ground_truth) if "####" in ground_truth else _gsm8k_number("#### " + ground_truth.strip())
+    truth = gsm8k_truth(ground_truth)
     answer = _gsm8k_number(solution_str)
-    return 1.0 if truth is not None and answer is not None and answer == truth else 0.0
+    return 1.0 if answer is not None and answer == truth else 0.0
 
 
 # math-verify bounds each parse and comparison with signal.alarm: a sympy expression
@@ -99,6 +119,13 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     from a process's main thread (math-verify's timeout needs signals); elsewhere it
     raises RuntimeError rather than scoring everything 0.
 
+    This is NOT verl's default for these datasets: verl scores the string in the LAST
+    `\boxed{}` against the truth after normalising both (`math_reward.compute_score`).
+    math-verify compares mathematical values, so `\boxed{0.5}` against `\frac{1}{2}`
+    scores 1.0 here and 0.0 in verl; and it takes a response with several boxed answers
+    as a set, so `\boxed{5} and \boxed{6}` against 6 scores 0.0 here and 1.0 in verl (a
+    policy cannot hedge by boxing every candidate).
+
     >>> math_score("lighteval/MATH", "So $x = \\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}")
     1.0
     >>> math_score("lighteval/MATH", "\\boxed{0.5}", "\\frac{1}{2}")
@@ -108,6 +135,8 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
     >>> math_score("lighteval/MATH", "\\boxed{3}", "\\frac{1}{2}")
     0.0
     >>> math_score("lighteval/MATH", "I don't know", "\\frac{1}{2}")
+    0.0
+    >>> math_score("lighteval/MATH", "\\boxed{5} and \\boxed{6}", "6")
     0.0
     """
     if threading.current_thread() is not threading.main_thread():
@@ -123,7 +152,9 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
         return 0.0
 
 
-# data_source -> reward function; verl's names for the public datasets.
+# data_source -> reward function, by the names verl's preprocessing gives the public
+# datasets; the MATH ones are scored by math-verify, not verl's last-\boxed string match
+# (see math_score).
 REWARD_FNS = {
     "reprorl/arithmetic": arithmetic_score,
     "openai/gsm8k": gsm8k_score,
@@ -132,6 +163,22 @@ REWARD_FNS = {
     "HuggingFaceH4/MATH-500": math_score,
     "math": math_score,
 }
+
+
+def check_ground_truth(data_source: str, ground_truth: str) -> None:
+    """Raise ValueError if the rule reward of `data_source` could never match `ground_truth`
+    (a GSM8K answer that is not a number, an arithmetic answer that is not an integer):
+    every response to such a row would score 0 without a word. Other sources pass.
+
+    >>> check_ground_truth("openai/gsm8k", "3/4")
+    Traceback (most recent call last):
+    ...
+    ValueError: GSM8K ground truth '3/4' is not a number (expected e.g. '72', '1,000' or '-3.5')
+    """
+    if data_source == "openai/gsm8k":
+        gsm8k_truth(ground_truth)
+    elif data_source == "reprorl/arithmetic" and not re.fullmatch(r"-?[0-9]+", ground_truth.strip()):
+        raise ValueError(f"arithmetic ground truth {ground_truth!r} is not an integer")
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -20,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from reprorl.errors import ReproRLError
+from reprorl.io import atomic_write
 from reprorl.models.arch import ModelArgs
 from reprorl.models.transformer import CausalLM, SequenceClassifier, ValueModel
 
@@ -79,8 +78,8 @@ def load_model(
 def save_model(model: nn.Module, args: ModelArgs, out_dir: str | os.PathLike) -> Path:
     """Write `model` as config.json + model.safetensors under HF names; returns out_dir.
 
-    Each file is written to a temporary file in out_dir and moved into place with
-    os.replace, so a reader never sees half a file. Other files in out_dir are left alone.
+    Each file is written with `reprorl.io.atomic_write`, so a reader never sees half a
+    file. Other files in out_dir are left alone.
     """
     kind = next((k for k, cls in MODEL_CLASSES.items() if type(model) is cls), None)
     if kind is None:
@@ -92,26 +91,11 @@ def save_model(model: nn.Module, args: ModelArgs, out_dir: str | os.PathLike) ->
     config = dataclasses.replace(args, torch_dtype=dtype).to_hf_config(kind)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with _atomic_path(out_dir / WEIGHTS_FILE) as tmp:
+    with atomic_write(out_dir / WEIGHTS_FILE) as tmp:
         save_file(tensors, tmp, metadata={"format": "pt"})
-        # safetensors creates its file with mode 0600; give it the mode of any new file.
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-    with _atomic_path(out_dir / "config.json") as tmp:
-        Path(tmp).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    with atomic_write(out_dir / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
-
-
-@contextmanager
-def _atomic_path(target: Path) -> Iterator[Path]:
-    """A temporary path next to `target`, moved onto it when the block succeeds."""
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:

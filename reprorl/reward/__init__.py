@@ -1,13 +1,10 @@
 """The reward loop: rule functions and served reward models.
 
-    from reprorl.reward import RewardLoop, resolve_reward_fn
-    from reprorl.reward.reward_model import RewardModelPool, RewardModelScorer
+- `loop.RewardLoop`: one score per sample, from a rule function and/or a reward model.
+- `user_fn.resolve_reward_fn`: the rule function `reward.fn` names.
+- `rule_worker.RuleWorker`: rule functions in a child process, under `reward.timeout_s`.
+- `reward_model`: a reward model served by Ray replicas (`vllm_reward`: by vLLM).
 
-The reward-model module is imported on its own: it pulls in Ray, transformers and the
-model code, which the rule-only path does not need.
+Nothing is imported here: the rule-reward child process imports `rule_worker` without
+torch, and the reward-model modules pull in Ray, transformers and the model code.
 """
-
-from reprorl.reward.loop import RewardLoop, decode_responses
-from reprorl.reward.user_fn import resolve_reward_fn
-
-__all__ = ["RewardLoop", "decode_responses", "resolve_reward_fn"]

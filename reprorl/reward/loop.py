@@ -1,10 +1,11 @@
 """The reward loop: one score per sample, from a rule function and/or a reward model.
 
-    RewardLoop.compute(batch, tokenizer) -> (scores [B] float32, metrics)
+    RewardLoop.compute(batch, tokenizer) -> Rewards(scores [B] float32, rule [B] | None, metrics)
       1. decode each response (model tokens only, no eos/pad) -> solution_str
-      2. rule reward per sample, in sample order, in this process's main thread
-         (math-verify's timeout needs signals); a function that raises, or returns NaN
-         or an infinity, scores 0.0 and is counted
+      2. rule reward per sample, in sample order, in a main thread (math-verify's
+         timeout needs signals): a child process's under a per-call time limit
+         (`rule_worker`), or this process's without one; a function that raises, or
+         returns NaN or an infinity, scores 0.0 and is counted
       3. reward-model scores of (prompt messages, response text), if a model is given
       4. score = rule_weight * rule + model_weight * model
 
@@ -18,15 +19,22 @@ from __future__ import annotations
 
 import logging
 import math
+import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from reprorl.errors import DataError, ReproRLError
 from reprorl.protocol import Batch
+from reprorl.reward.rule_worker import Outcome, RuleWorker, call_rule_fn
 
 logger = logging.getLogger(__name__)
+
+
+class RewardTimeoutError(ReproRLError):
+    """A rule function passed `reward.timeout_s` with full determinism on: scoring it 0
+    would make the run's result depend on timing, so the run stops."""
 
 
 class RewardModel(Protocol):
@@ -35,6 +43,16 @@ class RewardModel(Protocol):
     def score(self, prompts: Sequence[list[dict]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores of (prompt messages, response text) pairs, in the order given."""
         ...
+
+
+class Rewards(NamedTuple):
+    """What `RewardLoop.compute` gives for a batch, in sample order."""
+
+    scores: torch.Tensor
+    """[B] float32: rule_weight * rule + model_weight * model, the reward that is trained on."""
+    rule: torch.Tensor | None
+    """[B] float32 rule scores alone (validation's accuracy); None when the rule function did not run."""
+    metrics: dict[str, float]
 
 
 def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any) -> list[str]:
@@ -64,12 +82,20 @@ class RewardLoop:
             model and `rule_weight == 0`, the rule function is not called at all (a
             reward-model-only dataset may have no ground truth).
 
+        timeout_s: the most seconds one rule-function call may take; the calls then run
+            in a child process (`RuleWorker`) that is killed at the limit. None: no limit,
+            the calls run in this process.
+        timeout_is_error: a timed-out call raises `RewardTimeoutError` naming the sample,
+            its data source and the limit (full determinism: a 0 would depend on timing);
+            False: it scores 0.0 and is counted (`reward/fn_timeouts`).
+
     A rule function that raises gives 0.0 for that sample and the run goes on: the
     count is the metric `reward/fn_errors`, and the FIRST such traceback of the run is
     logged (once per `RewardLoop`) with the sample's index, so a broken function is
-    seen without flooding the log. A NaN or infinite return counts the same way (it
-    would turn every advantage of its group, and the loss, into NaN). A reward model
-    that gives a non-finite score is an error (`ReproRLError` naming the samples).
+    seen without flooding the log; the first timeout is logged the same way. A NaN or
+    infinite return counts as an error (it would turn every advantage of its group, and
+    the loss, into NaN). A reward model that gives a non-finite score is an error
+    (`ReproRLError` naming the samples). `close()` stops the child process.
     """
 
     def __init__(
@@ -78,52 +104,91 @@ class RewardLoop:
         reward_model: RewardModel | None = None,
         rule_weight: float = 1.0,
         model_weight: float = 1.0,
+        *,
+        timeout_s: float | None = None,
+        timeout_is_error: bool = True,
     ) -> None:
         self.reward_fn = reward_fn
         self.reward_model = reward_model
         self.rule_weight = float(rule_weight)
         self.model_weight = float(model_weight)
+        self.timeout_s = timeout_s
+        self.timeout_is_error = timeout_is_error
         self.fn_errors_total = 0  # over the run, for the log line
+        self.fn_timeouts_total = 0
+        self._worker = None
+        if timeout_s is not None:
+            try:
+                self._worker = RuleWorker(reward_fn)
+            except Exception as err:  # cloudpickle refuses some objects (locks, generators)
+                raise ReproRLError(
+                    f"reward.fn {getattr(reward_fn, '__name__', reward_fn)!r} cannot be sent to a rule-reward "
+                    f"process ({type(err).__name__}: {err}); set reward.timeout_s=null to call it in the "
+                    "trainer's process, without a time limit"
+                ) from err
 
-    def rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int]:
-        """([B] float32 rule scores, number of samples whose function raised), in sample order."""
+    def close(self) -> None:
+        """Stop the rule-reward process, if one runs."""
+        if self._worker is not None:
+            self._worker.close()
+
+    def _rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int, int]:
+        """([B] float32 rule scores, samples whose function raised, samples that timed out), in sample order."""
         for key in ("data_source", "ground_truth"):
             if key not in batch.non_tensors:
                 raise DataError(f"reward batch has no non-tensor column {key!r}; columns: {batch.keys()}")
         data_sources = batch.non_tensors["data_source"]
         ground_truths = batch.non_tensors["ground_truth"]
         extra_infos = batch.non_tensors.get("extra_info")
-        scores, errors = [], 0
-        for i, solution in enumerate(solutions):
-            try:
-                result = self.reward_fn(
-                    data_source=data_sources[i],
-                    solution_str=solution,
-                    ground_truth=ground_truths[i],
-                    extra_info=None if extra_infos is None else extra_infos[i],
-                )
-                # verl's reward functions may return {"score": ..., other diagnostics}.
-                score = float(result["score"] if isinstance(result, dict) else result)
-                if not math.isfinite(score):
-                    raise ValueError(f"reward function returned {score}; expected a finite number")
-            except Exception:  # any failure of user code: 0 for this sample, the run goes on
+        calls = [
+            {"data_source": data_sources[i], "solution_str": solution, "ground_truth": ground_truths[i],
+             "extra_info": None if extra_infos is None else extra_infos[i]}
+            for i, solution in enumerate(solutions)
+        ]
+        if self._worker is None:
+            outcomes = [self._call_here(call) for call in calls]
+        else:
+            outcomes = self._worker.run(calls, self.timeout_s, stop_at_timeout=self.timeout_is_error)
+        scores, errors, timeouts = [], 0, 0
+        for i, outcome in enumerate(outcomes):
+            if outcome.kind == "timeout":
+                if self.timeout_is_error:
+                    raise RewardTimeoutError(
+                        f"the reward function did not return within reward.timeout_s={self.timeout_s:g} s on "
+                        f"sample {i} (data_source={data_sources[i]!r}); with full_determinism a timed-out sample "
+                        "cannot score 0 (the result would depend on timing): fix the function or raise the limit"
+                    )
+                timeouts += 1
+                if self.fn_timeouts_total + timeouts == 1:
+                    logger.warning(
+                        "reward function did not return within reward.timeout_s=%g s on sample %d (data_source=%r); "
+                        "it scores 0.0. Later timeouts are only counted (metric reward/fn_timeouts).",
+                        self.timeout_s, i, data_sources[i])
+            elif outcome.kind == "error":
                 errors += 1
                 if self.fn_errors_total + errors == 1:
-                    logger.exception(
+                    logger.error(
                         "reward function raised on sample %d (data_source=%r); it scores 0.0. "
-                        "Later errors are only counted (metric reward/fn_errors).", i, data_sources[i]
-                    )
-                score = 0.0
-            scores.append(score)
+                        "Later errors are only counted (metric reward/fn_errors).\n%s", i, data_sources[i],
+                        outcome.error)
+            scores.append(outcome.score)
         self.fn_errors_total += errors
-        return torch.tensor(scores, dtype=torch.float32), errors
+        self.fn_timeouts_total += timeouts
+        return torch.tensor(scores, dtype=torch.float32), errors, timeouts
 
-    def compute(self, batch: Batch, tokenizer: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """(scores [B] float32, metrics) for the batch, in sample order.
+    def _call_here(self, call: dict[str, Any]) -> Outcome:
+        try:
+            return Outcome("ok", score=call_rule_fn(self.reward_fn, call))
+        except Exception:  # any failure of user code: 0 for this sample, the run goes on
+            return Outcome("error", error=traceback.format_exc())
+
+    def compute(self, batch: Batch, tokenizer: Any) -> Rewards:
+        """The batch's `Rewards` (scores, rule scores, metrics), in sample order.
 
         `tokenizer` is the policy's (it decodes the responses); the reward model tokenizes
-        the text with its own. Metrics: `reward/rule_mean` (when rules run),
-        `reward/model_mean` (with a reward model), `reward/fn_errors`, `reward/mean`.
+        the text with its own. Metrics: `reward/rule_mean`, `reward/fn_timeouts` (when
+        rules run), `reward/model_mean` (with a reward model), `reward/fn_errors`,
+        `reward/mean`.
         """
         for key in ("responses", "response_mask"):
             if key not in batch.tensors:
@@ -132,12 +197,13 @@ class RewardLoop:
         B = len(solutions)
         total = torch.zeros(B, dtype=torch.float32)
         metrics: dict[str, float] = {"reward/fn_errors": 0.0}
-
+        rule = None
         if self.reward_model is None or self.rule_weight != 0.0:
-            rule, errors = self.rule_scores(batch, solutions)
+            rule, errors, timeouts = self._rule_scores(batch, solutions)
             total = total + self.rule_weight * rule
             metrics["reward/rule_mean"] = _mean(rule)
             metrics["reward/fn_errors"] = float(errors)
+            metrics["reward/fn_timeouts"] = float(timeouts)
         if self.reward_model is not None:
             if "raw_prompt" not in batch.non_tensors:
                 raise DataError(f"reward model needs the non-tensor column 'raw_prompt'; columns: {batch.keys()}")
@@ -153,7 +219,7 @@ class RewardLoop:
             total = total + self.model_weight * model.float()
             metrics["reward/model_mean"] = _mean(model)
         metrics["reward/mean"] = _mean(total)
-        return total, metrics
+        return Rewards(total, rule, metrics)
 
 
 def _mean(x: torch.Tensor) -> float:

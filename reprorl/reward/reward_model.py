@@ -41,6 +41,7 @@ from reprorl.errors import ReproRLError
 from reprorl.models import ops
 from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
+from reprorl.reward.chat import ChatScorer
 from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
 
 
@@ -52,34 +53,6 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # forward) only while it is at most this big: for a 0.5B model, 64 sequences of 2048 tokens
 # would otherwise hold 3 GiB between reward steps.
 KEEP_CACHE_BYTES = 256 << 20
-
-
-def chat_input_ids(tokenizer: Any, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
-    """A reward model's token ids of the chat `prompt + [assistant: response]`, by its own
-    template (the RM may tokenize differently from the policy). Every RM backend uses it."""
-    messages = [*prompt, {"role": "assistant", "content": response}]
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False)
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
-
-
-class ChatScorer:
-    """What every reward-model backend shares: chat pairs -> its own token ids -> `score_ids`.
-    A subclass sets `self.tokenizer` and defines `score_ids(sequences) -> [B] float32`."""
-
-    tokenizer: Any
-
-    def input_ids(self, prompt: Sequence[Mapping[str, str]], response: str) -> list[int]:
-        """The RM's token ids of the chat `prompt + [assistant: response]`, by its own template."""
-        return chat_input_ids(self.tokenizer, prompt, response)
-
-    def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
-        """[B] float32 scores of the pairs (prompts[i] chat messages, responses[i] text), in order."""
-        if len(prompts) != len(responses):
-            raise ValueError(f"score: {len(prompts)} prompts but {len(responses)} responses")
-        return self.score_ids([self.input_ids(p, r) for p, r in zip(prompts, responses)])
-
-    def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class RewardModelScorer(ChatScorer):

@@ -21,7 +21,7 @@ import torch
 
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
-from reprorl.reward.reward_model import ChatScorer
+from reprorl.reward.chat import ChatScorer
 from reprorl.rollout.vllm_replica import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode
 
 

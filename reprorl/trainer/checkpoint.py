@@ -10,7 +10,7 @@ Layout under the run directory:
 A checkpoint is written into a temp directory beside the others (`.tmp-step_<N>-*`), every
 file and the directory fsynced, then renamed to `step_<N>` in one `os.rename`: a crash
 leaves either no `step_<N>` or a complete one, never half of one. `latest` is updated
-afterwards with `os.replace` of a small temp file, so it always names a complete
+afterwards with `reprorl.io.atomic_write`, so it always names a complete
 checkpoint. Temp directories left by a crash are ignored when loading and removed by the
 next save.
 
@@ -37,12 +37,12 @@ import numpy as np
 import torch
 
 from reprorl.errors import ReproRLError
+from reprorl.io import TMP_PREFIX, atomic_write, fsync_dir
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_PREFIX = ".tmp-"
 _PLAIN_LEAVES = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device)
 
 
@@ -83,33 +83,34 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
     _remove_temp_dirs(root)
 
     final = root / f"step_{step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}step_{step}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}step_{step}-", dir=root))
     try:
         for name, value in state.items():
-            write_synced(tmp / f"{name}.pt", lambda f, v=value: torch.save(v, f))
+            _write_file(tmp / f"{name}.pt", lambda f, v=value: torch.save(v, f))
         for name, fill in (write_dirs or {}).items():
             (tmp / name).mkdir()
             fill(tmp / name)
-            _fsync_dir(tmp / name)
+            fsync_dir(tmp / name)
         meta = {"step": step, "components": list(state)}
-        write_synced(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
-        _fsync_dir(tmp)
+        _write_file(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        fsync_dir(tmp)
         if final.exists():
             # Re-saving a step (after a resume): move the old one out of the way first. A
             # crash between the two renames leaves no step_<N>; `latest` then names a
             # missing directory and loading falls back to the newest complete one.
-            old = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}old-step_{step}-", dir=root))
+            old = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-step_{step}-", dir=root))
             os.rename(final, old / final.name)
             os.rename(tmp, final)
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    _write_file_atomic(root / LATEST, final.name.encode())
+    with atomic_write(root / LATEST) as tmp:
+        tmp.write_bytes(final.name.encode())
     if max_to_keep is not None:
         for old_step in _complete_steps(root)[:-max_to_keep]:
             if old_step != step:
@@ -132,40 +133,18 @@ def _check_plain(value: Any, where: str) -> None:
                         "tuple, str, int, float, bool and None (convert numpy values to tensors or lists)")
 
 
-def write_synced(path: Path, write) -> None:
-    """Create `path` with `write(file)` and fsync it (its directory is the caller's to fsync)."""
+def _write_file(path: Path, write) -> None:
+    """A durable write into the checkpoint's temp directory, whose rename makes it atomic."""
     with open(path, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _write_file_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove_temp_dirs(root: Path) -> None:
     """Remove what a crashed save left behind (one writer per run directory)."""
     for p in root.iterdir():
-        if p.name.startswith(_TMP_PREFIX):
+        if p.name.startswith(TMP_PREFIX):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:

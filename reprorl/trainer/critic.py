@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from reprorl.algos import value_loss
+from reprorl.determinism_report import model_part_info
 from reprorl.models import ops
 from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
@@ -192,3 +193,8 @@ class CriticWorker:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["scheduler"])
+
+    def determinism_info(self) -> dict[str, Any]:
+        """This worker's determinism mode, for the run's determinism report."""
+        return model_part_info(backend="torch", batch_invariant=self.batch_invariant,
+                               dtype=next(self.model.parameters()).dtype)

@@ -15,31 +15,35 @@ comes from a seed named by its origin, so a run is a pure function of its config
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import logging
 import os
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
-from transformers import AutoTokenizer
 
 from reprorl import algos
+from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptDataset, PromptSampler
+from reprorl.data.rewards import check_ground_truth
 from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
-from reprorl.models.arch import ModelArgs
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop, decode_responses
+from reprorl.reward.loop import RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
-from reprorl.rollout.engine import eos_ids_from_dir
+from reprorl.rollout.replica import ReplicaPool, init_ray
 from reprorl.rollout.sampling import SamplingParams
+from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.checkpoint import (
     capture_rng_state,
     find_checkpoint,
@@ -49,14 +53,15 @@ from reprorl.trainer.checkpoint import (
 )
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.policy import PolicyLossArgs
-from reprorl.workers.group import WorkerError, WorkerGroup
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
+from reprorl.workers.group import WorkerError, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
-# Estimators that compare the n samples of a prompt with each other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
-
+TEST_KILL_AT_STEP_ENV = "REPRORL_TEST_KILL_AT_STEP"
+"""A test hook, not a setting: with it set to N, `fit` SIGKILLs its own process at the end of
+step N, right after the step's metrics and checkpoint are written, so a crash-and-resume
+test kills the run at a known point (tests/trainer/test_fit.py) instead of racing it."""
 
 def _optim_args(section: Any, total_steps: int) -> OptimArgs:
     return OptimArgs(
@@ -80,99 +85,35 @@ def _vllm_options(ro: Any) -> dict[str, Any]:
             "enforce_eager": ro.vllm_enforce_eager}
 
 
-def check_paths(cfg: Config) -> None:
-    """Fail before any work starts if a model or data path does not exist, naming the key."""
-    models = {"model.path": cfg.model.path, "model.ref_path": cfg.model.ref_path}
-    if cfg.algorithm.adv_estimator == "gae":
-        models["model.critic_path"] = cfg.model.critic_path
-    if cfg.reward.model_path is not None:
-        models["reward.model_path"] = cfg.reward.model_path
-    for key, path in models.items():
-        if not (Path(path) / "config.json").is_file():
-            what = "does not exist" if not Path(path).exists() else "has no config.json"
-            raise ConfigError(f"{key}: {path!r} {what}; expected a HF-format model directory")
-    for key in ("train_files", "val_files"):
-        for path in getattr(cfg.data, key):
-            if not Path(path).is_file():
-                raise ConfigError(f"data.{key}: {path!r} does not exist")
+def length_metrics(batch: Batch) -> dict[str, float]:
+    """The length metrics verl reports, of a rollout batch.
 
-
-def _model_args(key: str, path: str) -> ModelArgs:
-    """The shape config.json gives the model at `path` (config key `key`), read without loading weights."""
-    try:
-        return ModelArgs.from_hf_config(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")))
-    except ConfigError as err:  # a model type or setting reprorl's models do not support
-        raise ConfigError(f"{key}: {path!r}: {err}") from None
-    except KeyError as err:
-        raise ConfigError(f"{key}: {path!r} config.json has no {err}") from None
-    except ValueError as err:  # not JSON
-        raise ConfigError(f"{key}: {path!r} config.json is not valid JSON: {err}") from None
-
-
-def check_models(cfg: Config, tokenizer: Any) -> None:
-    """Fail before any model loads or Ray actor starts if a model cannot serve this run.
-
-    `tokenizer` is model.path's. Every model that reads its token ids (actor and rollout,
-    reference, critic) needs `vocab_size` >= the tokenizer's size (larger is normal:
-    padded embeddings, as in Qwen) and positions for a whole prompt plus response
-    (`data.max_prompt_length + data.max_response_length`); the tokenizer needs a pad
-    token (the rollout pads with it; `load_tokenizer` falls back to eos), and the eos ids
-    the engine stops on must be ids the model can produce. A reward model is checked
-    against its own tokenizer.
+    `response_length/mean`, `/max`, `/min`: model tokens per response (`response_mask`);
+    `response_length/clip_ratio`: the share of responses that ran out of budget (finish
+    reason "length": rollout.max_tokens, or a tool turn that did not fit);
+    `prompt_length/mean`, `/max`: prompt tokens, padding left out.
     """
-    data = cfg.data
-    length = data.max_prompt_length + data.max_response_length
-    if tokenizer.pad_token_id is None:
-        raise ConfigError(f"model.path: the tokenizer in {cfg.model.path!r} has neither a pad token nor an eos "
-                          "token; expected one of them (set pad_token in its tokenizer_config.json)")
-    models = {"model.path": cfg.model.path}
-    if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        models["model.ref_path"] = cfg.model.ref_path
-    if cfg.algorithm.adv_estimator == "gae":
-        models["model.critic_path"] = cfg.model.critic_path
-    num_tokens = len(tokenizer)
-    shapes = {key: _model_args(key, path) for key, path in models.items()}
-    for key, path in models.items():
-        args = shapes[key]
-        if args.vocab_size < num_tokens:
-            raise ConfigError(
-                f"{key}: {path!r} has vocab_size={args.vocab_size} in config.json but the tokenizer of model.path "
-                f"has {num_tokens} tokens; expected vocab_size >= {num_tokens} (a model and the tokenizer it was "
-                "trained with)"
-            )
-        if length > args.max_position_embeddings:
-            raise ConfigError(
-                f"data.max_prompt_length + data.max_response_length = {data.max_prompt_length} + "
-                f"{data.max_response_length} = {length} tokens is more than {key} {path!r} holds "
-                f"(max_position_embeddings={args.max_position_embeddings}); expected at most "
-                f"{args.max_position_embeddings}"
-            )
-    vocab_size = shapes["model.path"].vocab_size
-    eos = eos_ids_from_dir(cfg.model.path)  # the ids the engine stops at
-    for token_id in [eos] if isinstance(eos, int) else eos or []:
-        if not 0 <= token_id < vocab_size:
-            raise ConfigError(
-                f"model.path: {cfg.model.path!r} stops generation at eos_token_id={token_id} "
-                f"(generation_config.json or config.json), which its vocab_size={vocab_size} cannot produce; "
-                f"expected an id in [0, {vocab_size})"
-            )
-    if cfg.reward.model_path is not None:
-        path = cfg.reward.model_path
-        args = _model_args("reward.model_path", path)
-        num_rm_tokens = len(AutoTokenizer.from_pretrained(path))
-        if args.vocab_size < num_rm_tokens:
-            raise ConfigError(
-                f"reward.model_path: {path!r} has vocab_size={args.vocab_size} in config.json but its tokenizer has "
-                f"{num_rm_tokens} tokens; expected vocab_size >= {num_rm_tokens}"
-            )
-        if args.max_position_embeddings < length:
-            # Not an error: the reward model re-tokenizes the text with its own tokenizer (and
-            # chat template), which may need fewer tokens than the policy's; a sample that
-            # does not fit fails the step with the sample's length, after the last checkpoint.
-            logger.warning(
-                "reward.model_path: %r has max_position_embeddings=%d, fewer than "
-                "data.max_prompt_length + data.max_response_length = %d policy tokens: long samples may not fit",
-                path, args.max_position_embeddings, length)
+    response = batch["response_mask"].sum(-1).float()  # [B]
+    prompt = batch["attention_mask"][:, : batch["prompts"].shape[1]].sum(-1).float()  # [B]
+    reasons = list(batch.non_tensors["finish_reason"])
+    return {
+        "response_length/mean": response.mean().item(),
+        "response_length/max": response.max().item(),
+        "response_length/min": response.min().item(),
+        "response_length/clip_ratio": sum(r == "length" for r in reasons) / len(reasons),
+        "prompt_length/mean": prompt.mean().item(),
+        "prompt_length/max": prompt.max().item(),
+    }
+
+
+def _test_kill_step() -> int | None:
+    """The step `TEST_KILL_AT_STEP_ENV` names, or None when it is unset."""
+    value = os.environ.get(TEST_KILL_AT_STEP_ENV)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise ConfigError(f"{TEST_KILL_AT_STEP_ENV}={value!r}: expected a step number (a test hook; unset it)")
+    return int(value)
 
 
 def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
@@ -191,7 +132,9 @@ def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
 class Trainer:
     """Builds every part of a run from its config and runs `fit()`.
 
-    Parts take plain arguments; this class is the one place that reads the config.
+    Parts take plain arguments; this class is the one place that reads the config. The fit
+    loop reaches the actor, reference and critic only through their methods, so a worker
+    group with the same methods can stand in for a worker.
     """
 
     def __init__(self, cfg: Config) -> None:
@@ -207,91 +150,101 @@ class Trainer:
         else:
             torch.manual_seed(cfg.seed)  # weight init of fresh heads only; sampling seeds are per request
 
-        data = cfg.data
-        self.train_set = PromptDataset(
-            data.train_files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
-            prompt_key=data.prompt_key,
-        )
-        self.val_set = PromptDataset(
-            data.val_files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
-            prompt_key=data.prompt_key,
-        )
-        if len(self.train_set) < data.train_batch_size:
-            raise ConfigError(
-                f"data.train_batch_size={data.train_batch_size} is larger than the train set "
-                f"({len(self.train_set)} prompts after overlong handling)"
-            )
-        self.sampler = PromptSampler(len(self.train_set), data.train_batch_size, cfg.seed, shuffle=data.shuffle)
-
-        import ray
-
-        from reprorl.rollout.replica import init_ray
-
+        self.train_set, self.val_set = self._make_datasets()
+        check_train_set_size(cfg, len(self.train_set))
+        self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
         init_ray()
-        estimator = cfg.algorithm.adv_estimator
-        actor, total = cfg.actor, cfg.trainer.total_steps
-        groups = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
+        self.actor, self.ref, self.critic = self._make_workers()
+        self.loss_args = self._policy_loss_args()
+        self.kl_ctrl = self._make_kl_controller()
+        self.reward_model, self.reward_loop = self._make_reward()
+        self.pool, self.agent = self._make_rollout()
+        # The run's records are opened in `fit`, after `resume` has cut them to its step.
+        self.tracker: Tracker | None = None
+        self.fingerprints: FingerprintWriter | None = None
+        self.step = 0
+
+    # ------------------------------------------------------------------ parts
+
+    def _make_datasets(self) -> tuple[PromptDataset, PromptDataset]:
+        data, rw = self.cfg.data, self.cfg.reward
+        # The built-in rule rewards know which ground truths they can ever match: a row that
+        # could only score 0 is an error naming it, before the run starts.
+        builtin_rules = rw.fn is None and (rw.model_path is None or rw.rule_weight != 0)
+        return tuple(
+            PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
+                          prompt_key=data.prompt_key, check_ground_truth=check_ground_truth if builtin_rules else None)
+            for files in (data.train_files, data.val_files)
+        )
+
+    def _make_workers(self) -> tuple[WorkerGroup, WorkerGroup | None, WorkerGroup | None]:
+        """(actor, reference or None, critic or None), each a group of `trainer.num_workers`
+        processes: a reference only for a KL term, a critic only for GAE."""
+        cfg = self.cfg
+        total = cfg.trainer.total_steps
+        common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype}
-        self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(actor, total), **groups)
-        self.loss_args = PolicyLossArgs(
+        actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
+        ref = None
+        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
+        critic = None
+        if cfg.algorithm.adv_estimator == "gae":
+            critic = WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total),
+                                 **common)
+        return actor, ref, critic
+
+    def _policy_loss_args(self) -> PolicyLossArgs:
+        actor = self.cfg.actor
+        return PolicyLossArgs(
             clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
             entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
             kl_loss_type=actor.kl_loss_type, kl_loss_coef=actor.kl_loss_coef,
-            max_response_length=data.max_response_length,
-        )
-        self.needs_ref = actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **groups) if self.needs_ref else None
-        self.critic = (
-            WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total), **groups)
-            if estimator == "gae"
-            else None
-        )
-        kl = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = (
-            algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
-            if kl.type == "adaptive"
-            else algos.FixedKLController(kl.kl_coef)
+            max_response_length=self.cfg.data.max_response_length,
         )
 
-        self.reward_model = None
-        if cfg.reward.model_path is not None:
+    def _make_kl_controller(self) -> algos.FixedKLController | algos.AdaptiveKLController:
+        kl = self.cfg.algorithm.kl_ctrl
+        if kl.type == "adaptive":
+            return algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
+        return algos.FixedKLController(kl.kl_coef)
+
+    def _make_reward(self) -> tuple[Any, RewardLoop]:
+        """(the reward-model pool or None, the reward loop)."""
+        cfg, rw = self.cfg, self.cfg.reward
+        reward_model = None
+        if rw.model_path is not None:
             from reprorl.reward.reward_model import RewardModelPool
 
-            self.reward_model = RewardModelPool(
-                cfg.reward.model_path, cfg.reward.num_replicas, seed=cfg.seed,
-                full_determinism=cfg.full_determinism, max_num_seqs=cfg.reward.max_num_seqs,
-                backend=cfg.reward.backend, vllm_options=_vllm_options(cfg.rollout),
+            reward_model = RewardModelPool(
+                rw.model_path, rw.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
+                max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
             )
-        self.reward_loop = RewardLoop(
-            resolve_reward_fn(cfg.reward.fn), self.reward_model,
-            rule_weight=cfg.reward.rule_weight, model_weight=cfg.reward.model_weight,
-        )
+        loop = RewardLoop(resolve_reward_fn(rw.fn), reward_model, rule_weight=rw.rule_weight,
+                          model_weight=rw.model_weight, timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
+        return reward_model, loop
 
-        from reprorl.agent_loop.manager import AgentLoopManager
-        from reprorl.rollout.replica import ReplicaPool
-
-        ro = cfg.rollout
-        self.pool = ReplicaPool(
+    def _make_rollout(self) -> tuple[ReplicaPool, AgentLoopManager]:
+        """(the rollout replica pool, the agent-loop manager that sends it requests)."""
+        cfg, ro, data = self.cfg, self.cfg.rollout, self.cfg.data
+        pool = ReplicaPool(
             cfg.model.path, ro.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
             backend=ro.backend, vllm_options=_vllm_options(ro),
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
-        self.agent = AgentLoopManager(
-            self.pool, ro.num_agent_workers, cfg.model.path,
+        agent = AgentLoopManager(
+            pool, ro.num_agent_workers, cfg.model.path,
             max_response_length=data.max_response_length,
             max_prompt_length=data.max_prompt_length,
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
         )
-        # The run's records are opened in `fit`, after `resume` has cut them to its step.
-        self.tracker: Tracker | None = None
-        self.fingerprints: FingerprintWriter | None = None
-        self.step = 0
+        return pool, agent
 
     # ------------------------------------------------------------------ batches
 
@@ -321,7 +274,7 @@ class Trainer:
     def _rollout_batch(self, prompts: Batch) -> tuple[Batch, int]:
         """The rows of the step's ONE rollout call, and how many of them are sampled.
 
-        ReMax appends one greedy row per prompt (`__do_sample__` False); the agent loop
+        ReMax appends one greedy row per prompt (`DO_SAMPLE` False); the agent loop
         gives those rows greedy params, and they are split off after the call.
         """
         n = self.cfg.rollout.n
@@ -330,19 +283,40 @@ class Trainer:
             return sampled, len(sampled)
         baseline = prompts.slice(0, len(prompts))
         baseline["repeat_index"] = [n] * len(prompts)  # an identity apart from the n samples
-        sampled["__do_sample__"] = [True] * len(sampled)
-        baseline["__do_sample__"] = [False] * len(baseline)
+        sampled[DO_SAMPLE] = [True] * len(sampled)
+        baseline[DO_SAMPLE] = [False] * len(baseline)
         return Batch.concat([sampled, baseline]), len(sampled)
 
     # ------------------------------------------------------------------ one step
 
     def train_step(self, step: int, positions: list[int]) -> dict[str, float]:
-        cfg, n = self.cfg, self.cfg.rollout.n
+        """One training step on the prompts at `positions`; returns its metrics."""
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
-        prompts = self._prompt_batch(self.train_set, positions, step=step, validate=False)
+        batch, baseline = self._generate(step, positions, metrics)
+        scores, reward_baselines = self._score(batch, baseline, metrics)
+        mask = batch["response_mask"].float()
+        self._log_probs_and_values(batch, mask, metrics)
+        token_rewards = self._token_rewards(batch, scores, mask, metrics)
+        advantages, returns = self._advantages(batch, token_rewards, mask, reward_baselines)
+        batch["advantages"] = advantages
+        batch["returns"] = returns
+        _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
+        weights = self._update(step, batch, metrics)
 
+        metrics["reward/mean"] = scores.mean().item()
+        metrics["reward/std"] = scores.std(unbiased=False).item()
+        metrics.update(length_metrics(batch))
+        metrics["advantages/mean"] = algos.masked_mean(advantages, mask).item()
+        metrics["timing/step_s"] = time.perf_counter() - t_step
+        metrics["throughput/tokens_per_s"] = mask.sum().item() / max(metrics["timing/gen_s"], 1e-9)
+        self._write_fingerprint(step, batch, scores, metrics, weights)
+        return metrics
+
+    def _generate(self, step: int, positions: list[int], metrics: dict[str, float]) -> tuple[Batch, Batch | None]:
+        """The step's ONE rollout call: (the sampled rows, ReMax's greedy rows or None)."""
         t0 = time.perf_counter()
+        prompts = self._prompt_batch(self.train_set, positions, step=step, validate=False)
         calls_before = self.agent.num_generate_sequences_calls
         rollout, num_sampled = self._rollout_batch(prompts)
         output = self.agent.generate_sequences(rollout)
@@ -351,53 +325,61 @@ class Trainer:
         batch = output.slice(0, num_sampled)
         baseline = output.slice(num_sampled, len(output)) if num_sampled < len(output) else None
         if baseline is not None:
-            batch.pop(non_tensor_keys=["__do_sample__"])
+            batch.pop(non_tensor_keys=[DO_SAMPLE])
         metrics["timing/gen_s"] = time.perf_counter() - t0
+        return batch, baseline
 
+    def _score(
+        self, batch: Batch, baseline: Batch | None, metrics: dict[str, float]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scores `[B*n]`, ReMax's baseline reward of each sample's prompt `[B*n]` or None)."""
         t0 = time.perf_counter()
-        scores, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
+        scores, _, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
         metrics.update(reward_metrics)
         reward_baselines = None
         if baseline is not None:
             # ReMax's baseline is the greedy response's reward only, without the KL penalty
             # (as in the paper and verl): the KL term belongs to the sampled trajectory.
-            baseline_scores, _ = self.reward_loop.compute(baseline, self.tokenizer)  # [B]
+            baseline_scores = self.reward_loop.compute(baseline, self.tokenizer).scores  # [B]
             metrics["reward/baseline_mean"] = baseline_scores.mean().item()
-            reward_baselines = baseline_scores.repeat_interleave(n)  # [B*n]: row i is prompt i // n
+            reward_baselines = baseline_scores.repeat_interleave(self.cfg.rollout.n)  # [B*n]: row i is prompt i // n
         metrics["timing/reward_s"] = time.perf_counter() - t0
+        return scores, reward_baselines
 
+    def _log_probs_and_values(self, batch: Batch, mask: torch.Tensor, metrics: dict[str, float]) -> None:
+        """Add `old_log_probs`, and `ref_log_probs` and `values` where those workers exist, to `batch`."""
+        cfg = self.cfg
         t0 = time.perf_counter()
-        mask = batch["response_mask"].float()
-        actor = cfg.actor
-        batch["old_log_probs"] = self.actor.compute_log_probs(
-            batch, temperature=cfg.rollout.temperature, micro_batch_size=actor.ppo_micro_batch_size
-        )
+        temperature, micro = cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size
+        batch["old_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, micro_batch_size=micro)
         if "rollout_log_probs" in batch:
             # 0 when the engine's log-probs equal the trainer's bit for bit (batch-invariant paths).
             gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
         if self.ref is not None:
-            batch["ref_log_probs"] = self.ref.compute_log_probs(
-                batch, temperature=cfg.rollout.temperature, micro_batch_size=actor.ppo_micro_batch_size
-            )
+            batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, micro_batch_size=micro)
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(batch, micro_batch_size=cfg.critic.ppo_micro_batch_size)
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
 
+    def _token_rewards(
+        self, batch: Batch, scores: torch.Tensor, mask: torch.Tensor, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """`[B*n, R]`: each score at its sample's last token, minus the KL penalty when it is in the reward."""
         token_scores = algos.scores_to_token_rewards(scores, mask)  # [B*n, R]
-        if cfg.algorithm.use_kl_in_reward:
-            kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], cfg.algorithm.kl_penalty)
-            token_rewards, mean_kl = algos.apply_kl_to_rewards(token_scores, kl, self.kl_ctrl.value, mask)
-            metrics["actor/reward_kl_penalty"] = mean_kl.item()
-            metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
-            self.kl_ctrl.update(mean_kl.item(), n_steps=len(batch))
-        else:
-            token_rewards = token_scores
-        advantages, returns = self._advantages(batch, token_rewards, mask, reward_baselines)
-        batch["advantages"] = advantages
-        batch["returns"] = returns
-        _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
+        if not self.cfg.algorithm.use_kl_in_reward:
+            return token_scores
+        kl = algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], self.cfg.algorithm.kl_penalty)
+        token_rewards, mean_kl = algos.apply_kl_to_rewards(token_scores, kl, self.kl_ctrl.value, mask)
+        metrics["actor/reward_kl_penalty"] = mean_kl.item()
+        metrics["actor/reward_kl_coef"] = self.kl_ctrl.value
+        self.kl_ctrl.update(mean_kl.item(), n_steps=len(batch))
+        return token_rewards
 
+    def _update(self, step: int, batch: Batch, metrics: dict[str, float]) -> list[tuple[str, torch.Tensor]]:
+        """Critic update, actor update, then the new weights to the replicas as version `step`;
+        returns those weights."""
+        cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         if self.critic is not None:
             metrics.update(self.critic.update(
@@ -406,27 +388,24 @@ class Trainer:
                 cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode,
             ))
         metrics.update(self.actor.update(
-            batch, ppo_epochs=actor.ppo_epochs, mini_batch_size=actor.ppo_mini_batch_size * n,
-            micro_batch_size=actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+            batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
+            micro_batch_size=cfg.actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
             loss=self.loss_args, temperature=cfg.rollout.temperature,
         ))
-        weights = self.actor.named_weights()
+        weights = self.actor.named_weights()  # gathered once: for the replicas and the fingerprint
         self.pool.update_weights(weights, version=step)
         metrics["timing/update_s"] = time.perf_counter() - t0
+        return weights
 
-        response_lengths = mask.sum(-1)
-        metrics["reward/mean"] = scores.mean().item()
-        metrics["reward/std"] = scores.std(unbiased=False).item()
-        metrics["response_length/mean"] = response_lengths.mean().item()
-        metrics["advantages/mean"] = algos.masked_mean(advantages, mask).item()
-        metrics["timing/step_s"] = time.perf_counter() - t_step
-        metrics["throughput/tokens_per_s"] = response_lengths.sum().item() / max(metrics["timing/gen_s"], 1e-9)
+    def _write_fingerprint(self, step: int, batch: Batch, scores: torch.Tensor, metrics: dict[str, float],
+                           weights: list[tuple[str, torch.Tensor]]) -> None:
+        """The step's fingerprint record: digests of what it computed and of the new weights."""
         self.fingerprints.write(
             step,
             fields={
                 "prompts": batch["prompts"], "responses": batch["responses"],
                 "rollout_log_probs": batch["rollout_log_probs"], "rewards": scores,
-                "old_log_probs": batch["old_log_probs"], "advantages": advantages,
+                "old_log_probs": batch["old_log_probs"], "advantages": batch["advantages"],
                 **({"ref_log_probs": batch["ref_log_probs"]} if self.ref is not None else {}),
                 **({"values": batch["values"]} if self.critic is not None else {}),
                 "losses": torch.tensor([metrics[k] for k in sorted(metrics) if k.endswith("_loss")], dtype=torch.float64),
@@ -436,7 +415,6 @@ class Trainer:
             },
             params=weights,
         )
-        return metrics
 
     def _advantages(
         self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor, reward_baselines: torch.Tensor | None
@@ -466,7 +444,8 @@ class Trainer:
     def validate(self, step: int) -> dict[str, float]:
         """Roll out the whole validation set with the validation sampling params.
 
-        `val/accuracy` is the share of samples whose rule reward is full credit (>= 1.0);
+        `val/accuracy` is the share of samples whose rule reward is full credit (>= 1.0),
+        absent when the rule function does not run (a reward model alone, rule_weight 0);
         `val/reward_mean` is the mean of the final reward (rule and model, weighted).
         """
         cfg = self.cfg
@@ -477,18 +456,19 @@ class Trainer:
         for start in range(0, len(positions), size):
             prompts = self._prompt_batch(self.val_set, positions[start : start + size], step=step, validate=True)
             output = self.agent.generate_sequences(self._repeat(prompts, cfg.rollout.val.n))
-            batch_scores, _ = self.reward_loop.compute(output, self.tokenizer)
-            solutions = decode_responses(output["responses"], output["response_mask"], self.tokenizer)
-            rule, _ = self.reward_loop.rule_scores(output, solutions)
-            scores.append(batch_scores)
-            correct.append((rule >= 1.0).float())
+            rewards = self.reward_loop.compute(output, self.tokenizer)
+            scores.append(rewards.scores)
+            if rewards.rule is not None:
+                correct.append((rewards.rule >= 1.0).float())
             lengths.append(output["response_mask"].float().sum(-1))
-        return {
-            "val/accuracy": torch.cat(correct).mean().item(),
+        metrics = {
             "val/reward_mean": torch.cat(scores).mean().item(),
             "val/response_length_mean": torch.cat(lengths).mean().item(),
             "timing/val_s": time.perf_counter() - t0,
         }
+        if correct:
+            metrics["val/accuracy"] = torch.cat(correct).mean().item()
+        return metrics
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -564,7 +544,7 @@ class Trainer:
         parts: dict[str, dict[str, Any]] = {}
         for group in (self.actor, self.ref, self.critic):
             if group is not None:
-                parts.update(group.determinism_info())
+                parts.update(group.determinism_info())  # "actor worker 0", ...
         parts.update({f"rollout replica {i}": info for i, info in self.pool.determinism_info().items()})
         if self.reward_model is not None:
             parts.update({f"reward replica {i}": info for i, info in self.reward_model.determinism_info().items()})
@@ -580,13 +560,15 @@ class Trainer:
     def fit(self) -> Path:
         """Train from the resumed step to `trainer.total_steps`; returns the run directory.
 
-        A NaN or infinity in a step raises `NonFiniteError` naming the step and where; the
-        step is not finished (no optimizer step for that mini-batch, no weights pushed, no
-        metrics or checkpoint written), so the newest checkpoint is the one to resume from.
+        A NaN or infinity in a step raises `NonFiniteError` naming the step and where, and
+        a rule reward past `reward.timeout_s` with full determinism `RewardTimeoutError`;
+        the step is not finished (no optimizer step for that mini-batch, no weights pushed,
+        no metrics or checkpoint written), so the newest checkpoint is the one to resume from.
         """
         from tqdm import tqdm
 
         cfg = self.cfg.trainer
+        kill_at = _test_kill_step()
         start = self.resume()
         self.tracker = Tracker(
             self.run_dir, cfg.loggers, project_name=cfg.project_name,
@@ -598,20 +580,17 @@ class Trainer:
             logger.info("run in %s is already at step %d of %d: nothing to do", self.run_dir, start, cfg.total_steps)
             return self.run_dir
         if start == 0 and cfg.val_before_train:
-            self.tracker.log(0, self.validate(0))
+            with self._stop_note(0):
+                self.tracker.log(0, self.validate(0))
         progress = tqdm(range(start + 1, cfg.total_steps + 1), initial=start, total=cfg.total_steps,
                         desc="train", unit="step", dynamic_ncols=True)
         for step in progress:
             self.step = step
-            try:
-                metrics = self.train_step(step, next(self.sampler))
-            except NonFiniteError as err:
-                raise NonFiniteError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
-            except WorkerError as err:
-                raise WorkerError(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
             last = step == cfg.total_steps
-            if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
-                metrics.update(self.validate(step))
+            with self._stop_note(step):
+                metrics = self.train_step(step, next(self.sampler))
+                if cfg.test_freq > 0 and (step % cfg.test_freq == 0 or last):
+                    metrics.update(self.validate(step))
             self.tracker.log(step, metrics)
             progress.set_postfix(
                 {k.split("/")[-1]: f"{metrics[k]:.3g}" for k in ("reward/mean", "val/accuracy", "actor/pg_loss")
@@ -619,12 +598,20 @@ class Trainer:
             )
             if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last):
                 self.save(step)
+            if step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # TEST_KILL_AT_STEP_ENV: no close(), no flush
         return self.run_dir
+
+    @contextlib.contextmanager
+    def _stop_note(self, step: int) -> Iterator[None]:
+        """Errors that stop a run in a step say which step, and where it can resume from."""
+        try:
+            yield
+        except (NonFiniteError, RewardTimeoutError, WorkerError) as err:
+            raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
 
     def close(self) -> None:
         """Stop the replicas and workers, close the loggers, draw the curves."""
-        import ray
-
         if self.tracker is not None:
             self.tracker.close()
         if self.fingerprints is not None:
@@ -632,6 +619,7 @@ class Trainer:
         metrics_path = self.run_dir / METRICS_FILE
         if metrics_path.exists():
             plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
+        self.reward_loop.close()
         self.agent.shutdown()
         self.pool.shutdown()
         for group in (self.actor, self.ref, self.critic):

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from reprorl.algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from reprorl.determinism_report import model_part_info
 from reprorl.models import ops
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.protocol import Batch
@@ -291,6 +292,11 @@ class PolicyWorker:
         if self.trainable:
             self.optimizer.load_state_dict(state["optimizer"])
             self.schedule.load_state_dict(state["scheduler"])
+
+    def determinism_info(self) -> dict[str, Any]:
+        """This worker's determinism mode, for the run's determinism report."""
+        return model_part_info(backend="torch", batch_invariant=self.batch_invariant,
+                               dtype=next(self.model.parameters()).dtype)
 
     def _require_trainable(self, what: str) -> None:
         if not self.trainable:

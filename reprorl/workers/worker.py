@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
+from reprorl.io import atomic_write
 from reprorl.protocol import Batch
-from reprorl.trainer.checkpoint import write_synced
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
 from reprorl.trainer.policy import PolicyWorker, mini_batch_norms
@@ -219,7 +219,7 @@ class ShardWorker:
         return [(name, p.detach().cpu().clone()) for name, p in self.model_worker.model.named_parameters()]
 
     def save_shard(self, directory: str) -> None:
-        """Write this rank's `shard_<rank>.pt` (fsynced) into `directory`."""
+        """Write this rank's `shard_<rank>.pt` into `directory` (durably: `atomic_write`)."""
         start, end = self.layout.shard_range(self.rank)
         real_end = max(start, min(end, self.layout.numel))
         keep = real_end - start
@@ -229,7 +229,8 @@ class ShardWorker:
         if state:
             shard["adam"] = {"step": state["step"].cpu().clone(), "exp_avg": state["exp_avg"][:keep].cpu().clone(),
                              "exp_avg_sq": state["exp_avg_sq"][:keep].cpu().clone()}
-        write_synced(Path(directory) / f"shard_{self.rank}.pt", lambda f: torch.save(shard, f))
+        with atomic_write(Path(directory) / f"shard_{self.rank}.pt") as tmp:
+            torch.save(shard, tmp)
 
     def load_shards(self, directory: str, num_shards: int) -> None:
         """Take this rank's range from the `num_shards` shard files in `directory` (any

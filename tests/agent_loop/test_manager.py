@@ -11,8 +11,8 @@ from reprorl.protocol import Batch
 from reprorl.rollout.sampling import SamplingParams
 
 QUESTIONS = ["What is 3*(4+5)?", "Add 12 and 30.", "Compute 7-9.", "Is 5 > 2?"]
-SAMPLING = SamplingParams(temperature=1.0)
 R = 128  # max_response_length: long enough for the random model to stumble on tool calls
+SAMPLING = SamplingParams(temperature=1.0, max_tokens=R)
 
 pytestmark = pytest.mark.slow
 

@@ -40,23 +40,32 @@ def test_plan_identity_seeds_and_priorities():
                                             request_seed(9, 4, "b", 0)]
     assert samples[0].seed(2) == request_seed(9, 4, "a", 0, 2)
     assert len({s.seed(0) for s in samples}) == 3
-    assert all(s.sampling_params == SamplingParams(0.9, 0.8, 20, max_tokens=16) for s in samples)
+    assert all(s.sampling_params == SamplingParams(0.9, 0.8, 20, max_tokens=3) for s in samples)
     assert [s.extra for s in samples] == [{"data_source": "x"}, {"data_source": "x"}, {"data_source": "y"}]
+
+
+def test_plan_keeps_max_tokens_and_refuses_more_than_the_response_width():
+    """rollout.max_tokens bounds the responses (it was overwritten by max_response_length)."""
+    samples = _plan(_batch())
+    assert [s.sampling_params.max_tokens for s in samples] == [3, 3, 3]
+    with pytest.raises(ValueError, match="max_tokens=17 is more than max_response_length=16"):
+        plan_samples(_batch(), run_seed=9, sampling_params=SamplingParams(max_tokens=17), val_sampling_params=VAL,
+                     max_response_length=16)
 
 
 def test_plan_validation_uses_its_params_and_phase():
     samples = _plan(_batch(validate=True))
     assert samples[0].request_id == "val/4/a/0"
     assert samples[0].seed(0) == request_seed(9, 4, "a", 0, phase="val") != request_seed(9, 4, "a", 0)
-    assert samples[0].sampling_params == SamplingParams(temperature=0.5, max_tokens=16)
+    assert samples[0].sampling_params == SamplingParams(temperature=0.5, max_tokens=3)
 
 
 def test_plan_do_sample_rows_are_greedy_and_the_column_stays_out():
     samples = _plan(_batch(do_sample=[True, False, True]))
-    greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=16)
-    assert greedy_params(TRAIN.__class__(0.9, 0.8, 20, max_tokens=16)) == greedy
-    assert [s.sampling_params for s in samples] == [SamplingParams(0.9, 0.8, 20, max_tokens=16), greedy,
-                                                   SamplingParams(0.9, 0.8, 20, max_tokens=16)]
+    greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=3)
+    assert greedy_params(TRAIN.__class__(0.9, 0.8, 20, max_tokens=3)) == greedy
+    assert [s.sampling_params for s in samples] == [SamplingParams(0.9, 0.8, 20, max_tokens=3), greedy,
+                                                   SamplingParams(0.9, 0.8, 20, max_tokens=3)]
     for s in samples:
         assert "__do_sample__" not in s.extra and "__do_sample__" not in repr(s)
 

@@ -162,6 +162,18 @@ def test_bad_row_in_parquet_and_second_file(tmp_path, char_tokenizer):
         PromptDataset([good, path], char_tokenizer, max_prompt_length=None)
 
 
+def test_ground_truth_check_names_file_and_row(tmp_path, char_tokenizer):
+    from reprorl.data.rewards import check_ground_truth
+
+    rows = [_row(), _row(data_source="openai/gsm8k", truth="3/4"),
+            _row(truth=None, reward_model={"style": "model", "ground_truth": None})]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError, match=r"d.jsonl: row 1: field 'reward_model.ground_truth': GSM8K ground truth "
+                                        r"'3/4' is not a number"):
+        PromptDataset(path, char_tokenizer, 64, check_ground_truth=check_ground_truth)
+    assert len(PromptDataset(path, char_tokenizer, 64)) == 3  # unchecked without the check (a user's reward.fn)
+
+
 def test_file_errors(tmp_path, char_tokenizer):
     unknown = r"d\.csv: unknown dataset extension '\.csv'; expected one of \.parquet, \.jsonl"
     with pytest.raises(DataError, match=unknown):

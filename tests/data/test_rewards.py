@@ -7,7 +7,15 @@ import math_verify
 import pytest
 
 from reprorl.data import rewards, synthetic
-from reprorl.data.rewards import REWARD_FNS, arithmetic_score, compute_score, gsm8k_score, math_score
+from reprorl.data.rewards import (
+    REWARD_FNS,
+    arithmetic_score,
+    check_ground_truth,
+    compute_score,
+    gsm8k_score,
+    gsm8k_truth,
+    math_score,
+)
 from reprorl.errors import DataError
 
 
@@ -57,12 +65,42 @@ def test_arithmetic_edge_cases(response, truth, score):
         ("####", "72", 0.0),
         ("#### seventy-two", "72", 0.0),
         ("72", "72", 0.0),  # no fallback to the last number
-        ("#### 72", "", 0.0),
         ("#### 72", "Natalia sold 48/2 = 24 clips in May.\n#### 72", 1.0),
+        ("#### 72 apples", "72", 1.0),  # words after the number are not part of it
+        ("#### 72<|im_end|>", "72", 1.0),
+        ("#### 0.5", ".5", 1.0),
+        ("#### .5", "0.5", 1.0),
+        # Trailing garbage: the leading number alone must not match.
+        ("#### 1.2.3", "1.2", 0.0),
+        ("#### 3/4", "3", 0.0),
+        ("#### 1,2,3", "123", 0.0),
+        ("#### 72x", "72", 0.0),
+        ("#### 7 then ####", "7", 0.0),  # the last #### has no number
     ],
 )
 def test_gsm8k_edge_cases(response, truth, score):
     assert gsm8k_score("openai/gsm8k", response, truth) == score
+
+
+@pytest.mark.parametrize("truth", ["3/4", "", "seventy-two", "1.2.3", "#### 3/4", "72 apples"])
+def test_gsm8k_truth_that_is_not_a_number_is_an_error(truth):
+    """It used to score by its leading number (3/4 as 3) or silently 0 for every response."""
+    with pytest.raises(ValueError, match="is not a number"):
+        gsm8k_score("openai/gsm8k", "#### 3", truth)
+    with pytest.raises(ValueError, match="is not a number"):
+        check_ground_truth("openai/gsm8k", truth)
+
+
+def test_gsm8k_truth_forms():
+    assert gsm8k_truth("1,000") == gsm8k_truth("$1000") == gsm8k_truth(" 1000.0 ") == gsm8k_truth("x\n#### 1000")
+    assert str(gsm8k_truth(".5")) == "0.5" and str(gsm8k_truth("-3")) == "-3"
+
+
+def test_check_ground_truth():
+    check_ground_truth("reprorl/arithmetic", "-19")
+    check_ground_truth("lighteval/MATH", "\\frac{1}{2}")  # math-verify parses it at scoring time
+    with pytest.raises(ValueError, match="'19.5' is not an integer"):
+        check_ground_truth("reprorl/arithmetic", "19.5")
 
 
 def test_math_parser_exception_scores_zero(monkeypatch):

@@ -44,10 +44,11 @@ def test_rule_scores_in_sample_order(char_tokenizer):
     batch = _batch(char_tokenizer, ["7<|im_end|>", "8<|im_end|>", " 7", "#### 7"],
                    data_sources=["reprorl/arithmetic"] * 3 + ["openai/gsm8k"],
                    extra_infos=[{"index": i} for i in range(4)])
-    scores, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
+    scores, _, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
     assert scores.dtype == torch.float32
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0, 1.0]))
-    assert metrics == {"reward/fn_errors": 0.0, "reward/rule_mean": 0.75, "reward/mean": 0.75}
+    assert metrics == {"reward/fn_errors": 0.0, "reward/fn_timeouts": 0.0, "reward/rule_mean": 0.75,
+                       "reward/mean": 0.75}
 
 
 def test_rule_fn_gets_its_row(char_tokenizer):
@@ -59,7 +60,7 @@ def test_rule_fn_gets_its_row(char_tokenizer):
 
     batch = _batch(char_tokenizer, ["ab", "cde"], data_sources=["s0", "s1"], ground_truths=["g0", "g1"],
                    extra_infos=[{"i": 0}, None])
-    scores, _ = RewardLoop(record).compute(batch, char_tokenizer)
+    scores, _, _ = RewardLoop(record).compute(batch, char_tokenizer)
     assert seen == [("s0", "ab", "g0", {"i": 0}), ("s1", "cde", "g1", None)]
     assert torch.equal(scores, torch.tensor([2.0, 3.0]))
     # Without an extra_info column the function gets None.
@@ -77,8 +78,8 @@ def test_raising_fn_scores_zero_counted_and_logged_once(char_tokenizer, caplog):
     loop = RewardLoop(flaky)
     batch = _batch(char_tokenizer, ["ok", "bad1", "ok", "bad2"])
     with caplog.at_level(logging.ERROR, logger="reprorl.reward.loop"):
-        scores, metrics = loop.compute(batch, char_tokenizer)
-        scores2, metrics2 = loop.compute(batch, char_tokenizer)  # the same run, a later step
+        scores, _, metrics = loop.compute(batch, char_tokenizer)
+        scores2, _, metrics2 = loop.compute(batch, char_tokenizer)  # the same run, a later step
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert torch.equal(scores2, scores)
     assert metrics["reward/fn_errors"] == 2.0 and metrics2["reward/fn_errors"] == 2.0
@@ -87,12 +88,12 @@ def test_raising_fn_scores_zero_counted_and_logged_once(char_tokenizer, caplog):
     records = [r for r in caplog.records if r.name == "reprorl.reward.loop"]
     assert len(records) == 1  # the first traceback of the run only
     assert "sample 1" in records[0].getMessage()
-    assert records[0].exc_info is not None and "cannot score 'bad1'" in str(records[0].exc_info[1])
+    assert "ValueError: cannot score 'bad1'" in records[0].getMessage()  # with its traceback
 
 
 def test_unknown_data_source_counts_as_an_error(char_tokenizer):
     batch = _batch(char_tokenizer, ["7", "7"], data_sources=["reprorl/arithmetic", "nobody/knows"])
-    scores, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
+    scores, _, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
     assert torch.equal(scores, torch.tensor([1.0, 0.0]))
     assert metrics["reward/fn_errors"] == 1.0
 
@@ -112,11 +113,13 @@ class FixedModel:
 def test_weights_combine(char_tokenizer):
     batch = _batch(char_tokenizer, ["7", "8", "7<|im_end|>"])
     model = FixedModel([0.5, -2.0, 0.25])
-    scores, metrics = RewardLoop(compute_score, model, rule_weight=2.0, model_weight=0.5).compute(batch, char_tokenizer)
+    scores, rule, metrics = RewardLoop(compute_score, model, rule_weight=2.0, model_weight=0.5).compute(
+        batch, char_tokenizer)
     # rule [1, 0, 1] * 2 + model [0.5, -2, 0.25] * 0.5 (all exact in float32)
     assert torch.equal(scores, torch.tensor([2.25, -1.0, 2.125]))
-    assert metrics == {"reward/fn_errors": 0.0, "reward/rule_mean": 2 / 3, "reward/model_mean": -1.25 / 3,
-                       "reward/mean": 3.375 / 3}
+    assert torch.equal(rule, torch.tensor([1.0, 0.0, 1.0]))  # unweighted
+    assert metrics == {"reward/fn_errors": 0.0, "reward/fn_timeouts": 0.0, "reward/rule_mean": 2 / 3,
+                       "reward/model_mean": -1.25 / 3, "reward/mean": 3.375 / 3}
     prompts, responses = model.calls[0]
     assert responses == ["7", "8", "7"]
     assert prompts == [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
@@ -127,8 +130,9 @@ def test_model_only_skips_the_rule_fn(char_tokenizer):
         raise AssertionError("the rule function must not run with rule_weight=0")
 
     batch = _batch(char_tokenizer, ["a", "b"], ground_truths=[None, None])
-    scores, metrics = RewardLoop(never, FixedModel([3.0, 4.0]), rule_weight=0.0).compute(batch, char_tokenizer)
+    scores, rule, metrics = RewardLoop(never, FixedModel([3.0, 4.0]), rule_weight=0.0).compute(batch, char_tokenizer)
     assert torch.equal(scores, torch.tensor([3.0, 4.0]))
+    assert rule is None
     assert "reward/rule_mean" not in metrics and metrics["reward/model_mean"] == 3.5
 
 

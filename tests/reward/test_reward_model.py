@@ -207,8 +207,19 @@ def test_reward_loop_with_the_reward_model(scorer, char_tokenizer):
     prompts = [[{"role": "user", "content": "What is 12+7?"}]] * 3
     batch = Batch({"responses": responses, "response_mask": (responses != char_tokenizer.pad_token_id).long()},
                   {"raw_prompt": prompts, "data_source": ["reprorl/arithmetic"] * 3, "ground_truth": ["19"] * 3})
-    scores, metrics = RewardLoop(compute_score, scorer, rule_weight=1.0, model_weight=0.5).compute(batch, char_tokenizer)
+    scores, _, metrics = RewardLoop(compute_score, scorer, rule_weight=1.0, model_weight=0.5).compute(batch, char_tokenizer)
     model = scorer.score(prompts, ["19", "20", "19"])
     assert torch.equal(model[0], model[2])  # same (prompt, response), different rows
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0]) + 0.5 * model)
     assert metrics["reward/model_mean"] == pytest.approx(model.double().mean().item(), abs=1e-7)
+
+
+def test_the_two_scorer_backends_do_not_import_each_other():
+    """vllm_reward imported reward_model (for ChatScorer) while reward_model imports vllm_reward:
+    the base class lives in reward/chat.py now."""
+    import subprocess
+    import sys
+
+    code = ("import sys, reprorl.reward.vllm_reward; "
+            "assert 'reprorl.reward.reward_model' not in sys.modules, 'vllm_reward imports reward_model'")
+    subprocess.run([sys.executable, "-c", code], check=True)

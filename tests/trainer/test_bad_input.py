@@ -31,9 +31,10 @@ from reprorl.models.tiny import init_weights, tiny_args
 from reprorl.models.tokenizer import make_char_tokenizer
 from reprorl.models.transformer import CausalLM
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop
+from reprorl.reward.loop import RewardLoop, RewardTimeoutError
 from reprorl.trainer.checkpoint import load_checkpoint
-from reprorl.trainer.fit import Trainer, check_models
+from reprorl.trainer.checks import check_models
+from reprorl.trainer.fit import Trainer
 from reprorl.trainer.optim import NonFiniteError
 from small_run import run_trainer, small_run_overrides
 
@@ -142,7 +143,7 @@ def test_reward_model_shorter_than_a_sample_warns_at_start(assets, tmp_path, cap
     config_file = rm / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": 40}))
     cfg = config(assets, tmp_path / "run", f"reward.model_path={rm}", "reward.model_weight=0.5")
-    with caplog.at_level("WARNING", logger="reprorl.trainer.fit"):
+    with caplog.at_level("WARNING", logger="reprorl.trainer.checks"):
         check_models(cfg, make_char_tokenizer())
     assert "max_position_embeddings=40, fewer than data.max_prompt_length + data.max_response_length = 72" in caplog.text
 
@@ -215,7 +216,7 @@ def _reward_batch(n: int) -> Batch:
 def test_a_nan_or_inf_reward_counts_as_a_failed_reward_function(char_tokenizer):
     returns = iter([0.5, float("nan"), float("-inf"), {"score": float("inf")}, 1.0])
     loop = RewardLoop(lambda **kw: next(returns))
-    scores, metrics = loop.compute(_reward_batch(5), char_tokenizer)
+    scores, _, metrics = loop.compute(_reward_batch(5), char_tokenizer)
     assert torch.equal(scores, torch.tensor([0.5, 0.0, 0.0, 0.0, 1.0]))
     assert metrics["reward/fn_errors"] == 3.0 and metrics["reward/mean"] == 0.3
 
@@ -303,6 +304,31 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     assert _steps(run_dir) == [1, 2, 3]
     result = compare_runs(whole_dir, run_dir)
     assert result.identical and result.common_steps == [1, 2, 3], result
+
+
+@pytest.mark.slow
+def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(assets, tmp_path, ray_local):
+    """full_determinism: a sample that would score 0 by timing instead stops the run, naming
+    the step, the sample, its data source and the limit; the last checkpoint is intact."""
+    run_dir = tmp_path / "run"
+    hanging = f"{Path(__file__).parent / 'hang_at_step_2.py'}:hang_at_step_2"
+    trainer = Trainer(config(assets, run_dir, f"reward.fn={hanging}", "reward.timeout_s=2", "trainer.total_steps=3",
+                             "trainer.save_freq=1"))
+    try:
+        with pytest.raises(RewardTimeoutError) as info:
+            trainer.fit()
+    finally:
+        trainer.close()
+    ckpt_dir = run_dir / "checkpoints" / "step_1"
+    assert str(info.value) == (
+        "step 2: the reward function did not return within reward.timeout_s=2 s on sample 0 (data_source="
+        "'reprorl/arithmetic'); with full_determinism a timed-out sample cannot score 0 (the result would depend on "
+        f"timing): fix the function or raise the limit; the run stopped. The newest checkpoint, {str(ckpt_dir)!r}, "
+        "is unchanged; trainer.resume=auto continues from it."
+    )
+    assert isinstance(info.value, ReproRLError)  # the CLI prints it as one line
+    assert _steps(run_dir) == [1] and load_checkpoint(run_dir)[0] == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
 
 
 @pytest.mark.slow

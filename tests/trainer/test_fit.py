@@ -1,12 +1,12 @@
 """The fit loop end to end on tiny models: every estimator trains, runs are bitwise
 reproducible, and ReMax's sampled and greedy rows share one rollout call."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,8 @@ import torch
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
-from reprorl.trainer.fit import Trainer, check_paths
+from reprorl.trainer.checks import check_paths
+from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV, Trainer
 from small_run import run_trainer, small_run_overrides
 
 pytestmark = pytest.mark.slow
@@ -145,33 +146,51 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
         trainer.close()
 
 
+def test_validation_calls_the_rule_function_once_per_sample(assets, tmp_path, monkeypatch):
+    """Once per sample (validation scored every rule reward twice), and never for a run
+    scored by a reward model alone (rule_weight 0), which then has no val/accuracy."""
+    counting_fn = f"{Path(__file__).parent / 'counting_reward.py'}:count_calls"
+    model_only = (f"reward.model_path={assets['reward']}", "reward.rule_weight=0")
+    for name, extra, expected_calls in (("rule", (), 8), ("model", model_only, 0)):  # 8 validation prompts, n=1
+        calls = tmp_path / f"{name}-calls.txt"
+        calls.touch()
+        monkeypatch.setenv("REPRORL_TEST_CALLS_FILE", str(calls))
+        trainer = Trainer(small_config(assets, tmp_path / name, f"reward.fn={counting_fn}", *extra))
+        try:
+            val = trainer.validate(0)
+        finally:
+            trainer.close()
+        assert len(calls.read_text().splitlines()) == expected_calls, name
+        assert ("val/accuracy" in val) == (name == "rule")
+
+
 def test_missing_model_path_names_the_key(assets, tmp_path):
     cfg = small_config(assets, tmp_path / "run", f"model.path={tmp_path / 'nope'}", f"model.ref_path={tmp_path / 'nope'}")
     with pytest.raises(ConfigError, match=r"model.path: '.*nope' does not exist"):
         check_paths(cfg)
 
 
-def _train_process(args):
-    # Its own session: SIGKILL to the group takes the driver and what it started down at once.
+def _train_process(args, **env):
+    # Its own session: a SIGKILL to the group takes down whatever the driver started.
     return subprocess.Popen([sys.executable, "-m", "reprorl.cli", "train", *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
-    """Kill -9 after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped."""
+    """SIGKILL right after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped.
+
+    The run kills itself at that point (TEST_KILL_AT_STEP_ENV), so the test cannot race it."""
     common = ("trainer.total_steps=4", "trainer.save_freq=1")
     whole = _train_process(small_run_overrides(assets, tmp_path / "whole", *common))
     assert whole.wait(timeout=600) == 0, whole.stderr.read()
 
-    killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common))
-    step_2 = tmp_path / "killed" / "checkpoints" / "step_2"
-    deadline = time.monotonic() + 600
-    while not step_2.exists() and killed.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert step_2.exists(), "the run ended or timed out before its step-2 checkpoint"
-    os.killpg(killed.pid, signal.SIGKILL)  # not a clean exit: no close(), no flush beyond what was fsynced
-    killed.wait(timeout=60)
-    assert killed.returncode == -signal.SIGKILL
+    killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common), **{TEST_KILL_AT_STEP_ENV: "2"})
+    returncode = killed.wait(timeout=600)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(killed.pid, signal.SIGKILL)  # what the driver started and left behind, if anything
+    assert returncode == -signal.SIGKILL, killed.stderr.read()
+    assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["latest", "step_1", "step_2"]
+    assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2]
 
     resumed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
     assert resumed.wait(timeout=600) == 0, resumed.stderr.read()

@@ -1,0 +1,167 @@
+"""Rule reward functions in a child process, each call under a time limit.
+
+    worker = RuleWorker(fn)
+    outcomes = worker.run(calls, timeout_s=30.0, stop_at_timeout=False)  # an Outcome per call
+    worker.close()
+
+Why a process: a Python function that never returns cannot be stopped from another thread
+(and a thread would take rule functions out of a main thread, where math-verify's own
+timeout needs `signal.alarm`); a process can be killed. When a call passes its limit the
+child is killed and a fresh one takes the calls after it. The child is a plain `python`
+started with `subprocess` (`multiprocessing` would re-run the caller's `__main__`); the
+function reaches it through cloudpickle (by reference when its module can be imported, by
+value when it was loaded from a file), and it dies with its parent (`PR_SET_PDEATHSIG`),
+so a killed run leaves no rule function spinning. State a function keeps in its module
+lives in the child, and starts afresh after a timeout.
+
+The calls of one `run` go over in one message; the child answers call by call, and each
+answer must come within `timeout_s` of the one before it: the time the call itself took.
+This module imports no torch, so a child starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+from reprorl.errors import ReproRLError
+
+
+def call_rule_fn(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> float:
+    """`fn(**kwargs)` as a finite float; verl's `{"score": ...}` dicts give their score.
+
+    Raises whatever `fn` raises, and ValueError for NaN or an infinity.
+    """
+    result = fn(**kwargs)
+    score = float(result["score"] if isinstance(result, dict) else result)
+    if not math.isfinite(score):
+        raise ValueError(f"reward function returned {score}; expected a finite number")
+    return score
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One call's result: `kind` "ok" (with `score`), "error" (with the traceback) or "timeout"."""
+
+    kind: str
+    score: float = 0.0
+    error: str = ""
+
+
+class RuleWorker:
+    """Calls `fn` in a child process, started at the first `run`; `close()` stops it."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._payload = cloudpickle.dumps(fn)
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+
+    def run(self, calls: Sequence[Mapping[str, Any]], timeout_s: float, *, stop_at_timeout: bool) -> list[Outcome]:
+        """One `Outcome` per call of `calls` (keyword dicts), in order.
+
+        A call that gives no answer within `timeout_s` seconds is a "timeout": its child
+        is killed; with `stop_at_timeout` the outcomes end there, else a new child takes
+        the calls after it. A child that dies mid-call (a crash, `os._exit`) makes that
+        call an "error" and is replaced the same way.
+        """
+        outcomes: list[Outcome] = []
+        while len(outcomes) < len(calls):
+            conn = self._start()
+            conn.send(list(calls[len(outcomes):]))
+            while len(outcomes) < len(calls):
+                if not conn.poll(timeout_s):
+                    self.close()
+                    outcomes.append(Outcome("timeout"))
+                    if stop_at_timeout:
+                        return outcomes
+                    break
+                try:
+                    kind, value = conn.recv()
+                except EOFError:
+                    code = self.close()
+                    outcomes.append(Outcome("error", error=f"the rule-reward process died (exit code {code})"))
+                    break
+                outcomes.append(Outcome("ok", score=value) if kind == "ok" else Outcome("error", error=value))
+        return outcomes
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id while one runs."""
+        return None if self._proc is None else self._proc.pid
+
+    def close(self) -> int | None:
+        """Kill the child, if any, and return its exit code."""
+        code = None
+        if self._proc is not None:
+            self._proc.kill()
+            code = self._proc.wait()
+        if self._conn is not None:
+            self._conn.close()
+        self._proc, self._conn = None, None
+        return code
+
+    def _start(self) -> Connection:
+        if self._proc is not None and self._proc.poll() is None:
+            return self._conn
+        self.close()  # a child that died between runs (the OOM killer, say) is replaced
+        ours, theirs = Pipe()
+        # The parent's sys.path, so the child imports what the caller can (the package, tests).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
+        code = f"from reprorl.reward.rule_worker import serve; serve({theirs.fileno()}, {os.getpid()})"
+        self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
+        theirs.close()
+        self._conn = ours
+        try:
+            ours.send_bytes(self._payload)
+            kind, value = ours.recv()
+        except (EOFError, OSError):
+            kind, value = "exit", f"it exited with code {self.close()} (its output is above)"
+        if kind != "ready":
+            self.close()
+            raise ReproRLError(f"the rule-reward process could not load the reward function: {value}")
+        return ours
+
+
+def serve(fd: int, parent_pid: int) -> None:
+    """The child's loop: load the function, then answer each batch of calls call by call."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        return
+    conn = Connection(fd)
+    try:
+        fn = cloudpickle.loads(conn.recv_bytes())
+    except Exception:  # noqa: BLE001 - said to the parent, which raises it
+        conn.send(("load_error", traceback.format_exc(limit=-3)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            calls = conn.recv()
+        except EOFError:  # the parent closed the pipe
+            return
+        for kwargs in calls:
+            try:
+                conn.send(("ok", call_rule_fn(fn, kwargs)))
+            except Exception:  # noqa: BLE001 - any failure of user code: the parent counts it
+                conn.send(("error", traceback.format_exc()))
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a no-op elsewhere). Strictly, when
+    the parent's thread that started it ends: the reward loop runs in the main thread."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
