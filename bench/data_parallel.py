@@ -8,10 +8,12 @@ float32; about 6.5M parameters), written from a seed into a temp dir. For each N
     one warm-up update; the median of `--repeats` updates; and each worker's peak resident
     memory (VmHWM of its process, read from /proc);
   - the reduction alone, on N gloo processes and a gradient of the model's size, each rank
-    holding its 8 / N micro-batch gradients: reprorl's (tree over its micro-batches, then
+    holding its 8 / N micro-batch gradients: reprorl's (a copy of each micro-batch gradient,
+    as the worker flattens each into a new vector, the tree over them, then
     `fixed_order_reduce_scatter`, then the all-gather of the updated shard) against the
-    plain ways (micro-batch gradients added in sequence, then `all_reduce`, as DDP; or
-    `reduce_scatter_tensor` + `all_gather`, as FSDP), medians of `--repeats`.
+    plain ways (micro-batch gradients added in place in sequence, then `all_reduce`, as
+    DDP, which has no shard to gather; or `reduce_scatter_tensor` + `all_gather`, as
+    FSDP/ZeRO), the slowest rank's median of `--repeats` (at least 5).
 Also checks that every N gave the same weights, bit for bit. Prints a table and writes
 bench/results/data_parallel.json. The machine's load is recorded: on a 2-core machine N = 4
 cannot be faster than N = 2, and other work on the machine shows in every figure.
