@@ -222,6 +222,11 @@ class CriticConfig:
 @dataclass
 class TrainerConfig:
     total_steps: int = _field(30, "training steps", ge=1)
+    num_workers: int = _field(
+        1, "processes in each of the actor, reference and critic worker groups (data parallel, gradient and "
+        "optimizer state sharded); a power of two that divides the micro-batches of a mini-batch, so that every "
+        "allowed count gives the same bits", ge=1,
+    )
     test_freq: int = _field(10, "validate every this many steps; 0 = never", ge=0)
     save_freq: int = _field(10, "checkpoint every this many steps; 0 = never", ge=0)
     run_dir: str | None = _field(None, "where checkpoints and logs go; null = runs/<project_name>/<experiment_name>")
@@ -568,6 +573,22 @@ def _validate(cfg: Config) -> None:
                 f"{name}.ppo_mini_batch_size * rollout.n = {mini} * {rollout.n} = {mini * rollout.n} samples "
                 f"must be divisible by {name}.ppo_micro_batch_size={micro}"
             )
+        _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
+                           f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
+                           f"{mini} * {rollout.n} / {micro}")
+
+
+def _check_num_workers(num_workers: int, micro_batches: int, how: str) -> None:
+    """Each worker sums a contiguous block of a mini-batch's micro-batches; the blocks are
+    subtrees of the one fixed tree over micro-batch index (reprorl/workers/flat.py) only
+    when their count is a power of two that divides the micro-batches' (`how` counts them)."""
+    if num_workers & (num_workers - 1) == 0 and micro_batches % num_workers == 0:
+        return
+    allowed = [n for n in (1 << i for i in range(micro_batches.bit_length())) if micro_batches % n == 0]
+    raise ConfigError(
+        f"trainer.num_workers={num_workers}: expected a power of two that divides the {micro_batches} "
+        f"micro-batches of a mini-batch ({how}), so that every allowed count gives the same bits: one of {allowed}"
+    )
 
 
 def resolve_config(cfg: Config) -> Config:

@@ -9,8 +9,9 @@ every part what it runs with and writes the answers to the run directory:
                                 "problems", "parts": {name: info}}
     run_dir/determinism.txt    the same as a short block of text (also logged)
 
-Parts, by name: `actor`, `ref`, `critic` (the trainer's models, this process),
-`rollout replica <i>`, `reward replica <i>` (each answers its own `determinism_info()`,
+Parts, by name: `actor worker <r>`, `ref worker <r>`, `critic worker <r>` (rank r of
+each of the trainer's worker groups, reprorl/workers; their info adds `rank`,
+`world_size`, `device` and `dist_backend`), `rollout replica <i>`, `reward replica <i>` (each answers its own `determinism_info()`,
 whose keys are documented in `reprorl.rollout.replica`), `agent-loop worker <i>` (only
 its environment: it tokenizes and routes, it runs no model).
 
@@ -144,7 +145,7 @@ def find_problems(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: b
         if name != _pool(name) and "backend" in parts[name]:
             pools.setdefault(_pool(name), []).append(name)
     for pool, names in pools.items():
-        keys = ["backend", "dtype"]
+        keys = ["backend", "dtype"] + [k for k in ("world_size", "dist_backend") if k in parts[names[0]]]
         if not all(parts[n].get("batch_invariant") is True for n in names):
             keys.append("num_threads")
         for key in keys:
@@ -190,6 +191,8 @@ def format_report(report: Mapping[str, Any]) -> str:
             kernels = f" ({info['kernels']} kernels on {info.get('device') or 'cpu'})" if info.get("kernels") else ""
             mode = (f"{info['backend']}{kernels}, batch-invariant {_on(info['batch_invariant'])}, deterministic "
                     f"algorithms {_on(info['deterministic_algorithms'])}, {info['num_threads']} thread(s), {info['dtype']}")
+            if "rank" in info:
+                mode += f", rank {info['rank']} of {info['world_size']} on {info['device']} ({info['dist_backend']})"
         else:
             mode = "no model (environment only)"
         lines.append(f"  {name:<{width}}  {mode}")

@@ -1,4 +1,5 @@
-"""Shared fixtures: the project's tokenizer and per-test scratch directories.
+"""Shared fixtures: the project's tokenizer, a tiny policy, rollout-shaped batches, a local Ray,
+the tolerance of gradients summed in another grouping.
 
 Without a CUDA device, Triton kernels run under its interpreter (on CPU tensors), so CI
 checks their arithmetic; the variable must be set before triton is first imported.
@@ -13,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from reprorl.models.tokenizer import make_char_tokenizer
+from reprorl.protocol import Batch
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +38,58 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A `make_tiny` policy (Qwen2 layout, vocab 128) in a session temp dir."""
+    from reprorl.models.tiny import make_tiny
+
+    return make_tiny(tmp_path_factory.mktemp("tiny-policy"), kind="policy", seed=0)
+
+
+def _rollout_batch(batch_size: int, prompt_len: int, response_len: int, seed: int, vocab: int = 128) -> Batch:
+    """A batch shaped as the rollout hands it over: left-padded prompts, right-padded
+    responses of random lengths (pad id 0), masks and position ids; random advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.zeros(batch_size, prompt_len, dtype=torch.long)
+    responses = torch.zeros(batch_size, response_len, dtype=torch.long)
+    prompt_mask = torch.zeros(batch_size, prompt_len, dtype=torch.long)
+    response_mask = torch.zeros(batch_size, response_len, dtype=torch.long)
+    for b in range(batch_size):
+        p = int(torch.randint(1, prompt_len + 1, (1,), generator=g))
+        r = int(torch.randint(1, response_len + 1, (1,), generator=g))
+        prompts[b, prompt_len - p:] = torch.randint(3, vocab, (p,), generator=g)
+        prompt_mask[b, prompt_len - p:] = 1
+        responses[b, :r] = torch.randint(3, vocab, (r,), generator=g)
+        response_mask[b, :r] = 1
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    advantages = torch.randn(batch_size, response_len, generator=g) * response_mask
+    return Batch({
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "advantages": advantages,
+    })
+
+
+@pytest.fixture
+def rollout_batch():
+    """`rollout_batch(batch_size, prompt_len, response_len, seed) -> Batch`."""
+    return _rollout_batch
+
+
+def _assert_grads_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Gradients of one loss summed in another grouping (micro-batches vs one pass), float32:
+    they differ by rounding only, so every entry within 1e-5 of the tensor's largest entry
+    (float32 eps is 1.2e-7; sums of up to a few hundred terms)."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5 * scale)
+
+
+@pytest.fixture
+def assert_grads_close():
+    return _assert_grads_close

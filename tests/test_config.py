@@ -203,6 +203,24 @@ OVERRIDE_ERRORS = [
         ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=32"],
         "data.train_batch_size=16 must be divisible by critic.ppo_mini_batch_size=32",
     ),
+    (
+        ["trainer.num_workers=3"],
+        "trainer.num_workers=3: expected a power of two that divides the 4 micro-batches of a mini-batch "
+        "(actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 16 * 8 / 32), so that every allowed "
+        "count gives the same bits: one of [1, 2, 4]",
+    ),
+    (
+        ["trainer.num_workers=8"],
+        "trainer.num_workers=8: expected a power of two that divides the 4 micro-batches of a mini-batch "
+        "(actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 16 * 8 / 32), so that every allowed "
+        "count gives the same bits: one of [1, 2, 4]",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=64", "trainer.num_workers=4"],
+        "trainer.num_workers=4: expected a power of two that divides the 2 micro-batches of a mini-batch "
+        "(critic.ppo_mini_batch_size * rollout.n / critic.ppo_micro_batch_size = 16 * 8 / 64), so that every allowed "
+        "count gives the same bits: one of [1, 2]",
+    ),
     (["rollout.max_tokens=9"], "rollout.max_tokens=9 must be <= data.max_response_length=8"),
     (["data.max_response_length=16", "rollout.max_tokens=32"], "rollout.max_tokens=32 must be <= data.max_response_length=16"),
     (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1"),

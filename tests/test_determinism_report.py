@@ -140,3 +140,21 @@ def test_verdict_states_the_mode(full):
     parts = {"actor": model_part(batch_invariant=full, deterministic=full, env=env)}
     assert build_report(parts, full_determinism=full, seed=SEED)["verdict"].startswith(
         f"full determinism: {'on' if full else 'off'}")
+
+
+def worker_part(rank, world_size=2, threads=1):
+    return {**model_part(threads=threads, backend="torch"), "rank": rank, "world_size": world_size, "device": "cpu",
+            "dist_backend": "gloo"}
+
+
+def test_every_worker_of_a_group_is_named_with_its_rank_and_the_group_must_agree():
+    parts = run_parts({"actor worker 0": worker_part(0), "actor worker 1": worker_part(1)})
+    report = build_report(parts, full_determinism=True, seed=SEED)
+    assert report["problems"] == []
+    text = format_report(report)
+    assert "  actor worker 1       torch, batch-invariant on, deterministic algorithms on, 1 thread(s), float32, " \
+           "rank 1 of 2 on cpu (gloo)" in text
+    parts["actor worker 1"] = worker_part(1, world_size=4)
+    assert build_report(parts, full_determinism=True, seed=SEED)["problems"] == [
+        "actor workers differ in world_size (0: 2, 1: 4): a result depends on which one served it"
+    ]

@@ -81,8 +81,8 @@ def test_grpo_n4_one_replica_vs_three(assets, tmp_path, capsys):
     assert_bitwise_identical(capsys, a, b, steps=2)
     got = report(b)
     assert got["verdict"] == "full determinism: on, all parts agree" and got["problems"] == []
-    assert list(got["parts"]) == ["actor", "ref", "rollout replica 0", "rollout replica 1", "rollout replica 2",
-                                  "agent-loop worker 0"]
+    assert list(got["parts"]) == ["actor worker 0", "ref worker 0", "rollout replica 0", "rollout replica 1",
+                                  "rollout replica 2", "agent-loop worker 0"]
     assert all(got["parts"][f"rollout replica {i}"]["batch_invariant"] is True for i in range(3))
 
 
@@ -109,7 +109,7 @@ def test_ppo_with_a_critic_multi_turn_calculator_one_replica_vs_two_with_two_wor
     records = metrics(a)
     assert any(r["rollout/turns_mean"] > 1 for r in records), "no tool turn ran: the gate would test one turn only"
     assert "critic/vf_loss" in records[0]
-    assert {"actor", "critic", "rollout replica 1", "agent-loop worker 1"} <= set(report(b)["parts"])
+    assert {"actor worker 0", "critic worker 0", "rollout replica 1", "agent-loop worker 1"} <= set(report(b)["parts"])
 
 
 def test_report_flags_a_replica_in_the_wrong_mode(assets, tmp_path):

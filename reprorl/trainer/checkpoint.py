@@ -3,6 +3,7 @@
 Layout under the run directory:
 
     run_dir/checkpoints/step_<N>/<component>.pt   one file per top-level key of the state
+    run_dir/checkpoints/step_<N>/<name>/          directories others fill (a worker group's shards)
     run_dir/checkpoints/step_<N>/meta.json        step and component names, written last
     run_dir/checkpoints/latest                    "step_<N>": the newest complete checkpoint
 
@@ -28,6 +29,7 @@ import random
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +58,13 @@ class CheckpointNotFoundError(ReproRLError, FileNotFoundError):
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any],
-                    *, max_to_keep: int | None = None) -> Path:
+                    *, max_to_keep: int | None = None, write_dirs: dict[str, Callable[[Path], None]] | None = None,
+                    ) -> Path:
     """Write `state` as `run_dir/checkpoints/step_<step>/`, atomically; return that path.
+
+    `write_dirs` maps a directory name to a function that fills it (other processes may
+    write there: a worker group's shard files); each is created inside the temp directory
+    and fsynced with it, so it is renamed into place with the rest or not at all.
 
     Then point `latest` at it and delete the oldest checkpoints beyond `max_to_keep`
     (None = keep all; the one just written is always kept). Saving a step that already
@@ -80,6 +87,10 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
     try:
         for name, value in state.items():
             _write_file(tmp / f"{name}.pt", lambda f, v=value: torch.save(v, f))
+        for name, fill in (write_dirs or {}).items():
+            (tmp / name).mkdir()
+            fill(tmp / name)
+            fsync_dir(tmp / name)
         meta = {"step": step, "components": list(state)}
         _write_file(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
         fsync_dir(tmp)

@@ -28,7 +28,7 @@ from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
-from reprorl.trainer.policy import check_positive, dtype_from_name
+from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms
 
 
 VALUE_HEAD = ("score.weight", "score.bias")  # ValueModel's head, as XForTokenClassification
@@ -155,24 +155,29 @@ class CriticWorker:
         """Forward and backward over one mini-batch into `.grad`; returns its
         `critic/vf_loss` and `critic/vf_clipfrac`."""
         check_positive(micro_batch_size=micro_batch_size)
-        num_tokens = mini["response_mask"].sum().to(torch.float32)
-        norms = {
-            "global_num_tokens": num_tokens,
-            "global_num_seqs": len(mini),
-            "max_response_length": max_response_length or mini["responses"].shape[1],
-        }
-        vf_loss_total, clipfrac_total = 0.0, 0.0
+        norms = mini_batch_norms(mini, max_response_length)
+        totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
         for k, micro in enumerate(mini.split(micro_batch_size)):
-            mask = micro["response_mask"].to(torch.float32)
-            vf_loss, clipfrac = value_loss(
-                self._values(micro), micro["values"].float(), micro["returns"].float(), mask,
-                cliprange_value, loss_agg_mode, **norms,
-            )
+            vf_loss, stats = self.micro_batch_loss(micro, norms, cliprange_value=cliprange_value,
+                                                   loss_agg_mode=loss_agg_mode)
             check_finite_loss(vf_loss, self.optimizer, f"{where}, micro-batch {k}")
             vf_loss.backward()
-            vf_loss_total += vf_loss.item()
-            clipfrac_total += clipfrac.item() * (mask.sum() / num_tokens.clamp(min=1)).item()
-        return {"critic/vf_loss": vf_loss_total, "critic/vf_clipfrac": clipfrac_total}
+            for key, value in stats.items():
+                totals[key] += value
+        return totals
+
+    def micro_batch_loss(
+        self, micro: Batch, norms: dict[str, Any], *, cliprange_value: float, loss_agg_mode: str
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(differentiable value loss, stats) of one micro-batch, as its share of the
+        mini-batch whose `norms` (`policy.mini_batch_norms`) are given."""
+        mask = micro["response_mask"].to(torch.float32)
+        vf_loss, clipfrac = value_loss(
+            self._values(micro), micro["values"].float(), micro["returns"].float(), mask,
+            cliprange_value, loss_agg_mode, **norms,
+        )
+        share = (mask.sum() / norms["global_num_tokens"].clamp(min=1)).item()
+        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": clipfrac.item() * share}
 
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer", "scheduler"}: live tensors, as torch's state_dict."""

@@ -7,8 +7,9 @@ One training step, in the order of DESIGN.md:
     values (gae) -> KL (in reward or as a loss) -> advantages -> critic update -> actor
     update -> push weights to the replicas (versioned) -> metrics, validation, checkpoint
 
-Actor, reference and critic run in this process; rollout and reward-model replicas are
-Ray actors. Every reduction over the batch runs in sample order, and every random draw
+Actor, reference and critic are worker groups of `trainer.num_workers` Ray processes each
+(reprorl/workers: the same bits for every allowed count); rollout and reward-model
+replicas are Ray actors too. Every reduction over the batch runs in sample order, and every random draw
 comes from a seed named by its origin, so a run is a pure function of its config.
 """
 
@@ -40,7 +41,7 @@ from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
-from reprorl.rollout.replica import ReplicaPool
+from reprorl.rollout.replica import ReplicaPool, init_ray
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import FaultError, Restarts
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
@@ -51,10 +52,10 @@ from reprorl.trainer.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
-from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker
+from reprorl.trainer.policy import PolicyLossArgs
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
+from reprorl.workers.group import WorkerError, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -153,10 +154,11 @@ class Trainer:
         self.train_set, self.val_set = self._make_datasets()
         check_train_set_size(cfg, len(self.train_set))
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.seed, shuffle=cfg.data.shuffle)
+        self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
+        init_ray()
         self.actor, self.ref, self.critic = self._make_workers()
         self.loss_args = self._policy_loss_args()
         self.kl_ctrl = self._make_kl_controller()
-        self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
         self.restarts = Restarts(cfg.trainer.max_restarts)  # shared by both pools and the agent loop
         self.reward_model, self.reward_loop = self._make_reward()
         self.pool, self.agent = self._make_rollout()
@@ -178,20 +180,21 @@ class Trainer:
             for files in (data.train_files, data.val_files)
         )
 
-    def _make_workers(self) -> tuple[PolicyWorker, PolicyWorker | None, CriticWorker | None]:
-        """(actor, reference or None, critic or None): a reference only for a KL term, a
-        critic only for GAE."""
+    def _make_workers(self) -> tuple[WorkerGroup, WorkerGroup | None, WorkerGroup | None]:
+        """(actor, reference or None, critic or None), each a group of `trainer.num_workers`
+        processes: a reference only for a KL term, a critic only for GAE."""
         cfg = self.cfg
-        total, dtype, invariant = cfg.trainer.total_steps, cfg.model.dtype, cfg.full_determinism
-        actor = PolicyWorker(cfg.model.path, optim=_optim_args(cfg.actor, total), dtype=dtype,
-                             batch_invariant=invariant, name="actor")
+        total = cfg.trainer.total_steps
+        common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
+                  "dtype": cfg.model.dtype}
+        actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         ref = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            ref = PolicyWorker(cfg.model.ref_path, dtype=dtype, batch_invariant=invariant, name="ref")
+            ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
         critic = None
         if cfg.algorithm.adv_estimator == "gae":
-            critic = CriticWorker(cfg.model.critic_path, optim=_optim_args(cfg.critic, total), dtype=dtype,
-                                  batch_invariant=invariant, seed=cfg.seed)
+            critic = WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total),
+                                 **common)
         return actor, ref, critic
 
     def _policy_loss_args(self) -> PolicyLossArgs:
@@ -302,7 +305,7 @@ class Trainer:
         batch["advantages"] = advantages
         batch["returns"] = returns
         _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
-        self._update(step, batch, metrics)
+        weights = self._update(step, batch, metrics)
 
         metrics["reward/mean"] = scores.mean().item()
         metrics["reward/std"] = scores.std(unbiased=False).item()
@@ -310,7 +313,7 @@ class Trainer:
         metrics["advantages/mean"] = algos.masked_mean(advantages, mask).item()
         metrics["timing/step_s"] = time.perf_counter() - t_step
         metrics["throughput/tokens_per_s"] = mask.sum().item() / max(metrics["timing/gen_s"], 1e-9)
-        self._write_fingerprint(step, batch, scores, metrics)
+        self._write_fingerprint(step, batch, scores, metrics, weights)
         return metrics
 
     def _generate(self, step: int, positions: list[int], metrics: dict[str, float]) -> tuple[Batch, Batch | None]:
@@ -376,24 +379,29 @@ class Trainer:
         self.kl_ctrl.update(mean_kl.item(), n_steps=len(batch))
         return token_rewards
 
-    def _update(self, step: int, batch: Batch, metrics: dict[str, float]) -> None:
-        """Critic update, actor update, then the new weights to the replicas as version `step`."""
+    def _update(self, step: int, batch: Batch, metrics: dict[str, float]) -> list[tuple[str, torch.Tensor]]:
+        """Critic update, actor update, then the new weights to the replicas as version `step`;
+        returns those weights."""
         cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
         if self.critic is not None:
             metrics.update(self.critic.update(
                 batch, ppo_epochs=cfg.critic.ppo_epochs, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
-                micro_batch_size=cfg.critic.ppo_micro_batch_size, cliprange_value=cfg.critic.cliprange_value,
-                loss_agg_mode=cfg.critic.loss_agg_mode, max_response_length=cfg.data.max_response_length,
+                micro_batch_size=cfg.critic.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+                cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode,
             ))
         metrics.update(self.actor.update(
-            batch, self.loss_args, temperature=cfg.rollout.temperature, ppo_epochs=cfg.actor.ppo_epochs,
-            mini_batch_size=cfg.actor.ppo_mini_batch_size * n, micro_batch_size=cfg.actor.ppo_micro_batch_size,
+            batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
+            micro_batch_size=cfg.actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+            loss=self.loss_args, temperature=cfg.rollout.temperature,
         ))
-        self.pool.update_weights(self.actor.named_weights(), version=step)
+        weights = self.actor.named_weights()  # gathered once: for the replicas and the fingerprint
+        self.pool.update_weights(weights, version=step)
         metrics["timing/update_s"] = time.perf_counter() - t0
+        return weights
 
-    def _write_fingerprint(self, step: int, batch: Batch, scores: torch.Tensor, metrics: dict[str, float]) -> None:
+    def _write_fingerprint(self, step: int, batch: Batch, scores: torch.Tensor, metrics: dict[str, float],
+                           weights: list[tuple[str, torch.Tensor]]) -> None:
         """The step's fingerprint record: digests of what it computed and of the new weights."""
         self.fingerprints.write(
             step,
@@ -408,7 +416,7 @@ class Trainer:
                     [metrics[k] for k in sorted(metrics) if k.endswith("grad_norm")], dtype=torch.float64
                 ),
             },
-            params=self.actor.named_weights(),
+            params=weights,
         )
 
     def _advantages(
@@ -467,17 +475,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _trained_groups(self) -> dict[str, WorkerGroup]:
+        return {name: group for name, group in (("actor", self.actor), ("critic", self.critic)) if group is not None}
+
     def save(self, step: int) -> Path:
+        """A checkpoint of the step: the driver's state, and each trained group's shards
+        (`<name>.shards/`, one file a worker) written into the same atomic directory."""
         state: dict[str, Any] = {
             "trainer": {"step": step},
-            "actor": self.actor.state_dict(),
             "sampler": self.sampler.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "rng": capture_rng_state(),
         }
-        if self.critic is not None:
-            state["critic"] = self.critic.state_dict()
-        path = save_checkpoint(self.run_dir, step, state, max_to_keep=self.cfg.trainer.max_ckpt_to_keep)
+        groups = self._trained_groups()
+        state.update({name: group.state_dict() for name, group in groups.items()})
+        path = save_checkpoint(self.run_dir, step, state, max_to_keep=self.cfg.trainer.max_ckpt_to_keep,
+                               write_dirs={f"{name}.shards": group.save for name, group in groups.items()})
         logger.info("saved checkpoint %s", path)
         return path
 
@@ -503,7 +516,10 @@ class Trainer:
             return 0
         source = self.run_dir if mode == "auto" else Path(mode)
         try:
-            step, state = load_checkpoint(source, "auto")
+            ckpt = find_checkpoint(source)
+            if ckpt is None:
+                raise FileNotFoundError(source)
+            step, state = load_checkpoint(ckpt)
         except FileNotFoundError:
             if mode != "auto":
                 raise ConfigError(f"trainer.resume: no checkpoint found at {mode!r}") from None
@@ -512,9 +528,8 @@ class Trainer:
                 truncate_metrics(self.run_dir / METRICS_FILE, 0)
                 truncate_fingerprints(self.run_dir, 0)
             return 0
-        self.actor.load_state_dict(state["actor"])
-        if self.critic is not None:
-            self.critic.load_state_dict(state["critic"])
+        for name, group in self._trained_groups().items():
+            group.load(ckpt / f"{name}.shards", state[name])  # shards of any number of workers
         self.sampler.load_state_dict(state["sampler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         restore_rng_state(state["rng"])
@@ -530,9 +545,9 @@ class Trainer:
     def report_determinism(self, step: int) -> dict[str, Any]:
         """Ask every part for its determinism mode; write, log and return the report."""
         parts: dict[str, dict[str, Any]] = {}
-        for name, worker in (("actor", self.actor), ("ref", self.ref), ("critic", self.critic)):
-            if worker is not None:
-                parts[name] = worker.determinism_info()
+        for group in (self.actor, self.ref, self.critic):
+            if group is not None:
+                parts.update(group.determinism_info())  # "actor worker 0", ...
         parts.update({f"rollout replica {i}": info for i, info in self.pool.determinism_info().items()})
         if self.reward_model is not None:
             parts.update({f"reward replica {i}": info for i, info in self.reward_model.determinism_info().items()})
@@ -600,7 +615,7 @@ class Trainer:
         """Errors that stop a run in a step say which step, and where it can resume from."""
         try:
             yield
-        except (NonFiniteError, RewardTimeoutError, FaultError) as err:
+        except (NonFiniteError, RewardTimeoutError, FaultError, WorkerError) as err:
             raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
 
     def close(self) -> None:
@@ -615,6 +630,9 @@ class Trainer:
         self.reward_loop.close()
         self.agent.shutdown()
         self.pool.shutdown()
+        for group in (self.actor, self.ref, self.critic):
+            if group is not None:
+                group.shutdown()
         if self.reward_model is not None:
             self.reward_model.shutdown()
         if self._owns_ray and ray.is_initialized():

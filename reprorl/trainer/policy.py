@@ -222,41 +222,42 @@ class PolicyWorker:
         into the parameters' `.grad` (the optimizer step is the caller's). Returns the
         mini-batch's loss terms and token-mean stats (see `update`)."""
         check_positive(micro_batch_size=micro_batch_size)
-        # The mini-batch's normalisers: each micro-batch's loss is its share of the whole.
-        num_tokens = mini["response_mask"].sum().to(torch.float32)
-        norms = {
-            "global_num_tokens": num_tokens,
-            "global_num_seqs": len(mini),
-            "max_response_length": loss.max_response_length or mini["responses"].shape[1],
-        }
-        has_ref = "ref_log_probs" in mini
-        keys = ["pg_loss", "entropy", "pg_clipfrac", "ppo_kl"] + (["kl"] if has_ref else [])
-        totals = dict.fromkeys(keys, 0.0)
+        norms = mini_batch_norms(mini, loss.max_response_length)
+        totals: dict[str, float] = {}
         for k, micro in enumerate(mini.split(micro_batch_size)):
-            mask = micro["response_mask"].to(torch.float32)  # [b, R]
-            scaled, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
-            pg_loss, pg_stats = ppo_policy_loss(
-                micro["old_log_probs"], log_probs, micro["advantages"], mask,
-                loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,
-            )
-            # The entropy only takes part in the graph when it is in the loss.
-            with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
-                entropy = agg_loss(entropy_from_logits(scaled), mask, loss.loss_agg_mode, **norms)
-            total = pg_loss - loss.entropy_coeff * entropy
-            if has_ref:
-                kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], loss.kl_loss_type), mask,
-                              loss.loss_agg_mode, **norms)
-                if loss.use_kl_loss:
-                    total = total + loss.kl_loss_coef * kl
-                totals["kl"] += kl.item()
+            total, stats = self.micro_batch_loss(micro, norms, loss=loss, temperature=temperature)
             check_finite_loss(total, self.optimizer, f"{where}, micro-batch {k}")
             total.backward()
-            share = (mask.sum() / num_tokens.clamp(min=1)).item()  # this micro-batch's share of the tokens
-            totals["pg_loss"] += pg_loss.item()
-            totals["entropy"] += entropy.item()
-            totals["pg_clipfrac"] += pg_stats["clipfrac"].item() * share
-            totals["ppo_kl"] += pg_stats["approx_kl"].item() * share
-        return {f"{self.name}/{key}": value for key, value in totals.items()}
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + value
+        return totals
+
+    def micro_batch_loss(
+        self, micro: Batch, norms: dict[str, Any], *, loss: PolicyLossArgs, temperature: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(differentiable loss, stats) of one micro-batch: its share of the loss of the
+        mini-batch whose `norms` (`mini_batch_norms`) are given. The stats add up over a
+        mini-batch's micro-batches, in order, to the mini-batch's (see `update`)."""
+        mask = micro["response_mask"].to(torch.float32)  # [b, R]
+        scaled, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
+        pg_loss, pg_stats = ppo_policy_loss(
+            micro["old_log_probs"], log_probs, micro["advantages"], mask,
+            loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,
+        )
+        # The entropy only takes part in the graph when it is in the loss.
+        with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
+            entropy = agg_loss(entropy_from_logits(scaled), mask, loss.loss_agg_mode, **norms)
+        total = pg_loss - loss.entropy_coeff * entropy
+        share = (mask.sum() / norms["global_num_tokens"].clamp(min=1)).item()  # this micro-batch's share of the tokens
+        stats = {"pg_loss": pg_loss.item(), "entropy": entropy.item(),
+                 "pg_clipfrac": pg_stats["clipfrac"].item() * share, "ppo_kl": pg_stats["approx_kl"].item() * share}
+        if "ref_log_probs" in micro:
+            kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], loss.kl_loss_type), mask,
+                          loss.loss_agg_mode, **norms)
+            if loss.use_kl_loss:
+                total = total + loss.kl_loss_coef * kl
+            stats["kl"] = kl.item()
+        return total, {f"{self.name}/{key}": value for key, value in stats.items()}
 
     # ---------------------------------------------------------------- weights and state
 
@@ -299,6 +300,17 @@ class PolicyWorker:
     def _require_trainable(self, what: str) -> None:
         if not self.trainable:
             raise RuntimeError(f"{what}: the {self.name} worker is frozen (built without optim)")
+
+
+def mini_batch_norms(mini: Batch, max_response_length: int | None) -> dict[str, Any]:
+    """The normalisers of a mini-batch's loss (`agg_loss`'s global_* arguments), which make
+    each micro-batch's loss its share of the whole: token and sequence counts, and the
+    divisor of "seq-mean-token-sum-norm" (`max_response_length`; None = the batch's R)."""
+    return {
+        "global_num_tokens": mini["response_mask"].sum().to(torch.float32),
+        "global_num_seqs": len(mini),
+        "max_response_length": max_response_length or mini["responses"].shape[1],
+    }
 
 
 def check_positive(**values: int) -> None:

@@ -82,7 +82,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded or a Ray actor started before the input was checked")
 
-    monkeypatch.setattr("reprorl.trainer.fit.PolicyWorker", refuse)
+    monkeypatch.setattr("reprorl.trainer.fit.WorkerGroup", refuse)
     monkeypatch.setattr("reprorl.rollout.replica.ReplicaPool.__init__", refuse)
     monkeypatch.setattr("reprorl.reward.reward_model.RewardModelPool.__init__", refuse)
 
@@ -236,59 +236,49 @@ def test_a_non_finite_reward_model_score_is_an_error(char_tokenizer):
 
 
 def _file_digests(directory: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+    """sha256 of every file under `directory` (a checkpoint holds its groups' shard directories)."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-class _InfGrad(torch.autograd.Function):
-    """Identity forward; the backward turns the gradient infinite (a finite loss, a non-finite grad norm)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * float("inf")
-
-
 @pytest.mark.slow
 def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exactly(
     assets, tmp_path, ray_local, monkeypatch
 ):
-    import reprorl.trainer.policy as policy
-
     run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
     common = ("trainer.total_steps=3", "trainer.save_freq=1")
     saved = {}
     real_save = Trainer.save
 
+    trainer = Trainer(config(assets, run_dir, *common))
+    weights_at_save = {}
+
     def save_and_digest(self, step):
         path = real_save(self, step)
         saved[step] = _file_digests(path)
+        weights_at_save[step] = dict(trainer.actor.named_weights())
         return path
 
-    trainer = Trainer(config(assets, run_dir, *common))
-    calls_at_step_2 = []
-    real_loss = policy.ppo_policy_loss
+    real_update = trainer.actor.update
 
-    def nan_in_micro_batch_1_of_step_2(*args, **kwargs):
-        pg_loss, stats = real_loss(*args, **kwargs)
+    def nan_in_micro_batch_1_of_step_2(batch, **kwargs):
+        # The actor's workers are other processes: the NaN travels in the batch, after the
+        # trainer's finiteness check, in micro-batch 1's samples (4 samples in micro-batches of 2).
         if trainer.step == 2:
-            calls_at_step_2.append(1)
-            if len(calls_at_step_2) == 2:  # micro-batch 1 (4 samples in micro-batches of 2)
-                pg_loss = pg_loss * float("nan")
-        return pg_loss, stats
+            batch["advantages"] = batch["advantages"].clone()
+            batch["advantages"][2:4] = float("nan")
+        return real_update(batch, **kwargs)
 
-    monkeypatch.setattr(policy, "ppo_policy_loss", nan_in_micro_batch_1_of_step_2)
+    monkeypatch.setattr(trainer.actor, "update", nan_in_micro_batch_1_of_step_2)
     monkeypatch.setattr(Trainer, "save", save_and_digest)
     try:
         with pytest.raises(NonFiniteError) as info:
             trainer.fit()
-        live_actor = trainer.actor.state_dict()
+        live_actor = dict(trainer.actor.named_weights())
     finally:
         trainer.close()
     message = str(info.value)
@@ -304,14 +294,8 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
     assert _steps(run_dir) == [1]
     # In memory: the optimizer was not stepped at step 2, so the actor is still step 1's.
-    step, state = load_checkpoint(run_dir)
-    assert step == 1
-    for name, tensor in state["actor"]["model"].items():
-        assert torch.equal(live_actor["model"][name], tensor), name
-    assert live_actor["scheduler"] == state["actor"]["scheduler"] == {"step": 1}
-    for param_id, adam in state["actor"]["optimizer"]["state"].items():
-        for key, value in adam.items():
-            assert torch.equal(live_actor["optimizer"]["state"][param_id][key], value), (param_id, key)
+    assert load_checkpoint(run_dir)[0] == 1
+    assert [k for k, v in weights_at_save[1].items() if not torch.equal(live_actor[k], v)] == []
 
     # resume=auto (the default) continues from step 1, exactly as a run that never stopped.
     monkeypatch.undo()
@@ -349,27 +333,29 @@ def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(ass
 
 @pytest.mark.slow
 def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(assets, tmp_path, ray_local, monkeypatch):
-    import reprorl.trainer.critic as critic
+    # One-token responses: 4 tokens a mini-batch, 2 a micro-batch.
+    trainer = Trainer(config(assets, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1",
+                             "data.max_response_length=1"))
+    real_update = trainer.critic.update
 
-    real_value_loss = critic.value_loss
+    def returns_whose_gradient_overflows(batch, **kwargs):
+        # Returns R = 8e18 (the workers are other processes: it travels in the batch). A
+        # micro-batch's loss sums 2 errors of R^2 = 6.4e37: finite in float32 (3.4e38). The
+        # value head's gradient is -R times the mean of 4 normed hidden states (each of
+        # squared norm 128), so its chunk's sum of squares is about R^2 * 32 = 2e39: inf.
+        batch["returns"] = torch.full_like(batch["returns"], 8e18)
+        return real_update(batch, **kwargs)
 
-    def inf_grad_value_loss(*args, **kwargs):
-        loss, clipfrac = real_value_loss(*args, **kwargs)
-        return _InfGrad.apply(loss), clipfrac
-
-    monkeypatch.setattr(critic, "value_loss", inf_grad_value_loss)
-    trainer = Trainer(config(assets, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1"))
-    before = {"actor": {k: v.clone() for k, v in trainer.actor.model.state_dict().items()},
-              "critic": {k: v.clone() for k, v in trainer.critic.model.state_dict().items()}}
+    monkeypatch.setattr(trainer.critic, "update", returns_whose_gradient_overflows)
+    before = {"actor": dict(trainer.actor.named_weights()), "critic": dict(trainer.critic.named_weights())}
     try:
         with pytest.raises(NonFiniteError, match=r"^step 1: critic update 1 \(epoch 0, mini-batch 0\): gradient "
                                                  r"norm is (nan|inf); optimizer not stepped; the run stopped\. No "
                                                  r"checkpoint was saved before it\.$"):
             trainer.fit()
-        for name, worker in (("actor", trainer.actor), ("critic", trainer.critic)):
-            for key, value in worker.model.state_dict().items():
-                assert torch.equal(value, before[name][key]), (name, key)
-        assert all(p.grad is None for p in trainer.critic.params)
+        for name, group in (("actor", trainer.actor), ("critic", trainer.critic)):
+            after = dict(group.named_weights())
+            assert [k for k, v in after.items() if not torch.equal(v, before[name][k])] == [], name
     finally:
         trainer.close()
     assert not (tmp_path / "run" / "checkpoints").exists()

@@ -52,19 +52,16 @@ def without_timing(records):
 def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
     cfg = small_config(assets, tmp_path / "run", f"algorithm.adv_estimator={estimator}")
     trainer = Trainer(cfg)
+    groups = {"actor": trainer.actor, "critic": trainer.critic} if trainer.critic else {"actor": trainer.actor}
     try:
-        before = {k: v.clone() for k, v in trainer.actor.model.state_dict().items()}
-        critic_before = (
-            {k: v.clone() for k, v in trainer.critic.model.state_dict().items()} if trainer.critic else {}
-        )
+        before = {name: dict(group.named_weights()) for name, group in groups.items()}
         trainer.fit()
+        after = {name: dict(group.named_weights()) for name, group in groups.items()}
     finally:
         trainer.close()
-    unchanged = [k for k, v in trainer.actor.model.state_dict().items() if torch.equal(v, before[k])]
-    assert unchanged == [], f"{estimator}: actor parameters that did not change: {unchanged}"
-    if estimator == "gae":
-        after = trainer.critic.model.state_dict()
-        assert [k for k, v in after.items() if torch.equal(v, critic_before[k])] == []
+    for name in groups:
+        unchanged = [k for k, v in after[name].items() if torch.equal(v, before[name][k])]
+        assert unchanged == [], f"{estimator}: {name} parameters that did not change: {unchanged}"
     records = metrics(cfg.trainer.run_dir)
     assert [r["step"] for r in records] == [1, 2]
     for key in ("reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/entropy",

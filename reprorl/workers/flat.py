@@ -1,0 +1,190 @@
+"""Flat shards and the fixed-order reductions that make N workers give one worker's bits.
+
+The trainable parameters of a model are laid end to end in one flat vector (parameter
+order, each tensor row-major), padded with zeros to a whole number of CHUNK-element
+chunks. With N workers, rank r owns chunks `[r * c, (r + 1) * c)` (c = ceil(chunks / N);
+the last ranks may own padding only): the gradient it reduces, the master copy of its
+parameters and the AdamW moments of those elements. Every rank also holds the whole
+parameter vector for its forward passes, rebuilt after each optimizer step by an
+all-gather (exact: it only moves bytes, each shard to its place by rank index).
+
+What keeps the bits independent of N (the rule `config.py` checks for `trainer.num_workers`):
+- Micro-batches are cut from the mini-batch by sample order, whatever N is; rank r takes
+  the contiguous block `[r * M / N, (r + 1) * M / N)` of the M micro-batches, and each
+  micro-batch's gradient is computed alone, so it has the same bits on any rank.
+- The gradients of the M micro-batches are summed in ONE binary tree over micro-batch
+  index (`tree_reduce`: the sum over [lo, hi) is the sum over [lo, mid) plus the sum over
+  [mid, hi), mid = (lo + hi) // 2). When N is a power of two that divides M, the first
+  log2(N) levels of that tree cut [0, M) exactly at the rank blocks, so each rank's block
+  is a subtree: the rank sums it locally, and `fixed_order_reduce_scatter` sums the N
+  block sums with the same tree over rank index. A collective's own reduction (ring,
+  tree, gloo's or NCCL's choice) sums in an order that changes with N, so it is never used
+  to add gradients.
+- The gradient norm for clipping is a sum of per-chunk sums of squares, the chunks fixed
+  by the flat layout (not by N), added in chunk order (`global_grad_norm`).
+- AdamW (`torch.optim.AdamW`, single-tensor) is elementwise: an element's update does
+  not depend on where the shard starts or ends (tests/workers/test_flat.py checks it).
+
+Why not FSDP2 (`torch.distributed.fsdp.fully_shard`, which does run on CPU with gloo in
+torch 2.13): it reduce-scatters each micro-batch's gradient across ranks as soon as its
+backward ends, then adds the result into the sharded gradient, so the micro-batch sums
+are grouped by rank count (g0 + g1 for N = 2, then + (g2 + g3), ...), and the
+reduce-scatter adds in the collective's order. Measured here (torch 2.13 CPU, gloo; a
+64-256-1 MLP, 8 micro-batches of 4 rows): 55% of the gradient's entries at 2 and at 4
+ranks differed from 1 rank's, by up to 2.4e-7. Neither can be made the same for every N
+from outside; the gradient tree above needs the micro-batch gradients before any rank
+adds them, which is what the code here does. Parameters are whole on every rank between
+steps (as ZeRO-2); sharding them at rest too (per-layer gathers, as FSDP's) changes no
+bit, since gathers are exact, and is left for the multi-GPU issue.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+CHUNK = 4096
+"""Elements per chunk: the unit of sharding and of the gradient norm's partial sums. Part
+of the bits of a run (it fixes the norm's summation order); small enough that tiny test
+models still spread over 4 ranks."""
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each trainable parameter sits in the flat vector, and which range each rank owns."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numel: int
+    """Real elements (the sum of the parameters' sizes); the rest up to `padded` is zeros."""
+    world_size: int
+
+    @classmethod
+    def of(cls, named_params: Iterable[tuple[str, torch.Tensor]], world_size: int) -> FlatLayout:
+        named = list(named_params)
+        return cls(
+            names=tuple(n for n, _ in named), shapes=tuple(tuple(p.shape) for _, p in named),
+            numel=sum(p.numel() for _, p in named), world_size=world_size,
+        )
+
+    @property
+    def num_chunks(self) -> int:
+        return math.ceil(self.numel / CHUNK)
+
+    @property
+    def shard_size(self) -> int:
+        return math.ceil(self.num_chunks / self.world_size) * CHUNK
+
+    @property
+    def padded(self) -> int:
+        return self.shard_size * self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """`[start, end)` of rank's shard in the padded flat vector."""
+        return rank * self.shard_size, (rank + 1) * self.shard_size
+
+    def offsets(self) -> list[int]:
+        out, offset = [], 0
+        for shape in self.shapes:
+            out.append(offset)
+            offset += math.prod(shape)
+        return out
+
+    def to_json(self) -> dict:
+        return {"names": list(self.names), "shapes": [list(s) for s in self.shapes], "numel": self.numel,
+                "world_size": self.world_size, "chunk": CHUNK}
+
+
+def flatten(tensors: Sequence[torch.Tensor], layout: FlatLayout) -> torch.Tensor:
+    """The tensors (in layout order) end to end in a new zero-padded `[padded]` vector."""
+    flat = torch.zeros(layout.padded, dtype=tensors[0].dtype, device=tensors[0].device)
+    for offset, t in zip(layout.offsets(), tensors):
+        flat[offset : offset + t.numel()].copy_(t.reshape(-1))
+    return flat
+
+
+def bind_params(params: Sequence[torch.nn.Parameter], layout: FlatLayout) -> torch.Tensor:
+    """Move the parameters' values into one flat vector and make each parameter a view of
+    it; returns the vector, so that writing a shard of it updates the model in place."""
+    with torch.no_grad():
+        flat = flatten([p.detach() for p in params], layout)
+        for offset, p in zip(layout.offsets(), params):
+            p.data = flat[offset : offset + p.numel()].view(p.shape)
+    return flat
+
+
+# ------------------------------------------------------------------------------ reductions
+
+
+def tree_reduce(lo: int, hi: int, leaf: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """The sum of `leaf(i)` for i in [lo, hi) in the fixed binary tree of the module doc.
+
+    Leaves are computed in index order and at most one partial sum per tree level is
+    alive. `leaf` must return a tensor the caller may overwrite (sums are in place).
+    """
+    if hi - lo == 1:
+        return leaf(lo)
+    mid = (lo + hi) // 2
+    left = tree_reduce(lo, mid, leaf)
+    return left.add_(tree_reduce(mid, hi, leaf))
+
+
+def tree_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`tree_reduce` over a list (the inputs are not changed)."""
+    return tree_reduce(0, len(tensors), lambda i: tensors[i].clone())
+
+
+def fixed_order_reduce_scatter(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's shard of the sum over ranks of `full` (`[padded]`), added in the tree
+    over rank index: an all-to-all hands rank r every rank's piece r, then `tree_sum`."""
+    world = layout.world_size
+    send = list(full.view(world, layout.shard_size).unbind(0))
+    received = [torch.empty_like(send[0]) for _ in range(world)]
+    dist.all_to_all(received, send, group=group)
+    return tree_sum(received)
+
+
+def all_gather_shards(shard: torch.Tensor, flat: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> None:
+    """Write every rank's `shard` into its place in `flat` (`[padded]`), by rank index."""
+    dist.all_gather(list(flat.view(layout.world_size, layout.shard_size).unbind(0)), shard, group=group)
+
+
+def global_grad_norm(shard_grad: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> float:
+    """The L2 norm of the whole (reduced) gradient, the same bits on every rank and for every N.
+
+    Each chunk's sum of squares (float32, one row each of a `[chunks, CHUNK]` view), every
+    rank's gathered by rank index, then the first `num_chunks` added in chunk order in
+    float64. A non-finite gradient gives a non-finite norm.
+    """
+    sums = shard_grad.view(-1, CHUNK).float().square().sum(dim=-1)  # [chunks of this shard]
+    gathered = [torch.empty_like(sums) for _ in range(layout.world_size)]
+    dist.all_gather(gathered, sums, group=group)
+    return float(torch.cat(gathered)[: layout.num_chunks].double().sum().sqrt())
+
+
+def first_failure(failure: tuple[int, float] | None, group: dist.ProcessGroup,
+                  device: torch.device) -> tuple[int, float] | None:
+    """Agree across ranks on the lowest-indexed failed micro-batch: `(index, loss value)`
+    or None. Every rank calls it before the reduction, so a rank that stopped early never
+    leaves the others waiting in a collective."""
+    mine = torch.tensor([math.inf, 0.0] if failure is None else [float(failure[0]), failure[1]], dtype=torch.float64,
+                        device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    index, value = min((float(t[0]), float(t[1])) for t in gathered)
+    return None if math.isinf(index) else (int(index), value)
+
+
+def rank_block(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """`[start, end)` of rank's contiguous block of `count` items: blocks of ceil(count / N),
+    the last ones shorter or empty (for log-prob passes, where nothing is summed)."""
+    size = math.ceil(count / world_size)
+    return min(rank * size, count), min((rank + 1) * size, count)

@@ -1,0 +1,212 @@
+"""A worker group: the actor, reference or critic as `num_workers` Ray actor processes.
+
+The fit loop reaches a model only through this class: log-probs, values, update, the
+weights for the rollout replicas, checkpoints and determinism info. One worker is the
+same code path as eight (one rank, a process group of one).
+
+    actor = WorkerGroup("actor", 2, "models/tiny-policy", optim=OptimArgs(lr=1e-5), seed=42,
+                        full_determinism=True)
+    batch["old_log_probs"] = actor.compute_log_probs(batch, temperature=1.0, micro_batch_size=4)
+    metrics = actor.update(batch, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4,
+                           max_response_length=8, loss=PolicyLossArgs(), temperature=1.0)
+
+The batch goes to Ray's object store once; each rank takes its contiguous block of the
+micro-batches (cut in sample order), and results come back and are joined in micro-batch
+order, so a tensor or metric never depends on how many workers made it. How gradients are
+summed: flat.py. Metrics are added up here from every micro-batch's own stats, in
+micro-batch order, as `PolicyWorker.update` adds them.
+
+Every rank gets the run's determinism variables and `WORKER_ENV` through its runtime_env
+(NCCL's in-switch reduction off: it sums in the switch's order). A worker that dies or
+fails stops the group: the call raises `WorkerError` naming it, and the group's other
+processes are killed (they would wait for it in a collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from reprorl.determinism import determinism_env, ray_runtime_env
+from reprorl.errors import ReproRLError
+from reprorl.protocol import Batch
+from reprorl.trainer.checkpoint import CheckpointError
+from reprorl.trainer.optim import OptimArgs
+from reprorl.workers.worker import ShardWorker
+
+WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
+SHARDS_FILE = "shards"  # the checkpoint directory of a group's shard files: <role>.shards/
+# After one rank fails, how long to wait for the others' answers: a rank killed by a
+# signal shows up as dead here, while its peers fail in their collective with a vaguer error.
+PEER_WAIT_S = 10.0
+
+
+class WorkerError(ReproRLError, RuntimeError):
+    """A worker of a group died or failed; the group is stopped, the run cannot go on."""
+
+
+class WorkerGroup:
+    """`num_workers` ranks of `role` ("actor", "ref" or "critic"); `optim=None`: frozen."""
+
+    def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
+                 full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
+                 device: str = "cpu") -> None:
+        if num_workers < 1 or num_workers & (num_workers - 1):
+            # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
+            raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
+        self.role, self.num_workers, self.trainable = role, num_workers, optim is not None
+        env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
+        remote = ray.remote(ShardWorker).options(
+            num_cpus=0, num_gpus=1 if device == "cuda" else 0, runtime_env=ray_runtime_env(env),
+        )
+        batch_invariant = full_determinism if batch_invariant is None else batch_invariant
+        self.workers = [
+            remote.remote(role, rank, num_workers, str(model_path), optim=optim, dtype=dtype,
+                          batch_invariant=batch_invariant, seed=seed, expected_env=env, device=device)
+            for rank in range(num_workers)
+        ]
+        self.pids: dict[int, int] = {}
+        self._call("ready", what="start-up")
+        address = self._call_one(0, "address")
+        self._call("join", address, what="joining the process group")
+        self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
+        self.layout = self._call_one(0, "layout_json")
+
+    # ---------------------------------------------------------------- calls
+
+    def _call_one(self, rank: int, method: str, *args: Any) -> Any:
+        return self._wait([getattr(self.workers[rank], method).remote(*args)], method, ranks=[rank])[0]
+
+    def _call(self, method: str, *args: Any, what: str | None = None, **kwargs: Any) -> list[Any]:
+        """`method(*args, **kwargs)` on every rank; the answers by rank."""
+        refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+        return self._wait(refs, what or method, ranks=list(range(self.num_workers)))
+
+    def _wait(self, refs: list[Any], what: str, ranks: Sequence[int]) -> list[Any]:
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[refs.index(done[0])] = ray.get(done[0])
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, ReproRLError):
+                    # The same on every rank (they agree before stepping): the run's error, not a worker's.
+                    raise err.cause from None
+                self._fail(refs, ranks, refs.index(done[0]), err, what)
+            except ray.exceptions.RayActorError as err:
+                self._fail(refs, ranks, refs.index(done[0]), err, what)
+        return [results[i] for i in range(len(refs))]
+
+    def _fail(self, refs: list[Any], ranks: Sequence[int], first: int, err: Exception, what: str) -> None:
+        """Name the worker that failed (a dead one before one whose peer vanished), stop the group."""
+        failures = {first: err}
+        ray.wait(refs, num_returns=len(refs), timeout=PEER_WAIT_S)
+        for i, ref in enumerate(refs):
+            if i != first:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception as other:  # noqa: BLE001 - classified below
+                    failures[i] = other
+        dead = [i for i, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)]
+        index = dead[0] if dead else min(failures)
+        rank = ranks[index]
+        cause = "died" if dead else f"failed: {_first_line(failures[index])}"
+        pid = f" (pid {self.pids[rank]})" if rank in self.pids else ""
+        self._kill()
+        raise WorkerError(f"{self.role} worker {rank}{pid} {cause} during {what}; the {self.role} group is "
+                          "stopped") from err
+
+    # ---------------------------------------------------------------- forward passes
+
+    def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
+                          with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies), micro-batches spread over the ranks."""
+        parts = [p for p in self._call("compute_log_probs", ray.put(batch), temperature=temperature,
+                                       micro_batch_size=micro_batch_size, with_entropy=with_entropy) if p is not None]
+        if with_entropy:
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return torch.cat(parts)
+
+    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
+        """As `CriticWorker.compute_values`: `[B, R]`."""
+        parts = self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size)
+        return torch.cat([p for p in parts if p is not None])
+
+    # ---------------------------------------------------------------- training
+
+    def update(self, batch: Batch, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
+               max_response_length: int | None = None, **loss: Any) -> dict[str, float]:
+        """One training step; the metrics `PolicyWorker.update` / `CriticWorker.update` give.
+
+        `loss`: the model worker's `micro_batch_loss` arguments (actor: `loss=PolicyLossArgs`,
+        `temperature`; critic: `cliprange_value`, `loss_agg_mode`). A non-finite loss or
+        gradient norm raises `NonFiniteError` as theirs do; nothing is stepped for that mini-batch.
+        """
+        answers = self._call("update", ray.put(batch), ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
+                             micro_batch_size=micro_batch_size, max_response_length=max_response_length,
+                             what="update", **loss)
+        records = []
+        for i, first in enumerate(answers[0]["steps"]):
+            per_micro = sorted(item for answer in answers for item in answer["steps"][i]["stats"])  # by index
+            totals: dict[str, float] = {}
+            for _, stats in per_micro:
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
+            totals[f"{self.role}/grad_norm"] = first["grad_norm"]
+            records.append(totals)
+        metrics = {key: sum(r[key] for r in records) / len(records) for key in records[0]}
+        metrics[f"{self.role}/lr"] = answers[0]["lr"]
+        return metrics
+
+    # ---------------------------------------------------------------- weights and state
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor) of every weight, for the rollout replicas: rank 0's whole model,
+        which every rank rebuilt from the shards by rank index after the last step."""
+        return self._call_one(0, "named_weights")
+
+    def save(self, directory: Path) -> None:
+        """Every rank writes its shard file into `directory` (fsynced)."""
+        self._call("save_shard", str(directory), what="saving a checkpoint")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the driver keeps of the group in a checkpoint: how many shards it wrote, of which layout."""
+        layout = {k: self.layout[k] for k in ("names", "shapes", "numel", "chunk")}  # not world_size: any count reads it
+        return {"num_shards": self.num_workers, "layout": layout}
+
+    def load(self, directory: Path, state: dict[str, Any]) -> None:
+        """Every rank takes its range from the shard files in `directory` (written by any
+        number of workers). A checkpoint of other parameters (names, shapes) is refused."""
+        saved, ours = state["layout"], self.state_dict()["layout"]
+        if saved != ours:
+            diff = [k for k in ours if saved.get(k) != ours[k]]
+            raise CheckpointError(f"{directory}: the {self.role} shards hold other parameters than this model "
+                                  f"(they differ in {', '.join(diff)}): a checkpoint of another model or layout")
+        self._call("load_shards", str(directory), int(state["num_shards"]), what="loading a checkpoint")
+
+    def determinism_info(self) -> dict[str, dict[str, Any]]:
+        """Each rank's mode, named `<role> worker <rank>`."""
+        return {f"{self.role} worker {rank}": info for rank, info in enumerate(self._call("determinism_info"))}
+
+    def shutdown(self) -> None:
+        """Stop every rank's process (a dead one included)."""
+        if not self.workers:
+            return
+        ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
+        self._kill()
+
+    def _kill(self) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+def _first_line(err: Exception) -> str:
+    cause = getattr(err, "cause", None) or err
+    text = f"{type(cause).__name__}: {cause}".strip()
+    return text.splitlines()[0] if text else type(cause).__name__

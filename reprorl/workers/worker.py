@@ -1,0 +1,278 @@
+"""One rank of a worker group: a process (Ray actor) that holds a whole model for its
+forward passes and, when trainable, its shard of the gradient, master weights and AdamW
+moments (the layout and the reductions: flat.py).
+
+The model and its losses are `PolicyWorker`'s and `CriticWorker`'s (trainer/): a rank runs
+their per-micro-batch loss and adds nothing itself; their own optimizer stays unused (it
+holds no state until stepped). Every rank runs torch with WORKER_THREADS threads: a
+gradient's bits can depend on the thread count, and the rank that computes a micro-batch
+must not matter.
+
+A rank's shard on disk (`save_shard`): `shard_<rank>.pt` with the real elements of its
+range of the flat vector (`start`, `end`), the master weights and the AdamW state; any
+number of ranks reads a set of them back (`load_shards`), each taking the elements of its
+own range, so a run saved with N workers resumes with M.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
+from reprorl.determinism_report import model_part_info
+from reprorl.io import atomic_write
+from reprorl.protocol import Batch
+from reprorl.trainer.critic import CriticWorker
+from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
+from reprorl.trainer.policy import PolicyWorker, mini_batch_norms
+from reprorl.workers.flat import (
+    FlatLayout,
+    all_gather_shards,
+    bind_params,
+    first_failure,
+    fixed_order_reduce_scatter,
+    flatten,
+    global_grad_norm,
+    rank_block,
+    tree_reduce,
+)
+
+WORKER_THREADS = 1
+ROLES = ("actor", "ref", "critic")
+# A collective that waits this long for a peer has lost it (the group's driver notices a
+# dead worker sooner, from Ray).
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+class _LossNotFinite(Exception):
+    def __init__(self, index: int, value: float):
+        self.index, self.value = index, value
+
+
+class ShardWorker:
+    """Rank `rank` of `world_size` in the `role` group ("actor", "ref" or "critic").
+
+    Create with `ray.remote(ShardWorker)` (as `WorkerGroup` does), then `join` the group's
+    process group at the address rank 0 gives (`address`). `expected_env` is the run's
+    determinism environment, checked first.
+    """
+
+    def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
+                 dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
+                 device: str = "cpu") -> None:
+        self.name = f"{role} worker {rank}"
+        check_worker_env(expected_env, where=self.name)
+        torch.set_num_threads(WORKER_THREADS)
+        if is_full_determinism():
+            enable_full_determinism(int(os.environ[ENV_SEED]))
+        if role not in ROLES:
+            raise ValueError(f"ShardWorker: role {role!r}; expected one of {', '.join(ROLES)}")
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
+        if role == "critic":
+            self.model_worker = CriticWorker(model_path, optim=optim, seed=seed, dtype=dtype,
+                                             batch_invariant=batch_invariant)
+        else:
+            self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype,
+                                             batch_invariant=batch_invariant, name=role)
+        self.model_worker.model.to(self.device)
+        self.optim_args = optim
+        self.trainable = optim is not None
+
+    def ready(self) -> int:
+        return self.rank
+
+    def address(self) -> str:
+        """A `tcp://host:port` for the process group (called on rank 0)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, address: str) -> None:
+        """Join the group's process group; a trainable rank then lays out its shard."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        self.group = dist.group.WORLD
+        model = self.model_worker.model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.layout = FlatLayout.of(named, self.world_size)
+        if not self.trainable:
+            return
+        self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
+        start, end = self.layout.shard_range(self.rank)
+        self.shard = torch.nn.Parameter(self.flat[start:end].clone())  # master weights of this rank's range
+        self.optimizer = make_adamw([self.shard], self.optim_args)
+        args = self.optim_args
+        self.schedule = LRSchedule(args.lr, args.warmup_steps, args.total_steps, args.lr_schedule)
+
+    # ---------------------------------------------------------------- forward passes
+
+    def _my_rows(self, batch: Batch, micro_batch_size: int) -> Batch:
+        """This rank's contiguous block of the batch's micro-batches (cut in sample order)."""
+        start, end = rank_block(math.ceil(len(batch) / micro_batch_size), self.rank, self.world_size)
+        return batch.slice(min(start * micro_batch_size, len(batch)), min(end * micro_batch_size, len(batch)))
+
+    def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
+                          with_entropy: bool = False) -> Any:
+        """`PolicyWorker.compute_log_probs` of this rank's micro-batches (None: it has none)."""
+        rows = self._my_rows(batch, micro_batch_size)
+        if len(rows) == 0:
+            return None
+        out = self.model_worker.compute_log_probs(rows.to(self.device), temperature=temperature,
+                                                  micro_batch_size=micro_batch_size, with_entropy=with_entropy)
+        return tuple(t.cpu() for t in out) if with_entropy else out.cpu()
+
+    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor | None:
+        """`CriticWorker.compute_values` of this rank's micro-batches (None: it has none)."""
+        rows = self._my_rows(batch, micro_batch_size)
+        if len(rows) == 0:
+            return None
+        return self.model_worker.compute_values(rows.to(self.device), micro_batch_size=micro_batch_size).cpu()
+
+    # ---------------------------------------------------------------- training
+
+    def update(self, batch: Batch, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
+               max_response_length: int | None = None, **loss: Any) -> dict[str, Any]:
+        """One training step: per mini-batch (sample order), this rank's micro-batches'
+        stats by micro-batch index and the (global) gradient norm; and the step's lr.
+        `loss` goes to the model worker's `micro_batch_loss`."""
+        if not self.trainable:
+            raise RuntimeError(f"update: the {self.role} group is frozen (built without optim)")
+        lr = self.schedule.lr()
+        set_lr(self.optimizer, lr)
+        steps = []
+        for epoch in range(ppo_epochs):
+            for m, mini in enumerate(batch.split(mini_batch_size)):
+                # Updates count from 1, as the trainer's steps.
+                where = f"{self.role} update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"
+                steps.append(self._step(mini.to(self.device), micro_batch_size, max_response_length, loss, where))
+        self.schedule.step += 1
+        return {"lr": lr, "steps": steps}
+
+    def _step(self, mini: Batch, micro_batch_size: int, max_response_length: int | None, loss: dict[str, Any],
+              where: str) -> dict[str, Any]:
+        """One optimizer step on one mini-batch (see flat.py for why it gives N-invariant bits)."""
+        micros = mini.split(micro_batch_size)
+        if len(micros) % self.world_size:
+            raise ValueError(f"{where}: {len(micros)} micro-batches cannot be shared by {self.world_size} workers")
+        per_rank = len(micros) // self.world_size
+        norms = mini_batch_norms(mini, max_response_length)
+        stats: dict[int, dict[str, float]] = {}
+
+        def micro_grad(k: int) -> torch.Tensor:
+            """Micro-batch k's gradient alone, as a new `[padded]` vector."""
+            for p in self.params:
+                p.grad = None
+            total, stats[k] = self.model_worker.micro_batch_loss(micros[k], norms, **loss)
+            if not bool(torch.isfinite(total)):
+                raise _LossNotFinite(k, float(total.detach()))
+            total.backward()
+            return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params], self.layout)
+
+        failure, block_sum = None, None
+        try:
+            block_sum = tree_reduce(self.rank * per_rank, (self.rank + 1) * per_rank, micro_grad)
+        except _LossNotFinite as err:
+            failure = (err.index, err.value)
+        for p in self.params:
+            p.grad = None
+        failure = first_failure(failure, self.group, self.flat.device)
+        if failure is not None:
+            raise NonFiniteError(f"{where}, micro-batch {failure[0]}: loss is {failure[1]}; optimizer not stepped")
+
+        grad = fixed_order_reduce_scatter(block_sum, self.layout, self.group)  # [shard_size]
+        del block_sum
+        grad_norm = global_grad_norm(grad, self.layout, self.group)
+        if not math.isfinite(grad_norm):
+            raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
+        clip = self.optim_args.grad_clip
+        if grad_norm > clip:
+            grad.mul_(clip / (grad_norm + 1e-6))  # as torch's clip_grad_norm_
+        self.shard.grad = grad
+        self.optimizer.step()
+        self.shard.grad = None
+        all_gather_shards(self.shard.detach(), self.flat, self.layout, self.group)
+        return {"stats": sorted(stats.items()), "grad_norm": grad_norm}
+
+    # ---------------------------------------------------------------- weights and state
+
+    def layout_json(self) -> dict[str, Any]:
+        return self.layout.to_json()
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, CPU tensor) of every weight: the whole model, the same on every rank."""
+        return [(name, p.detach().cpu().clone()) for name, p in self.model_worker.model.named_parameters()]
+
+    def save_shard(self, directory: str) -> None:
+        """Write this rank's `shard_<rank>.pt` into `directory` (durably: `atomic_write`)."""
+        start, end = self.layout.shard_range(self.rank)
+        real_end = max(start, min(end, self.layout.numel))
+        keep = real_end - start
+        state = self.optimizer.state.get(self.shard, {})
+        shard = {"start": start, "end": real_end, "param": self.shard.detach()[:keep].cpu().clone(),
+                 "schedule": self.schedule.state_dict()}
+        if state:
+            shard["adam"] = {"step": state["step"].cpu().clone(), "exp_avg": state["exp_avg"][:keep].cpu().clone(),
+                             "exp_avg_sq": state["exp_avg_sq"][:keep].cpu().clone()}
+        with atomic_write(Path(directory) / f"shard_{self.rank}.pt") as tmp:
+            torch.save(shard, tmp)
+
+    def load_shards(self, directory: str, num_shards: int) -> None:
+        """Take this rank's range from the `num_shards` shard files in `directory` (any
+        count), reading only the files that overlap it (and file 0: the schedule, the step)."""
+        start, end = self.layout.shard_range(self.rank)
+        saved_layout = dataclasses.replace(self.layout, world_size=num_shards)
+        param = torch.zeros_like(self.shard.detach())
+        moments = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+        step, schedule = None, None
+        for i in range(num_shards):
+            saved_start, saved_end = saved_layout.shard_range(i)
+            if i > 0 and (saved_end <= start or saved_start >= end):
+                continue
+            saved = torch.load(Path(directory) / f"shard_{i}.pt", map_location="cpu", weights_only=True)
+            schedule = saved["schedule"]
+            lo, hi = max(start, saved["start"]), min(end, saved["end"])
+            if "adam" in saved:
+                step = saved["adam"]["step"]
+            if lo >= hi:
+                continue
+            src = slice(lo - saved["start"], hi - saved["start"])
+            param[lo - start : hi - start] = saved["param"][src]
+            for key, t in moments.items():
+                if "adam" in saved:
+                    t[lo - start : hi - start] = saved["adam"][key][src]
+        with torch.no_grad():
+            self.shard.copy_(param)
+        self.optimizer.state.clear()
+        if step is not None:
+            self.optimizer.state[self.shard] = {"step": step.clone(), **{k: t.to(self.shard.device)
+                                                                          for k, t in moments.items()}}
+        self.schedule.load_state_dict(schedule)
+        all_gather_shards(self.shard.detach(), self.flat, self.layout, self.group)
+
+    def determinism_info(self) -> dict[str, Any]:
+        """This rank's mode for the determinism report: the model part's keys plus its place."""
+        info = model_part_info(backend="torch", batch_invariant=self.batch_invariant,
+                               dtype=next(self.model_worker.model.parameters()).dtype)
+        info.update(rank=self.rank, world_size=self.world_size, device=str(self.device),
+                    dist_backend=dist.get_backend(self.group) if dist.is_initialized() else None)
+        return info
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,155 @@
+"""Worker groups of 1, 2 and 4 processes on a tiny model: the same bits, and the same bits
+as a plain one-process reference; sharded checkpoints across worker counts; failures."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from reprorl.trainer.optim import NonFiniteError, OptimArgs, make_adamw
+from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
+from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_sum
+from reprorl.workers.group import WorkerError, WorkerGroup
+
+pytestmark = pytest.mark.slow
+
+OPTIM = OptimArgs(lr=1e-2, weight_decay=0.01, grad_clip=0.5)  # large enough that clipping acts
+LOSS = PolicyLossArgs(entropy_coeff=0.01)
+# 16 samples, mini-batches of 8, micro-batches of 2: 4 micro-batches per mini-batch, 2 optimizer steps.
+STEP = {"ppo_epochs": 1, "mini_batch_size": 8, "micro_batch_size": 2, "max_response_length": 5}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    from conftest import _rollout_batch  # tests/conftest.py: the shared batch maker
+
+    return _rollout_batch(16, 6, 5, seed=0)
+
+
+def run_actor(num_workers, policy_dir, batch, save_to=None):
+    """Log-probs, then the metrics and weights after each of 2 updates of a fresh actor
+    group; with `save_to`, its shards are saved there after update 1."""
+    group = WorkerGroup("actor", num_workers, policy_dir, optim=OPTIM, seed=1, full_determinism=True)
+    try:
+        b = batch.slice(0, len(batch))
+        b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2)
+        metrics, weights = [], []
+        for update in range(2):
+            metrics.append(group.update(b, **STEP, loss=LOSS, temperature=1.0))
+            weights.append(dict(group.named_weights()))
+            if update == 0 and save_to is not None:
+                group.save(save_to)
+        return b["old_log_probs"], metrics, weights
+    finally:
+        group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return tmp_path_factory.mktemp("shards")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_policy_dir, batch, ray_local, shards):
+    return {n: run_actor(n, tiny_policy_dir, batch, save_to=shards if n == 2 else None) for n in (1, 2, 4)}
+
+
+@pytest.mark.parametrize("num_workers", [2, 4])
+def test_log_probs_metrics_and_weights_equal_one_workers(runs, num_workers):
+    log_probs, metrics, weights = runs[1]
+    got_log_probs, got_metrics, got_weights = runs[num_workers]
+    assert torch.equal(got_log_probs, log_probs)
+    assert got_metrics == metrics  # every float, exactly
+    for update in range(2):
+        assert weights[update].keys() == got_weights[update].keys()
+        assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
+
+
+def test_the_update_moved_every_weight(runs, tiny_policy_dir):
+    start = dict(PolicyWorker(tiny_policy_dir).model.named_parameters())
+    weights = runs[1][2][0]
+    assert [k for k in weights if torch.equal(weights[k], start[k].detach())] == []
+
+
+def test_one_update_equals_a_plain_unsharded_reference(runs, tiny_policy_dir, batch, assert_grads_close):
+    """In this process, one thread: each micro-batch's gradient alone, the tree over them,
+    the norm over fixed chunks, clipping and AdamW on the whole flat vector; the group's
+    weights after its first update must be these bits. The tree's gradient also equals the
+    usual accumulation (`PolicyWorker.accumulate_gradients`) up to rounding."""
+    torch.set_num_threads(1)
+    worker = PolicyWorker(tiny_policy_dir, optim=OPTIM, batch_invariant=True)
+    named = [(n, p) for n, p in worker.model.named_parameters()]
+    params = [p for _, p in named]
+    layout = FlatLayout.of(named, world_size=1)
+    b = batch.slice(0, len(batch))
+    b["old_log_probs"] = worker.compute_log_probs(b, temperature=1.0, micro_batch_size=2)
+    flat = torch.nn.Parameter(flatten([p.detach() for p in params], layout))
+    optimizer = make_adamw([flat], OPTIM)
+    for mini in b.split(STEP["mini_batch_size"]):
+        norms = mini_batch_norms(mini, STEP["max_response_length"])
+        grads = []
+        for micro in mini.split(STEP["micro_batch_size"]):
+            worker.model.zero_grad(set_to_none=True)
+            loss, _ = worker.micro_batch_loss(micro, norms, loss=LOSS, temperature=1.0)
+            loss.backward()
+            grads.append(flatten([p.grad for p in params], layout))
+        grad = tree_sum(grads)
+        worker.model.zero_grad(set_to_none=True)
+        worker.accumulate_gradients(mini, LOSS, temperature=1.0, micro_batch_size=STEP["micro_batch_size"])
+        assert_grads_close(grad[: layout.numel], flatten([p.grad for p in params], layout)[: layout.numel])
+        norm = float(grad.view(-1, CHUNK).float().square().sum(-1).double().sum().sqrt())
+        grad.mul_(OPTIM.grad_clip / (norm + 1e-6))
+        flat.grad = grad
+        optimizer.step()
+        with torch.no_grad():
+            for p, offset in zip(params, layout.offsets()):
+                p.copy_(flat[offset:offset + p.numel()].view(p.shape))
+    one_update = runs[1][2][0]
+    assert [n for n, p in named if not torch.equal(one_update[n], p.detach())] == []
+
+
+def test_a_checkpoint_saved_by_two_workers_resumes_on_one_and_on_four(tiny_policy_dir, batch, runs, shards):
+    """Shards saved after update 1 with 2 workers, loaded into 1 and 4, update 2: the bits
+    of the uninterrupted run."""
+    expected_metrics, expected_weights = runs[1][1][1], runs[1][2][1]
+    assert sorted(p.name for p in shards.iterdir()) == ["shard_0.pt", "shard_1.pt"]
+    b = batch.slice(0, len(batch))
+    b["old_log_probs"] = runs[1][0]
+    for num_workers in (1, 4):
+        group = WorkerGroup("actor", num_workers, tiny_policy_dir, optim=OPTIM, seed=1, full_determinism=True)
+        try:
+            group.load(shards, {**group.state_dict(), "num_shards": 2})  # the saver's: 2 shards, this layout
+            assert group.update(b, **STEP, loss=LOSS, temperature=1.0) == expected_metrics
+            weights = dict(group.named_weights())
+        finally:
+            group.shutdown()
+        assert [k for k in weights if not torch.equal(weights[k], expected_weights[k])] == [], num_workers
+
+
+def test_a_nan_loss_on_one_rank_stops_every_rank_then_a_killed_worker_is_named(tiny_policy_dir, batch, ray_local):
+    group = WorkerGroup("actor", 2, tiny_policy_dir, optim=OPTIM, seed=1, full_determinism=True)
+    try:
+        b = batch.slice(0, len(batch))
+        b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2)
+        before = dict(group.named_weights())
+        poisoned = b.slice(0, len(b))
+        poisoned["advantages"] = b["advantages"].clone()
+        poisoned["advantages"][14:16] = float("nan")  # mini-batch 1's micro-batch 3: on rank 1
+        with pytest.raises(NonFiniteError) as info:
+            group.update(poisoned, **STEP, loss=LOSS, temperature=1.0)
+        assert str(info.value) == ("actor update 1 (epoch 0, mini-batch 1), micro-batch 3: loss is nan; "
+                                   "optimizer not stepped")
+        # Mini-batch 0 was stepped (every weight moved) before mini-batch 1 failed; the group still works.
+        after = dict(group.named_weights())
+        assert all(not torch.equal(after[k], before[k]) for k in before)
+        group.update(b, **STEP, loss=LOSS, temperature=1.0)
+
+        pid = group.pids[1]
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match=rf"^actor worker 1 \(pid {pid}\) died during update; the actor "
+                                              r"group is stopped$"):
+            group.update(b, **STEP, loss=LOSS, temperature=1.0)
+        assert group.workers == []
+    finally:
+        group.shutdown()  # a no-op after the failure

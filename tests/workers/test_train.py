@@ -1,0 +1,160 @@
+"""World-size gates: real `reprorl train` runs with 1, 2 and 4 workers per group, compared
+by `reprorl compare`; checkpoints saved with one worker count and resumed with another; a
+worker killed in an update; a disallowed count.
+
+Each run is 3 steps of the tiny setup (2 prompts x n=2: 4 samples, micro-batches of 1, so
+4 micro-batches per mini-batch and 1, 2 and 4 workers are all allowed), a checkpoint after
+every step. On this 2-core machine a 4-worker PPO run starts 12 worker processes: most of
+a run's time is start-up.
+"""
+
+import hashlib
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from reprorl import cli
+from reprorl.compare import compare_runs
+from reprorl.config import load_config
+from reprorl.trainer.fit import Trainer
+from reprorl.workers.group import WorkerError
+from small_run import run_trainer, small_run_overrides
+
+pytestmark = pytest.mark.slow
+
+ALGOS = {
+    "grpo": ("algorithm.adv_estimator=grpo",),
+    "ppo": ("algorithm.adv_estimator=gae",),  # with a critic group, and the reference for the KL loss
+}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, ray_local):
+    from reprorl.data.synthetic import write_arithmetic_dataset
+    from reprorl.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("dp")
+    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
+    return {"train": paths["train"], "val": paths["val"], "policy": make_tiny(root / "policy", kind="policy", seed=0),
+            "root": root}
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """`reprorl train` sets the run's determinism variables in its process: undo it after each test."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def overrides(assets, run_dir, algo, num_workers, *extra):
+    return small_run_overrides(
+        assets, run_dir, *ALGOS[algo], "rollout.num_replicas=1", "actor.ppo_micro_batch_size=1",
+        "critic.ppo_micro_batch_size=1", "trainer.total_steps=3", "trainer.save_freq=1",
+        f"trainer.num_workers={num_workers}", *extra,
+    )
+
+
+_RUNS: dict = {}
+
+
+def run(assets, algo, num_workers) -> Path:
+    """The module's one run of `algo` with `num_workers` workers (trained on first use)."""
+    key = (algo, num_workers)
+    if key not in _RUNS:
+        run_dir = assets["root"] / f"{algo}-{num_workers}"
+        assert cli.main(["train", *overrides(assets, run_dir, algo, num_workers)]) == 0
+        _RUNS[key] = run_dir
+    return _RUNS[key]
+
+
+def assert_bitwise_identical(capsys, run_a: Path, run_b: Path, steps: int) -> None:
+    capsys.readouterr()
+    code = cli.main(["compare", str(run_a), str(run_b), "--plot", str(run_a.parent / "compare.png")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"bitwise identical over {steps} steps" in out, out
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_one_two_and_four_workers_train_the_same_bits(assets, capsys, algo):
+    runs = {n: run(assets, algo, n) for n in (1, 2, 4)}
+    for a, b in ((1, 2), (1, 4), (2, 4)):
+        assert_bitwise_identical(capsys, runs[a], runs[b], steps=3)
+    report = (runs[4] / "determinism.txt").read_text()
+    assert report.startswith("determinism: full determinism: on, all parts agree"), report
+    groups = ("actor", "ref", "critic") if algo == "ppo" else ("actor", "ref")
+    for group in groups:
+        assert all(f"{group} worker {rank}" in report for rank in range(4)), report
+
+
+@pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_bitwise_with_another_worker_count(assets, saved_with, resumed_with):
+    """Step 1's checkpoint of the PPO run with `saved_with` workers, resumed in a new run
+    directory with `resumed_with`: steps 2 and 3 are the bits of the uninterrupted runs."""
+    saved = run(assets, "ppo", saved_with) / "checkpoints" / "step_1"
+    resumed = assets["root"] / f"ppo-{saved_with}-then-{resumed_with}"
+    cfg = load_config(None, overrides(assets, resumed, "ppo", resumed_with, f"trainer.resume={saved}"))
+    run_trainer(cfg)
+    for uninterrupted in (run(assets, "ppo", saved_with), run(assets, "ppo", 1)):
+        result = compare_runs(uninterrupted, resumed)  # the resumed run has no step 1 of its own
+        assert result.divergence is None and result.common_steps == [2, 3] and result.only_in_b == [], result
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resumes_bitwise(assets, monkeypatch):
+    """GRPO with 2 workers; at step 2, actor worker 1 gets SIGKILL as the actor update
+    starts (rank 0 then runs its half and waits for it in the reduction)."""
+    run_dir = assets["root"] / "grpo-killed"
+    trainer = Trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))
+    saved = {}
+    real_save, real_update = trainer.save, trainer.actor.update
+
+    def save_and_digest(step):
+        path = real_save(step)
+        saved[step] = _digests(path)
+        return path
+
+    def kill_worker_1_at_step_2(batch, **kwargs):
+        if trainer.step == 2:
+            os.kill(trainer.actor.pids[1], signal.SIGKILL)
+        return real_update(batch, **kwargs)
+
+    monkeypatch.setattr(trainer, "save", save_and_digest)
+    monkeypatch.setattr(trainer.actor, "update", kill_worker_1_at_step_2)
+    pid = trainer.actor.pids[1]
+    try:
+        with pytest.raises(WorkerError) as info:
+            trainer.fit()
+    finally:
+        trainer.close()
+    step_1 = run_dir / "checkpoints" / "step_1"
+    assert str(info.value) == (
+        f"step 2: actor worker 1 (pid {pid}) died during update; the actor group is stopped; the run stopped. "
+        f"The newest checkpoint, {str(step_1)!r}, is unchanged; trainer.resume=auto continues from it."
+    )
+    assert list(saved) == [1] and _digests(step_1) == saved[1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
+
+    monkeypatch.undo()
+    run_trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))  # trainer.resume=auto
+    result = compare_runs(run(assets, "grpo", 1), run_dir)
+    assert result.identical and result.common_steps == [1, 2, 3], result
+
+
+def test_a_disallowed_worker_count_is_a_one_line_error_naming_the_key(assets, capsys):
+    run_dir = assets["root"] / "three"
+    assert cli.main(["train", *overrides(assets, run_dir, "grpo", 3)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: trainer.num_workers=3: expected a power of two that divides the 4 micro-batches of a mini-batch "
+        "(actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 2 * 2 / 1), so that every allowed "
+        "count gives the same bits: one of [1, 2, 4]"
+    ]
+    assert not run_dir.exists()  # refused before anything started
