@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
 from reprorl.io import atomic_write
@@ -85,7 +86,11 @@ class ShardWorker:
         else:
             self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype,
                                              batch_invariant=batch_invariant, name=role)
-        self.model_worker.model.to(self.device)
+        model = self.model_worker.model.to(self.device)
+        if self.device.type != "cpu":  # the worker chose its kernels on the CPU, where it loaded
+            model.kernels = select_kernels(self.device, batch_invariant)
+            verify_batch_invariance(model.kernels, self.model_worker.model_args, next(model.parameters()).dtype,
+                                    self.device)
         self.optim_args = optim
         self.trainable = optim is not None
 
@@ -267,8 +272,9 @@ class ShardWorker:
 
     def determinism_info(self) -> dict[str, Any]:
         """This rank's mode for the determinism report: the model part's keys plus its place."""
+        model = self.model_worker.model
         info = model_part_info(backend="torch", batch_invariant=self.batch_invariant,
-                               dtype=next(self.model_worker.model.parameters()).dtype)
+                               dtype=next(model.parameters()).dtype, kernels=model.kernels.name, device=self.device)
         info.update(rank=self.rank, world_size=self.world_size, device=str(self.device),
                     dist_backend=dist.get_backend(self.group) if dist.is_initialized() else None)
         return info
