@@ -27,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
 from reprorl.io import atomic_write
+from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.protocol import Batch
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
