@@ -228,8 +228,9 @@ class AgentLoopManager:
     `pool`: a `ReplicaPool` (its replicas, run seed and runtime_env are used).
     `sampling_params` / `val_sampling_params`: the rollout's and validation's params
     (validation defaults to the rollout's); their `max_tokens` (at most
-    `max_response_length`, which responses are padded to) bounds each response. `agent`: the default loop, "single_turn" or "tool" (a row's
-    `agent_name` column overrides it); `max_turns` bounds the tool loop, which may call
+    `max_response_length`, which responses are padded to) bounds each response.
+    `agent`: the default loop, "single_turn" or "tool" (a row's `agent_name` column
+    overrides it); `max_turns` bounds the tool loop, which may call
     the tools named in `tools` (None = every tool in `TOOLS`; an unknown name is a
     ValueError). `routing`: the balancer's mode ("least_loaded" or "hash").
     """

@@ -63,6 +63,7 @@ TEST_KILL_AT_STEP_ENV = "REPRORL_TEST_KILL_AT_STEP"
 step N, right after the step's metrics and checkpoint are written, so a crash-and-resume
 test kills the run at a known point (tests/trainer/test_fit.py) instead of racing it."""
 
+
 def _optim_args(section: Any, total_steps: int) -> OptimArgs:
     return OptimArgs(
         lr=section.lr,
