@@ -39,7 +39,6 @@ from reprorl.trainer.optim import OptimArgs
 from reprorl.workers.worker import ShardWorker
 
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
-SHARDS_FILE = "shards"  # the checkpoint directory of a group's shard files: <role>.shards/
 # After one rank fails, how long to wait for the others' answers: a rank killed by a
 # signal shows up as dead here, while its peers fail in their collective with a vaguer error.
 PEER_WAIT_S = 10.0
@@ -58,7 +57,7 @@ class WorkerGroup:
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
-        self.role, self.num_workers, self.trainable = role, num_workers, optim is not None
+        self.role, self.num_workers = role, num_workers
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
         remote = ray.remote(ShardWorker).options(
             num_cpus=0, num_gpus=1 if device == "cuda" else 0, runtime_env=ray_runtime_env(env),
@@ -110,8 +109,10 @@ class WorkerGroup:
             if i != first:
                 try:
                     ray.get(ref, timeout=0)
-                except Exception as other:  # noqa: BLE001 - classified below
+                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as other:
                     failures[i] = other
+                except ray.exceptions.GetTimeoutError:
+                    pass  # still waiting (in a collective, for the one that failed)
         dead = [i for i, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)]
         index = dead[0] if dead else min(failures)
         rank = ranks[index]
