@@ -359,7 +359,20 @@ class Transformer(nn.Module):
         return self.norm(x, self.kernels)
 
 
-class CausalLM(nn.Module):
+class _BackboneKernels:
+    """`kernels` of a model with a head: the backbone's backend (`reprorl.kernels`), which
+    its head's linear uses too; setting it sets the backbone's."""
+
+    @property
+    def kernels(self):
+        return self.model.kernels
+
+    @kernels.setter
+    def kernels(self, backend) -> None:
+        self.model.kernels = backend
+
+
+class CausalLM(_BackboneKernels, nn.Module):
     """Policy / reference model: backbone + LM head (the embedding when tied)."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
@@ -369,15 +382,6 @@ class CausalLM(nn.Module):
         self.lm_head = (
             None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, _dtype(args, dtype))
         )
-
-    @property
-    def kernels(self):
-        """The kernel backend of every op (`reprorl.kernels`), held by the backbone."""
-        return self.model.kernels
-
-    @kernels.setter
-    def kernels(self, backend) -> None:
-        self.model.kernels = backend
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -412,7 +416,7 @@ class CausalLM(nn.Module):
         return self.kernels.linear(hidden, weight)
 
 
-class SequenceClassifier(nn.Module):
+class SequenceClassifier(_BackboneKernels, nn.Module):
     """Reward model: backbone + `score` head read at each sequence's last real token."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
@@ -420,15 +424,6 @@ class SequenceClassifier(nn.Module):
         self.args = args
         self.model = Transformer(args, dtype)
         self.score = Linear(args.hidden_size, args.num_labels, False, _dtype(args, dtype))
-
-    @property
-    def kernels(self):
-        """The kernel backend of every op (`reprorl.kernels`), held by the backbone."""
-        return self.model.kernels
-
-    @kernels.setter
-    def kernels(self, backend) -> None:
-        self.model.kernels = backend
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -463,7 +458,7 @@ class SequenceClassifier(nn.Module):
         return self.score(hidden, self.kernels)
 
 
-class ValueModel(nn.Module):
+class ValueModel(_BackboneKernels, nn.Module):
     """PPO critic: backbone + `score` head [1, H] with bias, one value per token."""
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
@@ -471,15 +466,6 @@ class ValueModel(nn.Module):
         self.args = args
         self.model = Transformer(args, dtype)
         self.score = Linear(args.hidden_size, 1, True, _dtype(args, dtype))
-
-    @property
-    def kernels(self):
-        """The kernel backend of every op (`reprorl.kernels`), held by the backbone."""
-        return self.model.kernels
-
-    @kernels.setter
-    def kernels(self, backend) -> None:
-        self.model.kernels = backend
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
