@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -185,6 +186,22 @@ class _EchoReplica:
         return {"tokens": [stable_hash(seed, t) % 100 for t in prompt_ids], "served_by": self.replica_id}
 
 
+def _kill_and_wait(actor, timeout_s=60.0):
+    """`ray.kill` returns before the actor is gone, so a call sent right after may still be
+    served (seen in CI): wait until a call fails, so the test's next step meets a dead actor."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.generate.remote("probe", [1], 0), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor} still answers {timeout_s} s after ray.kill")
+
+
 @pytest.mark.slow  # starting Ray and 3 actors: 10-20 s here
 def test_retry_after_a_replica_dies(ray_local):
     import ray
@@ -199,7 +216,7 @@ def test_retry_after_a_replica_dies(ray_local):
 
     before = asyncio.run(call("req-a"))
     victim = before["served_by"]
-    ray.kill(actors[victim])
+    _kill_and_wait(actors[victim])
     # Sticky routing sends "req-a" to the dead replica first: it must die, be dropped and retry.
     after = asyncio.run(call("req-a"))
     assert after["served_by"] != victim
@@ -208,7 +225,7 @@ def test_retry_after_a_replica_dies(ray_local):
     assert sum(ray.get(balancer.in_flight.remote()).values()) == 0
 
     for rid in set(actors) - {victim}:
-        ray.kill(actors[rid])
+        _kill_and_wait(actors[rid])
     with pytest.raises(NoReplicaError, match="died"):
         asyncio.run(call("req-b"))
     assert ray.get(balancer.replica_ids.remote()) == []
