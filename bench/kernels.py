@@ -154,7 +154,6 @@ def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype
                     **({"eager_stock_ms": eager[False], "eager_invariant_ms": eager[True]} if eager else {})})
         print(f"  forward {name} x{args.num_hidden_layers} layers, {tokens} tokens: stock {times[False]:.2f} ms, "
               f"invariant {times[True]:.2f} ms ({times[True] / times[False]:.2f}x)", flush=True)
-    del model
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import threading
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from reprorl.errors import DataError
 
