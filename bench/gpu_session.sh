@@ -1,34 +1,71 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: the gpu tests, the kernel tests on CUDA and on the host CPU
-# (at 1, 2 and all threads), the kernel benchmarks, and the default run on the host's CPU;
-# logs and JSON into $OUT. Steps: tests bench xeon train (default: all); SWEEP=1 adds the
-# Triton tile sweep. The default run needs Ray there: run ../shared/tools/device-wheels
-# here first and carry .whl.
+# One call on the GPU machine: the chosen steps' tests and benchmarks, every log and JSON
+# packed into $OUT/session.tgz (a call brings back at most 8 files) and a summary in
+# $OUT/summary.txt. Steps (default: all):
+#   tests    the gpu kernel tests, and the kernel tests on CUDA and on the host CPU
+#   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep)
+#   xeon     the kernel benchmarks on the host CPU
+#   engine   the GPU engine's tests and bench/rollout.py --device cuda
+#   gputrain the one-GPU training tests and bench/train_step.py
+#   train    the default run on the host's CPU
+# engine, gputrain and train need Ray there: run ../shared/tools/device-wheels here first
+# and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
+LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-steps=${*:-tests bench xeon train}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | tee -a "$OUT/gpu.txt"
-grep -m1 "model name" /proc/cpuinfo | tee -a "$OUT/gpu.txt"
+steps=${*:-tests bench xeon engine gputrain train}
+summary() { tee -a "$LOGS/summary.txt"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | summary
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
+grep -m1 "model name" /proc/cpuinfo | summary
+
+with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installed once
+  [ -d /tmp/site ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+}
+run_tests() {  # name, pytest args...
+  local name=$1; shift
+  python3 -m pytest -q -p no:cacheprovider "$@" > "$LOGS/$name.log" 2>&1
+  echo "[$name] $(tail -1 "$LOGS/$name.log")" | summary
+  grep -E "^(FAILED|ERROR)" "$LOGS/$name.log" | head -20 | summary
+}
+
 for step in $steps; do
+  start=$SECONDS
   case $step in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu.py 2>&1 | tee "$OUT/test_gpu.log" | tail -4
-      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_invariant_kernels.py 2>&1 | tee "$OUT/test_kernels.log" | tail -4 ;;
+      run_tests test_gpu tests/kernels/test_gpu.py
+      run_tests test_kernels tests/kernels/test_invariant_kernels.py ;;
     bench)
-      python3 bench/kernels.py ${SWEEP:+--sweep} --out "$OUT/kernels_cuda.json" 2>&1 | tee "$OUT/bench_cuda.log" | tail -75 ;;
+      python3 bench/kernels.py ${SWEEP:+--sweep} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
+      tail -75 "$LOGS/bench_cuda.log" | summary ;;
     xeon)
-      python3 bench/kernels.py --device cpu --out "$OUT/kernels_xeon.json" 2>&1 | tee "$OUT/bench_xeon.log" | tail -8 ;;
+      python3 bench/kernels.py --device cpu --out "$LOGS/kernels_xeon.json" > "$LOGS/bench_xeon.log" 2>&1
+      tail -12 "$LOGS/bench_xeon.log" | summary ;;
+    engine)
+      with_ray || echo "no .whl: the engine tests that need Ray skip" | summary
+      run_tests test_engine_gpu tests/rollout/test_engine_gpu.py
+      timeout 400 python3 bench/rollout.py --device cuda --out "$LOGS/rollout_cuda.json" > "$LOGS/bench_rollout.log" 2>&1
+      tail -40 "$LOGS/bench_rollout.log" | summary ;;
+    gputrain)
+      with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
+      run_tests test_gpu_train tests/trainer/test_gpu_train.py
+      timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
+      tail -30 "$LOGS/bench_train_step.log" | summary ;;
     train)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH || { echo "no .whl: skipping train"; continue; }
-      start=$SECONDS
-      timeout 420 python3 -m reprorl.cli train 2>&1 | tee "$OUT/train_xeon.log" | tail -6
-      echo "default run on the host CPU: exit ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$OUT/train_xeon.log"
-      cp runs/reprorl/tiny-grpo/determinism.txt "$OUT/" 2>/dev/null
-      tail -c 3000 runs/reprorl/tiny-grpo/metrics.jsonl > "$OUT/metrics_tail.jsonl" 2>/dev/null ;;
+      with_ray || { echo "no .whl: skipping train" | summary; continue; }
+      timeout 420 python3 -m reprorl.cli train > "$LOGS/train_xeon.log" 2>&1
+      echo "default run on the host CPU: exit $?, $((SECONDS - start)) s" | summary
+      tail -6 "$LOGS/train_xeon.log" | summary
+      cp runs/reprorl/tiny-grpo/determinism.txt "$LOGS/" 2>/dev/null
+      tail -c 3000 runs/reprorl/tiny-grpo/metrics.jsonl > "$LOGS/metrics_tail.jsonl" 2>/dev/null ;;
+    *) echo "unknown step $step" | summary ;;
   esac
+  echo "== step $step: $((SECONDS - start)) s" | summary
 done
+cp "$LOGS/summary.txt" "$OUT/"
+tar czf "$OUT/session.tgz" -C "$LOGS" .
