@@ -52,14 +52,14 @@ def model_args(name: str, layers: int | None = None) -> ModelArgs:
                      qkv_bias=True, tie_word_embeddings=tied, max_position_embeddings=8192)
 
 
-def gpu_time_ms(fn) -> float:
+def gpu_time_ms(fn, rep: int = 100) -> float:
     """Median GPU time of fn, replayed from a CUDA graph: launch overheads (Triton's host
     side costs more than cuBLAS's) stay out, as in the engine's graphed decode steps."""
     import triton
 
     fn()  # compile before capture
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
 
 
 def gpu_eager_ms(fn) -> float:
@@ -81,7 +81,8 @@ def cpu_time_ms(fn, repeats: int = 5) -> float:
 
 def linear_shapes(name: str) -> dict[str, tuple[int, int]]:
     h, i, _, heads, kv, hd, vocab, _ = QWEN[name]
-    return {"qkv": (h, (heads + 2 * kv) * hd), "o": (heads * hd, h), "gate_up": (h, 2 * i), "down": (i, h),
+    # The linears the model runs (q, k and v, and gate and up, are separate projections).
+    return {"q": (h, heads * hd), "k/v": (h, kv * hd), "o": (heads * hd, h), "gate/up": (h, i), "down": (i, h),
             "lm_head": (h, vocab)}
 
 
@@ -164,9 +165,10 @@ def sweep_tiles(results: dict) -> None:
 
     from reprorl.kernels.gpu import matmul as tl_matmul
 
-    candidates = [tl_matmul.Tile(bm, bn, bk, w, s) for bm, bn, bk, w, s in (
+    candidates = [tl_matmul.Tile(bm, bn, bk, w, s, tma=tma) for bm, bn, bk, w, s in (
         (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-        (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 3))]
+        (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 3))
+        for tma in (False, True)]
     rows = []
     original = tl_matmul.tile_for
     try:
@@ -179,8 +181,9 @@ def sweep_tiles(results: dict) -> None:
                 for tile in candidates:
                     tl_matmul.tile_for = lambda n_, k_, d_, tile=tile: tile
                     try:
-                        ratios = [gpu_time_ms(lambda: tl_matmul.matmul(x, w)) / stock[m] for m, x in xs.items()]
-                    except triton.runtime.errors.OutOfResources:
+                        ratios = [gpu_time_ms(lambda: tl_matmul.matmul(x, w), rep=25) / stock[m]
+                                  for m, x in xs.items()]
+                    except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
                         continue
                     score = statistics.geometric_mean(ratios)
                     rows.append({"shape": f"{model} {name} {k}->{n}", "tile": tile.__dict__, "ratios": ratios,

@@ -13,6 +13,14 @@ outputs take narrow tiles (more programs); wide ones take wide tiles (less re-re
 The table was chosen from a sweep on an H200 (bench/kernels.py --sweep) and is the same on
 every run: a tile chosen by timing at run time could differ between two processes and
 change the bits.
+
+Two kernels, and the choice between them is made from the dtype and the GPU alone (never M),
+so a shape always runs the same one:
+- `_matmul_tma_kernel` (16-bit inputs on Hopper, and under the interpreter): tiles come in
+  through the bulk tensor copy engine (TMA descriptors; rows past M read as zeros), and a
+  persistent grid of at most one program per SM walks them. The order in which a program
+  takes tiles changes no tile's arithmetic.
+- `_matmul_kernel` (fp32, and GPUs before Hopper): one program per tile, plain loads.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from reprorl.kernels.gpu.interpret import INTERPRETED
 
@@ -35,23 +44,29 @@ class Tile:
     num_warps: int
     num_stages: int
     group_m: int = 8
+    tma: bool = True
+    """16-bit inputs on Hopper: the TMA persistent kernel (else the plain one)."""
 
 
 def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
     """The tile for an output of width n over a reduction of length k. Never reads M.
 
-    bf16 rows: the best of 10 candidates per Qwen2.5-0.5B/7B shape by the geometric mean of
-    its time over cuBLAS's at M = 64, 256 and 4096 (H200, CUDA-graph replays, 2026-12-01).
+    bf16 rows: per Qwen2.5-0.5B/7B linear, the best of 20 candidates (10 tiles, each with
+    the TMA and the plain kernel) by the geometric mean of its time over cuBLAS's at M = 64,
+    256 and 4096 (H200, CUDA-graph replays, bench/kernels.py --sweep, 2026-12-01). The TMA
+    kernel won at every shape.
     """
     if dtype == torch.float32:  # IEEE fp32 on the CUDA cores: small tiles
-        return Tile(64, 64, 32, 4, 3)
-    if n >= 65536:  # LM heads
+        return Tile(64, 64, 32, 4, 3, tma=False)
+    if n >= 16384:  # LM heads, 7B's gate/up
         return Tile(128, 256, 64, 8, 3)
-    if n >= 16384:  # 7B's gate/up
-        return Tile(128, 128, 64, 8, 3)
     if n >= 4096 and k < 2048:  # 0.5B's gate/up
+        return Tile(128, 128, 64, 4, 4)
+    if k >= 8192:  # 7B's down
+        return Tile(128, 128, 64, 4, 4)
+    if n >= 2048:  # 7B's q and o
         return Tile(64, 128, 64, 4, 4)
-    return Tile(64, 64, 128, 4, 3)  # narrow outputs: many programs at small M
+    return Tile(64, 64, 128, 4, 3)  # narrow outputs (0.5B's q, k, v, o, down; 7B's k, v): many programs
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -94,6 +109,52 @@ def _matmul_kernel(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K,
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, bias_ptr, M, N, K,
+                       HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_pid_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=True):
+        first_m = (tile // in_group) * GROUP_M
+        group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % group_size
+        pid_n = (tile % in_group) // group_size
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(k_tiles):
+            a = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K])
+            if UPCAST:  # the interpreter only (see interpret.py)
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if HAS_BIAS:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(c_desc.dtype))
+
+
+def _uses_tma(x: Tensor) -> bool:
+    """Whether the GPU can run the TMA kernel: 16-bit inputs on Hopper or later (and under the
+    interpreter, which checks its arithmetic). From the dtype and the device, never the shape."""
+    if x.dtype == torch.float32:
+        return False
+    return INTERPRETED or torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _num_programs(device: torch.device) -> int:
+    return 4 if INTERPRETED else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_ready(t: Tensor) -> Tensor:
+    """t itself when a TMA descriptor can read it (row-major, 16-byte aligned), else a copy."""
+    if t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0:
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
 def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ weight [N, K].T + bias [N] -> [..., N] in x's dtype, fp32 accumulation."""
     k = x.shape[-1]
@@ -109,7 +170,18 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
     t = tile_for(n, k, x.dtype)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    if t.tma and _uses_tma(x) and (k * x.element_size()) % 16 == 0 and (n * x.element_size()) % 16 == 0:
+        a, w = _tma_ready(a), _tma_ready(weight)
+        programs = _num_programs(x.device)
+        _matmul_tma_kernel[(min(programs, tiles),)](
+            TensorDescriptor.from_tensor(a, [t.block_m, t.block_k]), TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
+            TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]), bias if bias is not None else weight, m, n, k,
+            HAS_BIAS=bias is not None, UPCAST=INTERPRETED, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+            GROUP_M=t.group_m, NUM_PROGRAMS=programs, num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+        return out.reshape(*x.shape[:-1], n)
+    grid = (tiles,)
     _matmul_kernel[grid](
         a, weight, bias if bias is not None else weight, out, m, n, k,
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
