@@ -5,6 +5,7 @@
 #   tests    the gpu kernel tests, and the kernel tests on CUDA and on the host CPU
 #   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep)
 #   xeon     the kernel benchmarks on the host CPU
+#   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests and bench/rollout.py --device cuda
 #   gputrain the one-GPU training tests and bench/train_step.py
 #   train    the default run on the host's CPU
@@ -43,6 +44,9 @@ for step in $steps; do
     bench)
       python3 bench/kernels.py ${SWEEP:+--sweep} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
       tail -75 "$LOGS/bench_cuda.log" | summary ;;
+    tilebits)
+      python3 bench/tile_bits.py --out "$LOGS/tile_bits.json" > "$LOGS/tile_bits.log" 2>&1
+      cat "$LOGS/tile_bits.log" | summary ;;
     xeon)
       python3 bench/kernels.py --device cpu --out "$LOGS/kernels_xeon.json" > "$LOGS/bench_xeon.log" 2>&1
       tail -12 "$LOGS/bench_xeon.log" | summary ;;
