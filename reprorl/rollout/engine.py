@@ -285,6 +285,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._step_lock: asyncio.Lock | None = None
+        self._sample_on_device = self.device.type == "cuda"  # else sample_batch: the host path's bits
         if self.device.type == "cuda":
             from reprorl.kernels.gpu import row_cumsum
             from reprorl.kernels.gpu.attention import batched_attention as triton_attention
@@ -630,7 +631,7 @@ class Engine:
             self._copy_shared_prefixes(chunks)
             params = [s.params for s in sampled]
             uniforms = [s.next_uniform() for s in sampled]
-            if self.device.type != "cuda":
+            if not self._sample_on_device:
                 tokens, log_probs = sample_batch(logits, params, uniforms, self.kernels.log_softmax)
                 return tokens.tolist(), log_probs.tolist()
             packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
