@@ -1,11 +1,24 @@
-"""reprorl's built-in inference engine: continuous batching on the CPU (GPU later).
+"""reprorl's built-in inference engine: continuous batching on the CPU or a CUDA GPU.
 
 `Engine` serves `generate` calls from many asyncio tasks. A background step loop batches
 them: each step packs one decode token for every running sequence, then prefill chunks
 of sequences still reading their prompt, then prompts of newly admitted requests, within
 `max_num_seqs` sequences and `max_num_batched_tokens` tokens. Requests join and leave
-between steps. Keys and values live in one preallocated `KVCache` with a slot per running
-sequence (`_SlotPool`), freed for the next request when a sequence finishes.
+between steps. Keys and values live in one `KVCache` with a slot per running sequence
+(`_SlotPool`), freed for the next request when a sequence finishes; on a GPU it is
+allocated once, from a share of the free memory (`gpu_memory_utilization`).
+
+Prefix sharing: requests that bring the same prompt while it is being prefilled (the n
+samples of a GRPO prompt, sent as n generate calls with their own seeds) are admitted as
+followers of the first: the prompt is prefilled once, its keys/values are copied into
+each follower's slot (a device copy, not shared blocks) and each follower samples its
+first token from the leader's last logits with its own uniform. In batch-invariant mode
+that is the same bits as n prefills (tested), so it changes only the work.
+
+On a GPU, decode-only steps are replayed from CUDA graphs (`cuda_graphs.py`) and sampling
+runs on the device for the whole batch (`sampling.sample_on_device`): the host ships the
+step's uniforms and parameters in one copy and reads the new tokens and log-probs back in
+one copy.
 
 The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
 op from `reprorl.kernels`): all decode tokens of a step share one batched attention

@@ -478,3 +478,18 @@ def test_forward_decode_equals_forward_packed(model):
         assert torch.equal(decoded[:5], packed)
         for layer in range(model.args.num_hidden_layers):
             assert torch.equal(caches[0].keys[layer][:6], caches[1].keys[layer][:6])
+
+
+def test_gpu_cache_shape(model, monkeypatch):
+    from reprorl.rollout.engine import gpu_cache_shape
+
+    args = model.args
+    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * 4  # float32
+    free = 1000 * 512 * per_token
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    shape = lambda util, seqs=64: gpu_cache_shape(args, torch.float32, "cuda", seqs, 500, util)  # noqa: E731
+    assert shape(0.5) == (64, 512)  # 500 tokens round up to whole KEY_BLOCKs
+    assert shape(0.01) == (9, 512)  # 10 slots' worth, one of them the spare
+    assert shape(0.001) == (1, 256)  # no whole slot: one shorter one
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1e-05"):
+        shape(1e-5)
