@@ -247,7 +247,8 @@ def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict
     busy = after["gpu_busy_s"] - before["gpu_busy_s"]
     return {"seconds": seconds, "tokens_per_s": len(prompts) * GPU_NEW / seconds, "gpu_busy": busy / seconds,
             "gpu_busy_of_step_time": busy / max(after["step_wall_s"] - before["step_wall_s"], 1e-9),
-            "steps": after["steps"] - before["steps"], "prefix_shared": after["prefix_shared"] - before["prefix_shared"]}
+            "steps": after["steps"] - before["steps"], "graph_steps": after["graph_steps"] - before["graph_steps"],
+            "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"]}
 
 
 def main_cuda(args) -> None:
@@ -280,7 +281,9 @@ def main_cuda(args) -> None:
             return
         rows.append({"model": model, "backend": backend, "batch": batch, **{k: round(v, 4) if isinstance(v, float)
                                                                              else v for k, v in r.items()}})
-        extra = f"  gpu busy {r['gpu_busy']:.0%}" if "gpu_busy" in r else ""
+        extra = f"  gpu busy {r['gpu_busy']:.0%}, {r['graph_steps']}/{r['steps']} steps graphed" if "gpu_busy" in r else ""
+        if r.get("graph_error"):
+            extra += f"  GRAPH ERROR {r['graph_error']}"
         print(f"{model:13} {backend:17} batch {batch:4} {r['tokens_per_s']:11.0f} tok/s  ({r['seconds']:.2f} s){extra}",
               flush=True)
         save()

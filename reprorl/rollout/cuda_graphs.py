@@ -9,7 +9,7 @@ a step of B sequences copies them into the first rows of the smallest bucket >= 
 host-to-device copy, and fills the other rows with a padding token at position 0 of the
 cache's spare slot (the `KVCache`'s last slot, never given to a sequence), whose writes
 are harmless. Graphs share one memory pool (their intermediates are dead between
-replays) and are captured on first use, largest first is not needed.
+replays) and are captured on first use.
 
 Batch invariance: with the invariant kernels a row's bits do not depend on the rows
 around it, padding rows included, so a graph replay gives the bits of the eager
@@ -51,7 +51,8 @@ class DecodeGraphs:
         hidden = self.model.forward_decode(ids, slots, positions, self.cache, self.attention)
         return self.model.logits(hidden)  # [b, V]
 
-    def _capture(self, b: int) -> None:
+    def capture(self, b: int) -> None:
+        """Capture the graph of bucket b (`run` does it on first use)."""
         self._fill([], [], [], b)
         self.inputs[:, :b].copy_(self._host[:, :b])
         side = torch.cuda.Stream()
@@ -80,7 +81,7 @@ class DecodeGraphs:
         n = len(ids)
         b = self.bucket(n)
         if b not in self.graphs:
-            self._capture(b)
+            self.capture(b)
         self._fill(ids, slots, positions, b)
         self.inputs[:, :b].copy_(self._host[:, :b], non_blocking=True)
         self.graphs[b].replay()

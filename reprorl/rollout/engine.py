@@ -62,6 +62,7 @@ import asyncio
 import heapq
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
@@ -82,6 +83,8 @@ from reprorl.rollout.sampling import (
     sample_batch,
     sample_on_device,
 )
+
+logger = logging.getLogger(__name__)
 
 # Uniforms drawn per call from a request's generator (one per token, see sampling.py).
 _DRAW_BLOCK = 32
@@ -285,6 +288,7 @@ class Engine:
         self.asleep = False
         self._kv: _SlotPool | None = None  # made on first admission (GPU: now), dropped by sleep()
         self._graphs = None  # DecodeGraphs over the GPU cache, when cuda_graphs
+        self.graph_error: str | None = None  # why graph capture failed, if it did (then eager)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._sharing: dict[tuple[int, ...], _Sequence] = {}  # prompt -> leader still prefilling it
         self._waiting: list[tuple[int, int, _Sequence]] = []  # heap of (priority, arrival, seq)
@@ -435,6 +439,7 @@ class Engine:
             "asleep": self.asleep,
             "kv_capacity": self._kv.cache.capacity if self._kv is not None else 0,
             "kv_slots": self._kv.num_slots if self._kv is not None else 0,
+            "graph_error": self.graph_error,
             **self._stats,
         }
 
@@ -657,8 +662,18 @@ class Engine:
         from a CUDA graph when every chunk is a decode token, else the eager packed forward."""
         graphs = self._graphs
         if graphs is not None and len(chunks) <= graphs.max_batch and all(c.is_decode for c in chunks):
-            self._stats["graph_steps"] += 1
-            return graphs.run([c.token_ids[0] for c in chunks], [c.slot for c in chunks], [c.start for c in chunks])
+            if graphs.bucket(len(chunks)) not in graphs.graphs:
+                try:  # a capture that fails leaves the engine eager, and says why (stats, log)
+                    graphs.capture(graphs.bucket(len(chunks)))
+                except Exception as e:
+                    self.graph_error = f"{type(e).__name__}: {e}"
+                    logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", self.graph_error)
+                    self._graphs = None
+                    torch.cuda.synchronize()
+            if self._graphs is not None:
+                self._stats["graph_steps"] += 1
+                return graphs.run([c.token_ids[0] for c in chunks], [c.slot for c in chunks],
+                                  [c.start for c in chunks])
         ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
         rows = [end - 1 for c, end in zip(chunks, ends) if c.sample for _ in range(1 + _num_followers(c))]
         hidden = self._forward(chunks)  # [N, H]
