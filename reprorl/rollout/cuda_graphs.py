@@ -40,21 +40,22 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch
         self.pad_slot = cache.num_slots - 1
-        self.inputs = torch.zeros(3, max_batch, dtype=torch.long, device=cache.device)  # ids, slots, positions
-        self._host = torch.zeros(3, max_batch, dtype=torch.long).pin_memory()
+        # Row b: (token id, slot, position); a bucket's rows are one contiguous block, one copy.
+        self.inputs = torch.zeros(max_batch, 3, dtype=torch.long, device=cache.device)
+        self._host = torch.zeros(max_batch, 3, dtype=torch.long).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def _step(self, b: int) -> Tensor:
-        ids, slots, positions = self.inputs[:, :b]
+        ids, slots, positions = self.inputs[:b].unbind(1)
         hidden = self.model.forward_decode(ids, slots, positions, self.cache, self.attention)
         return self.model.logits(hidden)  # [b, V]
 
     def capture(self, b: int) -> None:
         """Capture the graph of bucket b (`run` does it on first use)."""
         self._fill([], [], [], b)
-        self.inputs[:, :b].copy_(self._host[:, :b])
+        self.inputs[:b].copy_(self._host[:b])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():
@@ -68,9 +69,8 @@ class DecodeGraphs:
 
     def _fill(self, ids: list[int], slots: list[int], positions: list[int], b: int) -> None:
         pad = b - len(ids)
-        self._host[0, :b] = torch.tensor(ids + [0] * pad)
-        self._host[1, :b] = torch.tensor(slots + [self.pad_slot] * pad)
-        self._host[2, :b] = torch.tensor(positions + [0] * pad)
+        rows = list(zip(ids, slots, positions)) + [(0, self.pad_slot, 0)] * pad
+        self._host[:b] = torch.tensor(rows, dtype=torch.long)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -83,7 +83,7 @@ class DecodeGraphs:
         if b not in self.graphs:
             self.capture(b)
         self._fill(ids, slots, positions, b)
-        self.inputs[:, :b].copy_(self._host[:, :b], non_blocking=True)
+        self.inputs[:b].copy_(self._host[:b], non_blocking=True)
         self.graphs[b].replay()
         for s in slots:
             self.cache.lengths[s] += 1
