@@ -513,17 +513,20 @@ class Engine:
                 chunks.append(self._prefill_chunk(seq, budget))
                 budget -= len(chunks[-1].token_ids)
         self._promote_starved()
-        while self._waiting and len(self._running) < self.max_num_seqs and budget > 0:
+        while self._waiting and len(self._running) < self.max_num_seqs:
             if self._kv is None:
                 self._kv = _SlotPool(self.args, self.max_num_seqs, self.dtype, self.device)
             if not self._kv.free:  # a GPU cache smaller than max_num_seqs slots: wait for one
                 break
-            _, _, seq = heapq.heappop(self._waiting)
+            seq = self._waiting[0][2]
+            key = tuple(seq.prompt_ids)
+            leader = self._sharing.get(key) if self.prefix_sharing else None
+            if leader is None and budget <= 0:  # followers cost no tokens: they join past the budget
+                break
+            heapq.heappop(self._waiting)
             seq.slot = self._kv.alloc(seq.capacity)
             seq.weight_version = self.weight_version
             self._running.append(seq)
-            key = tuple(seq.prompt_ids)
-            leader = self._sharing.get(key) if self.prefix_sharing else None
             if leader is not None:  # the same prompt is being prefilled: wait for it, no tokens spent
                 seq.leader = leader
                 leader.followers.append(seq)
