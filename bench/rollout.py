@@ -305,12 +305,12 @@ def main_cuda(args) -> None:
                 engine.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()
-            del engine
+            engine = None  # frees its KV cache and graphs before the next one
             torch.cuda.empty_cache()
         for top_k, label in ((0, "hf"), (50, "hf-topk50")):
             for batch in GPU_BATCHES[::-1]:  # 256 first: the headline comparison
                 record(name, label, batch, lambda: time_hf_cuda(hf, batch, top_k))
-        del hf, ours
+        hf = ours = None
         torch.cuda.empty_cache()
     save()
     print(f"\n{'model':13} {'batch':>5} {'engine':>9} {'det':>9} {'det/eng':>8} {'eng/hf':>7} {'eng/hf-k50':>10} "
