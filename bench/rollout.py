@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -305,12 +306,14 @@ def main_cuda(args) -> None:
                 engine.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()
-            engine = None  # frees its KV cache and graphs before the next one
+            engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
+            gc.collect()
             torch.cuda.empty_cache()
         for top_k, label in ((0, "hf"), (50, "hf-topk50")):
             for batch in GPU_BATCHES[::-1]:  # 256 first: the headline comparison
                 record(name, label, batch, lambda: time_hf_cuda(hf, batch, top_k))
         hf = ours = None
+        gc.collect()
         torch.cuda.empty_cache()
     save()
     print(f"\n{'model':13} {'batch':>5} {'engine':>9} {'det':>9} {'det/eng':>8} {'eng/hf':>7} {'eng/hf-k50':>10} "
