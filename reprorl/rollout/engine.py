@@ -322,11 +322,14 @@ class Engine:
             self._graphs = DecodeGraphs(self.model, self._kv.cache, self._graph_attention, slots)
 
     @classmethod
-    def from_path(cls, path: str, *, batch_invariant: bool, dtype: torch.dtype | None = None, **kwargs) -> Engine:
-        """Load an HF model directory; eos comes from its generation/model config unless given."""
+    def from_path(cls, path: str, *, batch_invariant: bool, dtype: torch.dtype | None = None,
+                  device: torch.device | str = "cpu", **kwargs) -> Engine:
+        """Load an HF model directory onto `device` ("cuda": the GPU engine); eos comes from
+        its generation/model config unless given."""
         from reprorl.models.hf_io import load_model
 
         model, _ = load_model(path, kind="causal_lm", dtype=dtype)
+        model = model.to(device)
         if "eos_token_id" not in kwargs:
             kwargs["eos_token_id"] = eos_ids_from_dir(str(path))
         return cls(model, batch_invariant=batch_invariant, **kwargs)
