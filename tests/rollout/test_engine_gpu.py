@@ -220,3 +220,13 @@ def test_fast_mode_runs_graphs_and_agrees_on_greedy_tokens_mostly(model):
     assert all(len(o.token_ids) == 16 and max(o.log_probs) <= 0 for o in fast)
     # bf16 kernels of another reduction order may flip a near-tie: most first tokens agree
     assert sum(f.token_ids[0] == d.token_ids[0] for f, d in zip(fast, det)) >= 12
+
+
+def test_from_path_onto_the_gpu(tiny_dir, model):
+    from reprorl.rollout.engine import Engine
+
+    engine = Engine.from_path(tiny_dir, batch_invariant=True, dtype=torch.bfloat16, device="cuda", eos_token_id=EOS,
+                              max_model_len=512, gpu_memory_utilization=0.05)
+    assert engine.device.type == "cuda" and engine.stats()["kv_slots"] == 64
+    r = [req("a", [7, 8, 9], seed=5, max_tokens=12, ignore_eos=True)]
+    assert_same(generate_all(engine, r)[0], generate_all(make_engine(model), r)[0])
