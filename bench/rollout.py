@@ -1,4 +1,4 @@
-"""Rollout throughput: reprorl's engine vs transformers' `generate`, on the CPU.
+"""Rollout throughput: reprorl's engine vs transformers' `generate`, on the CPU or a GPU.
 
 Generated tokens per second for a tiny model (width 128) and a wider one (width 512,
 random weights), at batches 1, 16 and 64, 128 new tokens each (eos ignored, so every
@@ -21,12 +21,26 @@ the script works (small sizes; its figures mean little).
     python bench/rollout.py                        # the real figures
     python bench/rollout.py --quick                # smoke run
     python bench/rollout.py --threads 1 --batches 64 --models wide --repeats 3
+
+GPU (`--device cuda`, one process, about 4-5 minutes on an H200): Qwen2.5-0.5B- and
+1.5B-shaped models with random weights, bf16, prompt 128 + 256 new tokens, batches 64 and
+256, every sample from the full distribution (T=1, top_k off, top_p 1) on both sides:
+  - `engine` / `engine-det`: the engine with determinism off / on (CUDA graphs, device sampling),
+  - `engine-n8` / `engine-n8-noshare`: 32 prompts x 8 samples with and without prefix sharing,
+  - `hf` / `hf-topk50`: `generate` on the full distribution / with its default top-k of 50.
+Each engine row also gives `gpu_busy`: the steps' device span over the run's wall time
+(see `Engine._timed_step`). Targets (issue 13): engine >= 40,000 tok/s at batch 256 on
+0.5B, >= 10x `hf` and >= 3x `hf-topk50`; engine-det >= 0.8x engine. Rows past
+`--budget-s` are skipped (listed in the JSON), and the JSON is rewritten after each row.
+
+    python bench/rollout.py --device cuda --out bench/results/rollout_cuda.json
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -164,8 +178,175 @@ def run_one(argv: list[str]) -> None:
     print(json.dumps([t.wall, t.cpu]))
 
 
+# hidden, intermediate, layers, heads, kv heads, head_dim, vocab (tied embeddings, qkv bias)
+QWEN = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151936), "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151936)}
+GPU_PROMPT, GPU_NEW, GPU_BATCHES = 128, 256, (64, 256)
+
+
+def gpu_models(name: str):
+    """(transformers model, reprorl CausalLM) of one Qwen shape on the GPU, bf16, the same random weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from reprorl.models.arch import ModelArgs
+    from reprorl.models.transformer import CausalLM
+
+    h, i, n, heads, kv, hd, vocab = QWEN[name]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+        args = ModelArgs(model_type="qwen2", vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, qkv_bias=True,
+                         tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=config.rope_parameters["rope_theta"]
+                         if getattr(config, "rope_parameters", None) else 10000.0)
+        ours = CausalLM(args, dtype=torch.bfloat16)
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not missing and set(unexpected) <= {"lm_head.weight"}, (missing, unexpected)
+    return hf, ours
+
+
+def gpu_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(GPU_PROMPT)] for _ in range(batch)]
+
+
+def time_hf_cuda(hf, batch: int, top_k: int) -> dict:
+    ids = torch.tensor(gpu_prompts(batch, hf.config.vocab_size), device="cuda")
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=top_k, top_p=1.0, max_new_tokens=GPU_NEW,
+                  min_new_tokens=GPU_NEW, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:, :8], attention_mask=torch.ones_like(ids[:, :8]), **{**kwargs, "max_new_tokens": 4,
+                                                                                 "min_new_tokens": 4})
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    assert out.shape == (batch, GPU_PROMPT + GPU_NEW), out.shape
+    return {"seconds": seconds, "tokens_per_s": batch * GPU_NEW / seconds}
+
+
+def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict:
+    from reprorl.rollout.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0, max_tokens=GPU_NEW, ignore_eos=True)
+
+    async def run(new_tokens):
+        p = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+        return await asyncio.gather(*[engine.generate(f"r{i}", x, p, seed=s)
+                                      for i, (x, s) in enumerate(zip(prompts, seeds))])
+
+    asyncio.run(run(8))  # warm-up: compiles kernels, captures the graphs of this batch's buckets
+    before = engine.stats()
+    start = time.perf_counter()
+    outs = asyncio.run(run(params.max_tokens))
+    seconds = time.perf_counter() - start
+    after = engine.stats()
+    assert all(len(o.token_ids) == GPU_NEW for o in outs)
+    busy = after["gpu_busy_s"] - before["gpu_busy_s"]
+    return {"seconds": seconds, "tokens_per_s": len(prompts) * GPU_NEW / seconds, "gpu_busy": busy / seconds,
+            "gpu_busy_of_step_time": busy / max(after["step_wall_s"] - before["step_wall_s"], 1e-9),
+            "steps": after["steps"] - before["steps"], "graph_steps": after["graph_steps"] - before["graph_steps"],
+            "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"]}
+
+
+def main_cuda(args) -> None:
+    """The GPU table (see the module doc)."""
+    import transformers
+
+    from reprorl.rollout.engine import Engine
+
+    transformers.logging.set_verbosity_error()
+    t0 = time.perf_counter()
+    rows, skipped = [], []
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "prompt_len": GPU_PROMPT,
+                       "new_tokens": GPU_NEW, "rows": rows, "skipped": skipped,
+                       "summary": gpu_summary(rows)}, f, indent=2)
+
+    def record(model, backend, batch, fn):
+        if time.perf_counter() - t0 > args.budget_s:
+            skipped.append(f"{model} {backend} batch {batch}")
+            print(f"{model:13} {backend:17} batch {batch:4}   skipped (past --budget-s)", flush=True)
+            return
+        try:
+            r = fn()
+        except Exception as e:  # one failing row must not lose the others
+            skipped.append(f"{model} {backend} batch {batch}: {type(e).__name__}: {e}")
+            print(f"{model:13} {backend:17} batch {batch:4}   FAILED {type(e).__name__}: {e}", flush=True)
+            return
+        rows.append({"model": model, "backend": backend, "batch": batch, **{k: round(v, 4) if isinstance(v, float)
+                                                                             else v for k, v in r.items()}})
+        extra = f"  gpu busy {r['gpu_busy']:.0%}, {r['graph_steps']}/{r['steps']} steps graphed" if "gpu_busy" in r else ""
+        if r.get("graph_error"):
+            extra += f"  GRAPH ERROR {r['graph_error']}"
+        print(f"{model:13} {backend:17} batch {batch:4} {r['tokens_per_s']:11.0f} tok/s  ({r['seconds']:.2f} s){extra}",
+              flush=True)
+        save()
+
+    for name in args.gpu_models:
+        hf, ours = gpu_models(name)
+        vocab = ours.args.vocab_size
+        for det in (False, True):
+            label = "engine-det" if det else "engine"
+            engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=max(GPU_BATCHES),
+                            max_num_batched_tokens=max(GPU_BATCHES) * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
+                            gpu_memory_utilization=0.3)
+            for batch in GPU_BATCHES:
+                prompts = gpu_prompts(batch, vocab)
+                record(name, label, batch, lambda: time_engine_cuda(engine, prompts, list(range(batch))))
+            if not det:  # n = 8 samples of 32 prompts: prefix sharing on, then off
+                prompts = [p for p in gpu_prompts(32, vocab, seed=1) for _ in range(8)]
+                record(name, "engine-n8", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
+                engine.prefix_sharing = False
+                record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
+            engine.shutdown()
+            engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
+            gc.collect()
+            torch.cuda.empty_cache()
+        for top_k, label in ((0, "hf"), (50, "hf-topk50")):
+            for batch in GPU_BATCHES[::-1]:  # 256 first: the headline comparison
+                record(name, label, batch, lambda: time_hf_cuda(hf, batch, top_k))
+        hf = ours = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    save()
+    print(f"\n{'model':13} {'batch':>5} {'engine':>9} {'det':>9} {'det/eng':>8} {'eng/hf':>7} {'eng/hf-k50':>10} "
+          f"{'n8 share':>9} {'n8 no':>9}")
+    for s in gpu_summary(rows):
+        print(f"{s['model']:13} {s['batch']:5} " + " ".join(
+            f"{s.get(k, float('nan')):{w}.{p}f}" for k, w, p in (
+                ("engine", 9, 0), ("engine-det", 9, 0), ("det_vs_engine", 8, 2), ("engine_vs_hf", 7, 1),
+                ("engine_vs_hf_topk50", 10, 1), ("engine-n8", 9, 0), ("engine-n8-noshare", 9, 0))))
+    print(f"\nwrote {args.out} ({time.perf_counter() - t0:.0f} s)")
+
+
+def gpu_summary(rows: list[dict]) -> list[dict]:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for batch in GPU_BATCHES:
+            tps = {r["backend"]: r["tokens_per_s"] for r in rows if r["model"] == model and r["batch"] == batch}
+            s = {"model": model, "batch": batch, **{k: round(v) for k, v in tps.items()}}
+            if "engine" in tps:
+                for key, other in (("det_vs_engine", "engine-det"), ("engine_vs_hf", "hf"),
+                                   ("engine_vs_hf_topk50", "hf-topk50")):
+                    if other in tps:
+                        s[key] = round(tps[other] / tps["engine"] if key == "det_vs_engine" else
+                                       tps["engine"] / tps[other], 2)
+            out.append(s)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the CPU table; cuda: the GPU one")
+    parser.add_argument("--gpu-models", nargs="*", default=list(QWEN), help="--device cuda: which of " + " ".join(QWEN))
+    parser.add_argument("--budget-s", type=float, default=330, help="--device cuda: skip rows started past this")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script works")
     parser.add_argument("--batches", type=int, nargs="*", default=None, help="batch sizes (default 1 16 64)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 128)")
@@ -176,6 +357,9 @@ def main() -> None:
     parser.add_argument("--out", default=RESULTS, help="where the JSON goes")
     parser.add_argument("--one", nargs=5, metavar="ARG", help=argparse.SUPPRESS)  # a child of `measure`
     args = parser.parse_args()
+    if args.device == "cuda":
+        main_cuda(args)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:

@@ -133,6 +133,16 @@ class KVCache:
         self.capacity = capacity
 
 
+    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        """Copy the first `length` cached tokens of slot `src` into slots `dsts` (a device copy
+        per layer) and set their lengths: the engine's prefix sharing."""
+        index = torch.tensor(dsts, device=self.device)
+        for buf in self.keys + self.values:
+            buf[index, :, :length] = buf[src, :, :length]
+        for d in dsts:
+            self.lengths[d] = length
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
         super().__init__()
@@ -207,6 +217,23 @@ class DecoderLayer(nn.Module):
                 kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
                 out = kern.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
                 attn[g.rows] = out.permute(0, 2, 1, 3).reshape(-1, *q.shape[1:])[g.real]
+        x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
+        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+
+
+    def forward_decode(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, positions: Tensor,
+                       q_start: Tensor, cache: KVCache, layer: int, attention, kern) -> Tensor:
+        """One decode token per row, with no host sync and static shapes (a CUDA graph can
+        replay it): x [B, H], slots/positions [B]; q_start [S] (every slot of the cache; 0
+        for slots not decoding). Attention runs over all S slots as one view (zero queries
+        for the idle ones cost a key block each) and each row takes its slot's output."""
+        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [B, Hq|Hkv, D]
+        keys, values = cache.keys[layer], cache.values[layer]  # [S, Hkv, cap, D]
+        keys[slots, :, positions] = k
+        values[slots, :, positions] = v
+        q_all = q.new_zeros(keys.shape[0], *q.shape[1:])  # [S, Hq, D]
+        q_all[slots] = q
+        attn = attention(q_all[:, :, None], keys, values, q_start)[slots, :, 0]  # [B, Hq, D]
         x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
         return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
@@ -359,6 +386,23 @@ class Transformer(nn.Module):
         return self.norm(x, self.kernels)
 
 
+    def forward_decode(self, input_ids: Tensor, slots: Tensor, positions: Tensor, cache: KVCache,
+                       attention=None) -> Tensor:
+        """A decode step as device ops only (what `reprorl.rollout.cuda_graphs` captures):
+        input_ids, slots, positions [B] on the device; each row's token goes to position
+        positions[b] of slot slots[b] (rows may share a padding slot). `attention`: a
+        `batched_attention` that reads no value on the host (default: the kernels').
+        Unlike `forward_packed` it checks nothing and leaves `cache.lengths` to the caller.
+        -> hidden [B, H]. With batch-invariant kernels a row's bits equal `forward_packed`'s."""
+        attention = attention or self.kernels.batched_attention
+        q_start = positions.new_zeros(cache.num_slots).scatter(0, slots, positions)  # [S]
+        cos, sin = self._rope(positions)
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_decode(x, cos, sin, slots, positions, q_start, cache, i, attention, self.kernels)
+        return self.norm(x, self.kernels)
+
+
 class _BackboneKernels:
     """`kernels` of a model with a head: the backbone's backend (`reprorl.kernels`), which
     its head's linear uses too; setting it sets the backbone's."""
@@ -409,6 +453,11 @@ class CausalLM(_BackboneKernels, nn.Module):
         created in inference mode: map them with `logits` under torch.inference_mode() too.
         """
         return self.model.forward_packed(input_ids, seq_lens, cache, slots)
+
+    def forward_decode(self, input_ids: Tensor, slots: Tensor, positions: Tensor, cache: KVCache,
+                       attention=None) -> Tensor:
+        """See `Transformer.forward_decode` (call under torch.inference_mode())."""
+        return self.model.forward_decode(input_ids, slots, positions, cache, attention)
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> logits [..., V]."""

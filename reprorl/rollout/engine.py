@@ -1,11 +1,24 @@
-"""reprorl's built-in inference engine: continuous batching on the CPU (GPU later).
+"""reprorl's built-in inference engine: continuous batching on the CPU or a CUDA GPU.
 
 `Engine` serves `generate` calls from many asyncio tasks. A background step loop batches
 them: each step packs one decode token for every running sequence, then prefill chunks
 of sequences still reading their prompt, then prompts of newly admitted requests, within
 `max_num_seqs` sequences and `max_num_batched_tokens` tokens. Requests join and leave
-between steps. Keys and values live in one preallocated `KVCache` with a slot per running
-sequence (`_SlotPool`), freed for the next request when a sequence finishes.
+between steps. Keys and values live in one `KVCache` with a slot per running sequence
+(`_SlotPool`), freed for the next request when a sequence finishes; on a GPU it is
+allocated once, from a share of the free memory (`gpu_memory_utilization`).
+
+Prefix sharing: requests that bring the same prompt while it is being prefilled (the n
+samples of a GRPO prompt, sent as n generate calls with their own seeds) are admitted as
+followers of the first: the prompt is prefilled once, its keys/values are copied into
+each follower's slot (a device copy, not shared blocks) and each follower samples its
+first token from the leader's last logits with its own uniform. In batch-invariant mode
+that is the same bits as n prefills (tested), so it changes only the work.
+
+On a GPU, decode-only steps are replayed from CUDA graphs (`cuda_graphs.py`) and sampling
+runs on the device for the whole batch (`sampling.sample_on_device`): the host ships the
+step's uniforms and parameters in one copy and reads the new tokens and log-probs back in
+one copy.
 
 The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
 op from `reprorl.kernels`): all decode tokens of a step share one batched attention
@@ -49,7 +62,9 @@ import asyncio
 import heapq
 import itertools
 import json
+import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -58,7 +73,18 @@ from torch import Tensor
 
 from reprorl.kernels import KEY_BLOCK, select_kernels, verify_batch_invariance
 from reprorl.models.transformer import KVCache
-from reprorl.rollout.sampling import SamplingParams, draw_uniforms, make_generator, sample_batch
+from reprorl.rollout.sampling import (
+    SamplingParams,
+    any_filter,
+    draw_uniforms,
+    join_tokens_and_log_probs,
+    make_generator,
+    pack_step_params,
+    sample_batch,
+    sample_on_device,
+)
+
+logger = logging.getLogger(__name__)
 
 # Uniforms drawn per call from a request's generator (one per token, see sampling.py).
 _DRAW_BLOCK = 32
@@ -98,6 +124,10 @@ class _Sequence:
     weight_version: int = -1
     aborted: bool = False
     uniforms: list[float] = field(default_factory=list)  # drawn, not yet used (reversed)
+    # Prefix sharing: a follower waits for its leader (same prompt) to prefill, then takes a
+    # copy of the leader's keys/values and samples its first token from the leader's logits.
+    leader: _Sequence | None = None
+    followers: list[_Sequence] = field(default_factory=list)
 
     def next_uniform(self) -> float:
         """The draw of the next token: the generator's next value."""
@@ -125,21 +155,55 @@ class _Chunk:
 class _SlotPool:
     """The KV cache of every running sequence (the model's `KVCache`, one slot per sequence)
     and which slots are free. Slots are taken lowest first, so running ones stay dense and
-    a decode step reads them as one view. The cache grows (copying) to the longest sequence
-    admitted, in whole `KEY_BLOCK`s."""
+    a decode step reads them as one view.
 
-    def __init__(self, args, num_slots: int, dtype: torch.dtype, device: torch.device):
-        self.cache = KVCache.for_model(args, KEY_BLOCK, num_slots, dtype, device)
+    Slots rather than pages: every attention kernel reads a sequence's keys as one range of
+    its slot (`batched_attention`), so slots need no new kernel, and a decode step reads the
+    running slots as one view. The cost is memory: a slot holds `capacity` tokens whatever
+    its sequence uses. On the CPU (`capacity` None) the cache starts at one `KEY_BLOCK`
+    and grows (copying) to the longest sequence admitted. On a GPU it is allocated once, at
+    a fixed capacity, with one spare slot past `num_slots` for the padding rows of CUDA
+    graphs (`cuda_graphs.py`); admission waits while no slot is free."""
+
+    def __init__(self, args, num_slots: int, dtype: torch.dtype, device: torch.device, capacity: int | None = None):
+        self.fixed = capacity is not None
+        spare = 1 if self.fixed else 0
+        self.cache = KVCache.for_model(args, capacity or KEY_BLOCK, num_slots + spare, dtype, device)
+        self.num_slots = num_slots
         self.free = list(range(num_slots))  # a heap
 
     def alloc(self, capacity: int) -> int:
-        self.cache.grow(-(-capacity // KEY_BLOCK) * KEY_BLOCK)
+        if not self.fixed:
+            self.cache.grow(-(-capacity // KEY_BLOCK) * KEY_BLOCK)
         slot = heapq.heappop(self.free)
         self.cache.lengths[slot] = 0
         return slot
 
     def release(self, slot: int) -> None:
         heapq.heappush(self.free, slot)
+
+
+def gpu_cache_shape(args, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int,
+                    gpu_memory_utilization: float) -> tuple[int, int]:
+    """(slots, tokens per slot) of a GPU KV cache within `gpu_memory_utilization` of the
+    device's free memory: max_num_seqs slots of max_model_len tokens if they fit, else as
+    many whole slots as fit (admission then waits for a free one), else one shorter slot.
+    Raises ValueError when not even one KEY_BLOCK fits."""
+    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * dtype.itemsize
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(gpu_memory_utilization * free)
+    capacity = -(-max_model_len // KEY_BLOCK) * KEY_BLOCK
+    slots = min(max_num_seqs, budget // (capacity * per_token) - 1)  # - 1: the spare slot
+    if slots >= 1:
+        return slots, capacity
+    capacity = budget // (2 * per_token) // KEY_BLOCK * KEY_BLOCK
+    if capacity < KEY_BLOCK:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization}: {budget / 2**20:.0f} MiB of the GPU's "
+            f"{free / 2**20:.0f} MiB free hold no KV cache slot of {KEY_BLOCK} tokens ({per_token} bytes a token); "
+            "raise gpu_memory_utilization or free GPU memory"
+        )
+    return 1, capacity
 
 
 def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
@@ -161,6 +225,13 @@ class Engine:
     contract; `reprorl.kernels.select_kernels`) or on the fastest ones. `eos_token_id`: one id, several, or None. `max_model_len`: prompt
     plus generation, at most the model's rope table (default min(that, 4096)).
     `num_threads`: torch threads of a step (default: the constructing thread's count).
+
+    On a GPU: the KV cache is allocated when the engine is made (and again on wake_up),
+    within `gpu_memory_utilization` of the free device memory (`gpu_cache_shape`);
+    `cuda_graphs` replays decode steps from CUDA graphs (`cuda_graphs.py`; False: eager);
+    sampling runs on the device (`sampling.sample_on_device`). Everywhere:
+    `prefix_sharing` prefills a prompt once for the requests that bring it together (the n
+    samples of a GRPO prompt) and copies its keys/values into the others' slots.
     """
 
     def __init__(
@@ -174,6 +245,9 @@ class Engine:
         max_model_len: int | None = None,
         starvation_steps: int = 256,
         num_threads: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        cuda_graphs: bool = True,
+        prefix_sharing: bool = True,
     ):
         if not hasattr(model, "logits") or not hasattr(getattr(model, "model", None), "layers"):
             raise TypeError(f"Engine needs a reprorl.models.transformer.CausalLM, got {type(model).__name__}")
@@ -200,6 +274,10 @@ class Engine:
         if self.max_model_len > rope_len:
             raise ValueError(f"max_model_len={self.max_model_len}: the model has rope positions for {rope_len}")
         self.starvation_steps = starvation_steps
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: expected a share in (0, 1]")
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.prefix_sharing = prefix_sharing
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kernels = select_kernels(self.device, batch_invariant)
@@ -208,24 +286,50 @@ class Engine:
 
         self.weight_version = 0
         self.asleep = False
-        self._kv: _SlotPool | None = None  # made on first admission, dropped by sleep()
+        self._kv: _SlotPool | None = None  # made on first admission (GPU: now), dropped by sleep()
+        self._graphs = None  # DecodeGraphs over the GPU cache, when cuda_graphs
+        self.graph_error: str | None = None  # why graph capture failed, if it did (then eager)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._sharing: dict[tuple[int, ...], _Sequence] = {}  # prompt -> leader still prefilling it
         self._waiting: list[tuple[int, int, _Sequence]] = []  # heap of (priority, arrival, seq)
         self._running: list[_Sequence] = []  # admission order
         self._by_id: dict[str, _Sequence] = {}
         self._arrivals = itertools.count()
-        self._stats = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "aborted": 0}
+        self._stats = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "aborted": 0,
+                       "prefix_shared": 0, "graph_steps": 0, "gpu_busy_s": 0.0, "step_wall_s": 0.0}
         self.num_threads = num_threads or torch.get_num_threads()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._step_lock: asyncio.Lock | None = None
+        self._sample_on_device = self.device.type == "cuda"  # else sample_batch: the host path's bits
+        if self.device.type == "cuda":
+            from reprorl.kernels.gpu import row_cumsum
+            from reprorl.kernels.gpu.attention import batched_attention as triton_attention
+
+            self._cumsum = row_cumsum
+            # Graph replays need an attention that reads nothing on the host: the Triton one.
+            self._graph_attention = self.kernels.batched_attention if batch_invariant else triton_attention
+            self._make_gpu_pool()
+
+    def _make_gpu_pool(self) -> None:
+        slots, capacity = gpu_cache_shape(self.args, self.dtype, self.device, self.max_num_seqs,
+                                          self.max_model_len, self.gpu_memory_utilization)
+        self._kv = _SlotPool(self.args, slots, self.dtype, self.device, capacity)
+        if self.cuda_graphs:
+            from reprorl.rollout.cuda_graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self.model, self._kv.cache, self._graph_attention, slots)
 
     @classmethod
-    def from_path(cls, path: str, *, batch_invariant: bool, dtype: torch.dtype | None = None, **kwargs) -> Engine:
-        """Load an HF model directory; eos comes from its generation/model config unless given."""
+    def from_path(cls, path: str, *, batch_invariant: bool, dtype: torch.dtype | None = None,
+                  device: torch.device | str = "cpu", **kwargs) -> Engine:
+        """Load an HF model directory onto `device` ("cuda": the GPU engine); eos comes from
+        its generation/model config unless given."""
         from reprorl.models.hf_io import load_model
 
         model, _ = load_model(path, kind="causal_lm", dtype=dtype)
+        model = model.to(device)
         if "eos_token_id" not in kwargs:
             kwargs["eos_token_id"] = eos_ids_from_dir(str(path))
         return cls(model, batch_invariant=batch_invariant, **kwargs)
@@ -248,6 +352,13 @@ class Engine:
             raise ValueError(f"generate: request_id {request_id!r} is already in flight")
         check_prompt(request_id, prompt_ids, self.max_model_len, self.args.vocab_size)
         n = len(prompt_ids)
+        need = min(n + sampling_params.max_tokens, self.max_model_len)
+        if self._kv is not None and self._kv.fixed and need > self._kv.cache.capacity:
+            raise ValueError(
+                f"generate({request_id!r}): prompt + max_tokens = {need} tokens; a KV cache slot holds "
+                f"{self._kv.cache.capacity} (gpu_memory_utilization={self.gpu_memory_utilization}); raise it, "
+                "or lower max_tokens or max_model_len"
+            )
         seq = _Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
@@ -307,17 +418,19 @@ class Engine:
         async with self._lock():
             if self._by_id:
                 raise RuntimeError(f"sleep: {len(self._by_id)} requests in flight; wait for or abort them first")
-            self._kv = None
+            self._kv = self._graphs = None  # graphs hold the cache's and the weights' addresses
             if self.device.type != "cpu":
                 self.model.to("cpu")
                 getattr(torch, self.device.type).empty_cache()
             self.asleep = True
 
     async def wake_up(self) -> None:
-        """Undo `sleep` (the KV store is rebuilt on the next admission)."""
+        """Undo `sleep` (the KV store is rebuilt: on a GPU now, else on the next admission)."""
         async with self._lock():
             if self.device.type != "cpu":
                 self.model.to(self.device)
+            if self.device.type == "cuda" and self._kv is None:
+                self._make_gpu_pool()
             self.asleep = False
 
     def stats(self) -> dict:
@@ -328,6 +441,8 @@ class Engine:
             "weight_version": self.weight_version,
             "asleep": self.asleep,
             "kv_capacity": self._kv.cache.capacity if self._kv is not None else 0,
+            "kv_slots": self._kv.num_slots if self._kv is not None else 0,
+            "graph_error": self.graph_error,
             **self._stats,
         }
 
@@ -361,12 +476,13 @@ class Engine:
             self._wakeup.clear()
             while self._by_id:
                 async with self._step_lock:
+                    wall = time.perf_counter()
                     self._reap_aborted()
                     try:
                         chunks = self._schedule()
                         if not chunks:
                             break
-                        tokens, log_probs = self._run_step(chunks)
+                        tokens, log_probs = self._timed_step(chunks)
                     except Exception as exc:  # an engine or model error fails every request in flight
                         for seq in list(self._by_id.values()):
                             self._drop(seq)
@@ -374,6 +490,7 @@ class Engine:
                                 seq.future.set_exception(exc)
                         break
                     self._apply(chunks, tokens, log_probs)
+                    self._stats["step_wall_s"] += time.perf_counter() - wall
                 # Let new requests, aborts and weight updates in. Twice: a call that arrived
                 # from another thread during the step (a Ray actor call) becomes a task on the
                 # first pass and reaches generate() on the second, in time for the next step.
@@ -394,20 +511,33 @@ class Engine:
             if seq.num_computed >= len(seq.prompt_ids):
                 chunks.append(_Chunk(seq, seq.slot, [seq.output_ids[-1]], seq.num_computed, True))
                 budget -= 1
-        for seq in self._running:  # prompts still being read, in admission order
-            if seq.num_computed < len(seq.prompt_ids) and budget > 0:
+        for seq in self._running:  # prompts still being read, in admission order (followers wait)
+            if seq.num_computed < len(seq.prompt_ids) and seq.leader is None and budget > 0:
                 chunks.append(self._prefill_chunk(seq, budget))
                 budget -= len(chunks[-1].token_ids)
         self._promote_starved()
-        while self._waiting and len(self._running) < self.max_num_seqs and budget > 0:
-            _, _, seq = heapq.heappop(self._waiting)
+        while self._waiting and len(self._running) < self.max_num_seqs:
             if self._kv is None:
                 self._kv = _SlotPool(self.args, self.max_num_seqs, self.dtype, self.device)
+            if not self._kv.free:  # a GPU cache smaller than max_num_seqs slots: wait for one
+                break
+            seq = self._waiting[0][2]
+            key = tuple(seq.prompt_ids)
+            leader = self._sharing.get(key) if self.prefix_sharing else None
+            if leader is None and budget <= 0:  # followers cost no tokens: they join past the budget
+                break
+            heapq.heappop(self._waiting)
             seq.slot = self._kv.alloc(seq.capacity)
             seq.weight_version = self.weight_version
             self._running.append(seq)
+            if leader is not None:  # the same prompt is being prefilled: wait for it, no tokens spent
+                seq.leader = leader
+                leader.followers.append(seq)
+                continue
             chunks.append(self._prefill_chunk(seq, budget))
             budget -= len(chunks[-1].token_ids)
+            if self.prefix_sharing:  # until its prompt is computed (`_apply`), even within this step
+                self._sharing[key] = seq
         return chunks
 
     def _prefill_chunk(self, seq: _Sequence, budget: int) -> _Chunk:
@@ -423,20 +553,23 @@ class Engine:
             self._waiting = [((top if s.arrival_step < cutoff else p), a, s) for p, a, s in self._waiting]
             heapq.heapify(self._waiting)
 
-    def _apply(self, chunks: list[_Chunk], tokens: Tensor, log_probs: Tensor) -> None:
+    def _apply(self, chunks: list[_Chunk], tokens: list[int], log_probs: list[float]) -> None:
         """Record the step's new tokens and finish the sequences that are done."""
         self._stats["steps"] += 1
-        tokens, log_probs = tokens.tolist(), log_probs.tolist()
-        i = 0
+        samplers = iter(_samplers(chunks))
         for c in chunks:
-            seq = c.seq
-            seq.num_computed += len(c.token_ids)
+            c.seq.num_computed += len(c.token_ids)
             if not c.is_decode:
                 self._stats["prompt_tokens"] += len(c.token_ids)
             if not c.sample:
                 continue
-            tok, lp = tokens[i], log_probs[i]
-            i += 1
+            if not c.is_decode and self._sharing.get(tuple(c.seq.prompt_ids)) is c.seq:
+                del self._sharing[tuple(c.seq.prompt_ids)]
+            for f in c.seq.followers:  # their keys/values were copied in the step
+                f.leader, f.num_computed = None, len(f.prompt_ids)
+                self._stats["prefix_shared"] += 1
+            c.seq.followers = []
+        for seq, tok, lp in zip(samplers, tokens, log_probs):
             seq.output_ids.append(tok)
             seq.log_probs.append(lp)
             self._stats["tokens_generated"] += 1
@@ -447,8 +580,20 @@ class Engine:
                 self._finish(seq, "length")
 
     def _drop(self, seq: _Sequence) -> None:
-        """Forget a sequence and give its KV slot back."""
+        """Forget a sequence and give its KV slot back (a leader hands its followers on)."""
         self._by_id.pop(seq.request_id, None)
+        key = tuple(seq.prompt_ids)
+        if self._sharing.get(key) is seq:
+            del self._sharing[key]
+        if seq.leader is not None:
+            seq.leader.followers.remove(seq)
+            seq.leader = None
+        if seq.followers:  # the first follower prefills the prompt itself; the others wait for it
+            new, *rest = seq.followers
+            new.leader, new.followers, seq.followers = None, rest, []
+            for f in rest:
+                f.leader = new
+            self._sharing[key] = new
         if seq in self._running:
             self._running.remove(seq)
             self._kv.release(seq.slot)
@@ -475,7 +620,22 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _run_step(self, chunks: list[_Chunk]) -> tuple[Tensor, Tensor]:
+    def _timed_step(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
+        """`_run_step`; on a GPU also adds its device span to `gpu_busy_s`: CUDA events from
+        before its first launch to after its one sync. The span counts launch gaps inside the
+        step as busy (an upper bound; a graph replay has none), so `gpu_busy_s / step_wall_s`
+        (the step loop's time, scheduling included) shows the host time around the steps."""
+        if self.device.type != "cuda":
+            return self._run_step(chunks)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = self._run_step(chunks)
+        end.record()
+        end.synchronize()
+        self._stats["gpu_busy_s"] += start.elapsed_time(end) / 1e3
+        return out
+
+    def _run_step(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
         """One forward pass over the packed chunks, then sampling at their last tokens."""
         caller_threads = torch.get_num_threads()
         if caller_threads != self.num_threads:
@@ -486,24 +646,69 @@ class Engine:
             if caller_threads != self.num_threads:
                 torch.set_num_threads(caller_threads)
 
-    def _forward_and_sample(self, chunks: list[_Chunk]) -> tuple[Tensor, Tensor]:
-        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
-        rows = [end - 1 for c, end in zip(chunks, ends) if c.sample]
-        sampled = [c.seq for c in chunks if c.sample]
+    def _forward_and_sample(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
+        sampled = _samplers(chunks)
         with torch.inference_mode():
-            hidden = self._forward(chunks)  # [N, H]
-            if not rows:
-                return torch.empty(0, dtype=torch.long), torch.empty(0)
-            if len(rows) < hidden.shape[0]:  # prefill chunks: only their last tokens sample
-                hidden = hidden[torch.tensor(rows, device=self.device)]
-            logits = self.model.logits(hidden)  # [S, V]
-            return sample_batch(logits, [s.params for s in sampled], [s.next_uniform() for s in sampled],
-                                self.kernels.log_softmax)
+            logits = self._logits(chunks)  # [S, V]
+            if logits is None:
+                return [], []
+            self._copy_shared_prefixes(chunks)
+            params = [s.params for s in sampled]
+            uniforms = [s.next_uniform() for s in sampled]
+            if not self._sample_on_device:
+                tokens, log_probs = sample_batch(logits, params, uniforms, self.kernels.log_softmax)
+                return tokens.tolist(), log_probs.tolist()
+            packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
+            tokens, log_probs = sample_on_device(logits, packed, any_filter(params), self.kernels.softmax,
+                                                 self.kernels.log_softmax, self._cumsum)
+            return join_tokens_and_log_probs(tokens, log_probs)
+
+    def _logits(self, chunks: list[_Chunk]) -> Tensor | None:
+        """Logits [S, V] at each sampling row (a prefix leader's row once more per follower):
+        from a CUDA graph when every chunk is a decode token, else the eager packed forward."""
+        graphs = self._graphs
+        if graphs is not None and len(chunks) <= graphs.max_batch and all(c.is_decode for c in chunks):
+            if graphs.bucket(len(chunks)) not in graphs.graphs:
+                try:  # a capture that fails leaves the engine eager, and says why (stats, log)
+                    graphs.capture(graphs.bucket(len(chunks)))
+                except Exception as e:
+                    self.graph_error = f"{type(e).__name__}: {e}"
+                    logger.warning("CUDA graph capture failed, decode steps run eagerly: %s", self.graph_error)
+                    self._graphs = None
+                    torch.cuda.synchronize()
+            if self._graphs is not None:
+                self._stats["graph_steps"] += 1
+                return graphs.run([c.token_ids[0] for c in chunks], [c.slot for c in chunks],
+                                  [c.start for c in chunks])
+        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
+        rows = [end - 1 for c, end in zip(chunks, ends) if c.sample for _ in range(1 + _num_followers(c))]
+        hidden = self._forward(chunks)  # [N, H]
+        if not rows:
+            return None
+        if rows != list(range(hidden.shape[0])):  # prefill chunks: only their last tokens sample
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.logits(hidden)
+
+    def _copy_shared_prefixes(self, chunks: list[_Chunk]) -> None:
+        """Give each follower of a leader whose prompt completed this step a copy of its keys/values."""
+        for c in chunks:
+            if _num_followers(c):
+                self._kv.cache.copy_prefix(c.slot, [f.slot for f in c.seq.followers], len(c.seq.prompt_ids))
 
     def _forward(self, chunks: list[_Chunk]) -> Tensor:
         """The model's `forward_packed` over the chunks, each in its sequence's slot. -> hidden [N, H]."""
         ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
         return self.model.forward_packed(ids, [len(c.token_ids) for c in chunks], self._kv.cache, [c.slot for c in chunks])
+
+
+def _num_followers(c: _Chunk) -> int:
+    """Followers sampled with a chunk: those of a leader whose prompt this chunk completes."""
+    return len(c.seq.followers) if c.sample and not c.is_decode else 0
+
+
+def _samplers(chunks: list[_Chunk]) -> list[_Sequence]:
+    """The sequences that get a token this step, in the order of the step's logits rows."""
+    return [s for c in chunks if c.sample for s in (c.seq, *(c.seq.followers if _num_followers(c) else ()))]
 
 
 def eos_ids_from_dir(path: str) -> int | list[int] | None:

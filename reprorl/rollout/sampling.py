@@ -18,6 +18,16 @@ The determinism contract (DESIGN.md) needs a sampled token to be a pure function
   flattened batch; the CDF walk has no such op. Sampling in vocabulary order (not sorted
   order) also makes `top_k=V` and `top_p=1` give exactly the unfiltered samples.
 
+On a GPU the engine samples with `sample_on_device` instead: the same inverse-CDF rule and
+the same log-probs, for the whole batch on the logits' device, with the uniforms (still
+drawn on the host from each request's generator) shipped in with the step's parameters as
+one tensor (`pack_step_params`), and one device-to-host copy of the new tokens and their
+log-probs together (`join_tokens_and_log_probs`). Probabilities are float32 there (the
+host path's are float64), so the two paths may pick a different token at a CDF boundary:
+each is deterministic, and the GPU one is batch-invariant when given batch-invariant
+`softmax`/`log_softmax` and a fixed-order running sum (`reprorl.kernels.gpu.row_cumsum`):
+every other op it runs is exact (comparisons, counts, gathers, a stable sort, argmax).
+
 Filtering follows vLLM: top-k first, then top-p on the distribution renormalised over the
 top-k set. Ties are broken by token id (lower id ranks first), via a stable sort.
 
@@ -211,3 +221,69 @@ def _keep_mask_batch(probs: torch.Tensor, top_k: Sequence[int], top_p: Sequence[
     # Rows with top_p = 1 skip the test (float sums may exceed 1 and cut the tail).
     keep_sorted &= (mass_before < (p * kept_mass)[:, None]) | (p >= 1)[:, None]
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+# ---- the GPU path --------------------------------------------------------------------
+
+
+def pack_step_params(params: Sequence[SamplingParams], uniforms: Sequence[float], vocab_size: int) -> torch.Tensor:
+    """One step's sampling inputs as one float64 tensor [4, B] (one host-to-device copy):
+    rows uniform, temperature (0 = greedy), top_k (vocab_size when off), top_p. Exact:
+    top_k fits a float64, uniforms are float64 already."""
+    return torch.tensor(
+        [list(uniforms), [p.temperature for p in params],
+         [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params], [p.top_p for p in params]],
+        dtype=torch.float64,
+    )
+
+
+def any_filter(params: Sequence[SamplingParams]) -> bool:
+    """Whether any sampled row of the step uses top-k or top-p (else the sort is skipped)."""
+    return any(not p.greedy and (p.top_k != -1 or p.top_p < 1) for p in params)
+
+
+def sample_on_device(logits: torch.Tensor, packed: torch.Tensor, filtered: bool, softmax, log_softmax,
+                     cumsum) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row where the logits are, with no host sync.
+
+    logits [B, V]; packed [4, B] float64 from `pack_step_params`, on the logits' device;
+    `filtered`: `any_filter` of the step's params; softmax/log_softmax: the model's kernels;
+    cumsum: a row-wise running sum [B, V] -> [B, V] (`row_cumsum` on CUDA). Returns
+    (tokens int64 [B], log_probs float32 [B]) on the device: log_softmax(logits / T) at the
+    token, T = 1 for greedy, untruncated, as `sample_batch`.
+    """
+    B, V = logits.shape
+    u, temperature, top_k, top_p = packed
+    greedy = temperature == 0
+    temps = torch.where(greedy, 1.0, temperature).float()
+    logits = logits.float()
+    scaled = logits / temps[:, None]  # [B, V]; greedy rows unchanged
+    log_probs_all = log_softmax(scaled)  # [B, V]
+    probs = softmax(scaled)  # [B, V] float32
+    if filtered:
+        probs = torch.where(_keep_mask_on_device(probs, top_k.long(), top_p, cumsum), probs, 0.0)
+    cdf = cumsum(probs)  # [B, V]
+    target = (u * cdf[:, -1].double()).float()  # [B]
+    idx = (cdf <= target[:, None]).sum(-1)  # first token whose cumulative mass exceeds the target
+    last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1)  # last token with mass
+    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), torch.minimum(idx, last))  # argmax: lowest id of ties
+    return tokens, log_probs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _keep_mask_on_device(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor, cumsum) -> torch.Tensor:
+    """`_keep_mask_batch` on the device: probs [B, V] float32, k [B] int64, p [B] float64 -> bool [B, V]."""
+    B, V = probs.shape
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: lower id first
+    keep_sorted = torch.arange(V, device=probs.device)[None, :] < k[:, None]  # [B, V]
+    cum = cumsum(sorted_probs)  # [B, V]
+    kept_mass = cum.gather(1, (k - 1)[:, None]).squeeze(1)  # [B]
+    mass_before = torch.nn.functional.pad(cum[:, :-1], (1, 0))  # mass ranked above token j (exact shift)
+    keep_sorted &= (mass_before < (p.float() * kept_mass)[:, None]) | (p >= 1)[:, None]
+    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+
+def join_tokens_and_log_probs(tokens: torch.Tensor, log_probs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The step's one device-to-host copy: tokens and the log-probs' float32 bits as one int32 tensor."""
+    joined = torch.cat([tokens.to(torch.int32), log_probs.float().view(torch.int32)]).cpu()
+    n = tokens.shape[0]
+    return joined[:n].tolist(), joined[n:].view(torch.float32).tolist()

@@ -419,3 +419,77 @@ def test_a_model_error_fails_the_requests_in_flight_and_the_engine_recovers(tiny
     assert all(isinstance(e, TypeError) for e in errors) and engine.stats()["running"] == 0
     model.model.norm = norm
     assert_same(generate_all(engine, [r])[0], good)
+
+
+def test_prefix_sharing_changes_nothing_but_work(model):
+    """n samples of each prompt arrive together: with sharing, each prompt is prefilled once
+    and copied; tokens and log-probs equal those of separate prefills, bit for bit."""
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, 3, 150) for _ in range(3)]
+    requests = [req(f"p{i}-{j}", p, seed=50 * i + j, temperature=1.0, top_p=0.95, max_tokens=12, ignore_eos=True)
+                for i, p in enumerate(prompts) for j in range(4)]
+    shared_engine = make_engine(model, max_num_batched_tokens=64)  # the 150-token prompt takes 3 steps
+    shared = generate_all(shared_engine, requests)
+    separate = generate_all(make_engine(model, prefix_sharing=False), requests)
+    assert shared_engine.stats()["prefix_shared"] == 9
+    for x, y in zip(shared, separate):
+        assert_same(x, y)
+    assert len({tuple(o.token_ids) for o in shared[:4]}) == 4  # the copies still sample apart
+
+
+def test_aborted_prefix_leader_hands_its_followers_on(model):
+    prompt = list(range(3, 120))
+    requests = [req(f"c{j}", prompt, seed=j, max_tokens=6, ignore_eos=True) for j in range(3)]
+    alone = [generate_all(make_engine(model, prefix_sharing=False), [r])[0] for r in requests]
+    engine = make_engine(model, max_num_seqs=4, max_num_batched_tokens=16)  # the leader prefills for 8 steps
+
+    async def main():
+        tasks = [asyncio.create_task(engine.generate(**r)) for r in requests]
+        while engine.stats()["steps"] < 2:
+            await asyncio.sleep(0)
+        engine.abort("c0")
+        return await asyncio.gather(*tasks)
+
+    outs = asyncio.run(main())
+    assert outs[0].finish_reason == "abort"
+    assert engine.stats()["prefix_shared"] == 1
+    for x, y in zip(outs[1:], alone[1:]):
+        assert_same(x, y)
+
+
+def test_forward_decode_equals_forward_packed(model):
+    """The graph path's decode (`forward_decode`: every slot attended, padding rows in a spare
+    slot) gives the bits of the eager packed decode, with batch-invariant kernels."""
+    from reprorl.models.transformer import KVCache
+
+    with on_kernels(model, invariant=True), torch.inference_mode():
+        rng = random.Random(12)
+        prompts = [torch.tensor(random_prompt(rng, 2, 30)) for _ in range(5)]
+        caches = [KVCache.for_model(model.args, KEY_BLOCK, 7) for _ in range(2)]  # slot 6: padding
+        slots = [4, 0, 2, 5, 1]
+        for cache in caches:
+            model.forward_packed(torch.cat(prompts), [len(p) for p in prompts], cache, slots)
+        ids = torch.tensor([7, 8, 9, 10, 11])
+        packed = model.logits(model.forward_packed(ids, [1] * 5, caches[0], slots))
+        positions = torch.tensor([len(p) for p in prompts] + [0, 0])
+        pad_slots = torch.tensor(slots + [6, 6])
+        decoded = model.logits(model.forward_decode(torch.cat([ids, torch.tensor([0, 0])]), pad_slots, positions,
+                                                    caches[1]))
+        assert torch.equal(decoded[:5], packed)
+        for layer in range(model.args.num_hidden_layers):
+            assert torch.equal(caches[0].keys[layer][:6], caches[1].keys[layer][:6])
+
+
+def test_gpu_cache_shape(model, monkeypatch):
+    from reprorl.rollout.engine import gpu_cache_shape
+
+    args = model.args
+    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * 4  # float32
+    free = 1000 * 512 * per_token
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    shape = lambda util, seqs=64: gpu_cache_shape(args, torch.float32, "cuda", seqs, 500, util)  # noqa: E731
+    assert shape(0.5) == (64, 512)  # 500 tokens round up to whole KEY_BLOCKs
+    assert shape(0.01) == (9, 512)  # 10 slots' worth, one of them the spare
+    assert shape(0.001) == (1, 256)  # no whole slot: one shorter one
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1e-05"):
+        shape(1e-5)

@@ -205,3 +205,79 @@ def test_validation_names_the_field(kwargs, field):
 
 def test_stop_token_ids_become_a_tuple():
     assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
+
+
+# ---- the GPU path, run here on CPU tensors ------------------------------------------------
+
+from reprorl.kernels import TorchKernels  # noqa: E402
+from reprorl.rollout.sampling import any_filter, join_tokens_and_log_probs, pack_step_params, sample_on_device  # noqa: E402
+
+
+def _torch_cumsum(x):
+    return x.cumsum(-1)
+
+
+def _on_device(logits, params, uniforms, cumsum=_torch_cumsum):
+    packed = pack_step_params(params, uniforms, logits.shape[1])
+    return sample_on_device(logits, packed, any_filter(params), TorchKernels.softmax, TorchKernels.log_softmax, cumsum)
+
+
+def test_device_sampler_by_hand():
+    # probs 0.1, 0.2, 0.3, 0.4: the CDF 0.1, 0.3, 0.6, 1.0; u picks the first bin above u.
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log().repeat(5, 1)
+    params = [SamplingParams()] * 4 + [SamplingParams(temperature=0)]
+    tokens, log_probs = _on_device(logits, params, [0.05, 0.25, 0.5, 0.99, 0.0])
+    assert tokens.tolist() == [0, 1, 2, 3, 3]
+    assert torch.equal(log_probs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
+    # top-k 2 keeps tokens 3 and 2 (mass 0.7): u = 0.5 -> 0.35 of it, past token 2's 0.3.
+    tokens, _ = _on_device(logits[:2], [SamplingParams(top_k=2), SamplingParams(top_p=0.5)], [0.5, 0.1])
+    assert tokens.tolist() == [3, 2]  # top-p 0.5: tokens 3 and 2; u = 0.1 of 0.7 falls in token 2
+
+
+def test_device_sampler_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(0)
+    B, V = 24, 1000
+    logits = torch.randn(B, V) * 3
+    choices = [SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0.6, top_k=5),
+               SamplingParams(temperature=1.2, top_p=0.9), SamplingParams(temperature=0.8, top_k=2, top_p=0.5)]
+    params = [choices[i % len(choices)] for i in range(B)]
+    uniforms = [draw_uniforms(make_generator(s), 1)[0] for s in range(B)]
+    t_all, lp_all = _on_device(logits, params, uniforms)
+    for sub in ([3], [9, 17], list(range(0, B, 3))):
+        t, lp = _on_device(logits[sub], [params[i] for i in sub], [uniforms[i] for i in sub])
+        assert torch.equal(t, t_all[sub]) and torch.equal(lp, lp_all[sub])
+    # Greedy rows are the argmax; the host path gives the same tokens here (no CDF boundary is near).
+    tokens, _ = sample_batch(logits, params, uniforms)
+    assert torch.equal(t_all, tokens)
+
+
+def test_device_sampler_empirical_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    uniforms = draw_uniforms(make_generator(0), 4000)
+    tokens, _ = _on_device(logits, [SamplingParams()] * 4000, uniforms)
+    freq = torch.bincount(tokens, minlength=4).double() / 4000
+    # 4 standard errors of a share p over 4000 draws is at most 0.032
+    assert torch.allclose(freq, probs.double(), atol=0.032)
+
+
+def test_triton_row_cumsum_matches_torch_and_is_row_invariant():
+    from reprorl.kernels.gpu.sampling import BLOCK, row_cumsum
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(5, 2 * BLOCK + 37, generator=g)
+    got = row_cumsum(x)
+    # float32 sums of ~4000 terms in another order: within 1e-6 of their size, relative
+    torch.testing.assert_close(got, x.double().cumsum(-1).float(), rtol=1e-5, atol=0)
+    assert torch.equal(row_cumsum(x[2:3]), got[2:3])
+    assert bool((got[:, 1:] >= got[:, :-1]).all()) and torch.equal(got[:, -1], got.max(-1).values)
+    tokens, _ = _on_device(x.log(), [SamplingParams(top_p=0.9)] * 5, [0.3] * 5, cumsum=row_cumsum)
+    ref, _ = _on_device(x.log(), [SamplingParams(top_p=0.9)] * 5, [0.3] * 5)
+    assert torch.equal(tokens, ref)  # no CDF boundary within the sums' rounding here
+
+
+def test_one_copy_back_keeps_the_bits():
+    tokens = torch.tensor([0, 5, 151935])
+    log_probs = torch.tensor([-0.0, -1.2345678, -30.5])
+    t, lp = join_tokens_and_log_probs(tokens, log_probs)
+    assert t == tokens.tolist() and torch.equal(torch.tensor(lp, dtype=torch.float32), log_probs)

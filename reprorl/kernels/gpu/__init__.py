@@ -42,3 +42,4 @@ class TritonKernels:
     @classmethod
     def padded_attention(cls, q, k, v, attention_mask):
         return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)
+from reprorl.kernels.gpu.sampling import row_cumsum  # noqa: E402  (the engine's GPU sampler)

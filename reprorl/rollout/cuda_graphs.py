@@ -1,0 +1,90 @@
+"""The engine's decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small model is hundreds of kernel launches of a few microseconds of
+work each: launched one by one from Python, the host is the bottleneck. `DecodeGraphs`
+captures the whole step (`CausalLM.forward_decode`, then the LM head) once per bucket of
+batch sizes (1, 2, 4, 8, 16, 32, then multiples of 32 up to the engine's `max_num_seqs`)
+and replays it. Inputs go through static device buffers (token ids, slots, positions):
+a step of B sequences copies them into the first rows of the smallest bucket >= B, in one
+host-to-device copy, and fills the other rows with a padding token at position 0 of the
+cache's spare slot (the `KVCache`'s last slot, never given to a sequence), whose writes
+are harmless. Graphs share one memory pool (their intermediates are dead between
+replays) and are captured on first use.
+
+Batch invariance: with the invariant kernels a row's bits do not depend on the rows
+around it, padding rows included, so a graph replay gives the bits of the eager
+`forward_packed` step (tested on the GPU). Attention must read nothing on the host
+while captured: the engine passes the Triton attention kernel (its loop bound is read on
+the device) in both modes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from reprorl.models.transformer import KVCache
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """Bucket sizes up to max_batch: powers of two to 32, then every 32, and max_batch itself."""
+    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch] + list(range(32, max_batch, 32)) + [max_batch]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captured decode steps of `model` over `cache` (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, attention, max_batch: int):
+        self.model, self.cache, self.attention = model, cache, attention
+        self.buckets = batch_buckets(max_batch)
+        self.max_batch = max_batch
+        self.pad_slot = cache.num_slots - 1
+        # Row b: (token id, slot, position); a bucket's rows are one contiguous block, one copy.
+        self.inputs = torch.zeros(max_batch, 3, dtype=torch.long, device=cache.device)
+        self._host = torch.zeros(max_batch, 3, dtype=torch.long).pin_memory()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _step(self, b: int) -> Tensor:
+        ids, slots, positions = self.inputs[:b].unbind(1)
+        hidden = self.model.forward_decode(ids, slots, positions, self.cache, self.attention)
+        return self.model.logits(hidden)  # [b, V]
+
+    def capture(self, b: int) -> None:
+        """Capture the graph of bucket b (`run` does it on first use)."""
+        self._fill([], [], [], b)
+        self.inputs[:b].copy_(self._host[:b])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # compiles Triton kernels and lets cuBLAS pick, outside the capture
+                self._step(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[b] = self._step(b)
+        self.graphs[b] = graph
+
+    def _fill(self, ids: list[int], slots: list[int], positions: list[int], b: int) -> None:
+        pad = b - len(ids)
+        rows = list(zip(ids, slots, positions)) + [(0, self.pad_slot, 0)] * pad
+        self._host[:b] = torch.tensor(rows, dtype=torch.long)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def run(self, ids: list[int], slots: list[int], positions: list[int]) -> Tensor:
+        """One decode step of len(ids) <= max_batch sequences -> logits [len(ids), V] (a view of
+        the graph's output: read it before the next replay). Advances `cache.lengths`."""
+        n = len(ids)
+        b = self.bucket(n)
+        if b not in self.graphs:
+            self.capture(b)
+        self._fill(ids, slots, positions, b)
+        self.inputs[:b].copy_(self._host[:b], non_blocking=True)
+        self.graphs[b].replay()
+        for s in slots:
+            self.cache.lengths[s] += 1
+        return self.outputs[b][:n]
