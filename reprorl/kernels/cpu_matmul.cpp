@@ -41,11 +41,30 @@ constexpr int64_t NT_ROWS = 4, NT_COLS = 3;
 constexpr int64_t LANES = 16;
 constexpr int64_t NT_ROWS = 2, NT_COLS = 2;
 #endif
-constexpr int64_t ROWS = 4;      // rows of a register block (mm_nn)
-constexpr int64_t NN_COLS = 64;  // columns of a register block (mm_nn)
+// mm_nn's register blocks: NN_ROWS rows x NN_VECS vectors of LANES columns (its arithmetic,
+// one running sum per entry, does not depend on LANES or the block).
+#if defined(__AVX512F__)
+constexpr int64_t NN_ROWS = 6, NN_VECS = 4;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t NN_ROWS = 6, NN_VECS = 2;
+#else
+constexpr int64_t NN_ROWS = 4, NN_VECS = 1;
+#endif
+constexpr int64_t NN_COLS = NN_VECS * LANES;
 
 template <typename T>
 inline float f(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// lane_total's tree over 8 lanes, as vector adds of the same pairs: lanes l + l+4, then
+// [0]+[2] and [1]+[3], then [0]+[1]. Each add is one IEEE add of the same two floats.
+inline float total8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // LANES float lanes and a lane-wise fused multiply-add (_mm512_fmadd_ps, _mm256_fmadd_ps or
 // std::fma): each lane exact-then-rounded-once, as the scalar source says.
@@ -61,6 +80,11 @@ struct Vec {
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void pin() { asm("" : "+v"(v)); }
+  static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  float total() const {  // lane_total's tree: lanes l + l+8, then as AVX2 below
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return total8(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+  }
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 v;
   static Vec zero() { return {_mm256_setzero_ps()}; }
@@ -72,6 +96,8 @@ struct Vec {
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void pin() { asm("" : "+x"(v)); }
+  static Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  float total() const { return total8(v); }
 #else
   float v[LANES];
   static Vec zero() { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = 0.f; return r; }
@@ -84,6 +110,8 @@ struct Vec {
   }
   void store(float* p) const { for (int l = 0; l < LANES; ++l) p[l] = v[l]; }
   void pin() {}
+  static Vec broadcast(float x) { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = x; return r; }
+  float total() const;
 #endif
   // pin(): an empty asm that makes the compiler hold the value in a register from here on.
   // Without it GCC re-reads a's or b's vectors from memory at every FMA of the AVX2 4x3
@@ -96,6 +124,14 @@ inline float lane_total(float* acc) {
     for (int64_t l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
   return acc[0];
 }
+
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+inline float Vec::total() const {
+  float lanes[LANES];
+  store(lanes);
+  return lane_total(lanes);
+}
+#endif
 
 // One register block of a [M, K] @ b [N, K]^T: rows i0.. (R of them), columns j0.. (C), over
 // k in [k0, k1) (whole vectors). acc holds the block's NR x NC lane vectors between k
@@ -190,24 +226,83 @@ void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t
     for (int64_t j = j0, bj = 0; j < j1; j += NT_COLS, ++bj)
       for (int64_t r = 0; r < std::min(NT_ROWS, i1 - i); ++r)
         for (int64_t c = 0; c < std::min(NT_COLS, j1 - j); ++c)
-          out[(i + r) * ldo + j + c] = nt_finish(a + (i + r) * K, b + (j + c) * K, kv, K,
-                                                 acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES);
+          out[(i + r) * ldo + j + c] =
+              kv == K ? Vec::load(acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES).total()
+                      : nt_finish(a + (i + r) * K, b + (j + c) * K, kv, K,
+                                  acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES);
 }
 
-// Entries (i0..i0+nr) x (j0..j0+nc) of a [M, K] @ b [K, N], nr <= ROWS, nc <= NN_COLS.
-template <typename T>
-void nn_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
-              int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-  float acc[ROWS][NN_COLS] = {};
+// Entries (i0..i0+NR) x (j0..j0+V*LANES) of a [M, K] @ b [K, N]: each entry one running sum
+// over k in order, as the scalar loop in nn_columns; vectorised across columns (a[i, k]
+// broadcast, b's row k loaded), so a lane is one entry's sum. V = NN_VECS, or nv at run
+// time with DYN.
+template <typename T, int64_t NR, bool DYN>
+inline void nn_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
+                     int64_t i0, int64_t j0, int64_t nv) {
+  const int64_t V = DYN ? nv : NN_VECS;
+  Vec acc[NR][NN_VECS];
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t v = 0; v < NN_VECS; ++v) acc[r][v] = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
-    const T* bk = b + k * ldb + j0;
-    for (int64_t r = 0; r < nr; ++r) {
-      const float ark = f(a[(i0 + r) * lda + k]);
-      for (int64_t c = 0; c < nc; ++c) acc[r][c] = std::fma(ark, f(bk[c]), acc[r][c]);
+    Vec bv[NN_VECS];
+    for (int64_t v = 0; v < V; ++v) {
+      bv[v] = Vec::load(b + k * ldb + j0 + v * LANES);
+      bv[v].pin();
+    }
+    for (int64_t r = 0; r < NR; ++r) {
+      Vec av = Vec::broadcast(f(a[(i0 + r) * lda + k]));
+      av.pin();
+      for (int64_t v = 0; v < V; ++v) acc[r][v] = Vec::fma(av, bv[v], acc[r][v]);
     }
   }
-  for (int64_t r = 0; r < nr; ++r)
-    for (int64_t c = 0; c < nc; ++c) out[(i0 + r) * ldo + j0 + c] = acc[r][c];
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t v = 0; v < V; ++v) acc[r][v].store(out + (i0 + r) * ldo + j0 + v * LANES);
+}
+
+// The same sums, one entry at a time (the columns past the last whole vector).
+template <typename T>
+void nn_columns(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
+                int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t j = j0; j < j1; ++j) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(f(a[i * lda + k]), f(b[k * ldb + j]), acc);
+      out[i * ldo + j] = acc;
+    }
+}
+
+template <typename T, int64_t NR>
+inline void nn_rows(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
+                    int64_t i0, int64_t j0, int64_t nv) {
+  if (nv == NN_VECS) {
+    nn_block<T, NR, false>(a, b, out, K, lda, ldb, ldo, i0, j0, nv);
+  } else {
+    nn_block<T, NR, true>(a, b, out, K, lda, ldb, ldo, i0, j0, nv);
+  }
+}
+
+// Rows [i0, i1) x columns [j0, j1) of a [M, K] @ b [K, N] (one thread's task).
+template <typename T>
+void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i0, int64_t i1, int64_t j0,
+             int64_t j1) {
+  static_assert(NN_ROWS <= 6, "nn_task dispatches 1..6 rows");
+  const int64_t jv = j0 + (j1 - j0) / LANES * LANES;  // columns [j0, jv) in whole vectors
+  for (int64_t i = i0; i < i1; i += NN_ROWS) {
+    const int64_t nr = std::min(NN_ROWS, i1 - i);
+    for (int64_t j = j0; j < jv; j += NN_COLS) {
+      const int64_t nv = std::min(NN_COLS, jv - j) / LANES;
+      switch (nr) {
+        case 1: nn_rows<T, 1>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 2: nn_rows<T, 2>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 3: nn_rows<T, 3>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 4: nn_rows<T, 4>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 5: nn_rows<T, 5>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 6: nn_rows<T, 6>(a, b, out, K, K, N, N, i, j, nv); break;
+        default: TORCH_CHECK(false, "nn_task: ", nr, " rows in a register block");
+      }
+    }
+  }
+  if (jv < j1) nn_columns<T>(a, b, out, K, K, N, N, i0, i1, jv, j1);
 }
 
 // Our own OpenMP loops at torch's thread count (this module is built with -fopenmp; ATen's
@@ -255,10 +350,8 @@ void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
 template <typename T>
 void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
-  // Tasks of a few register blocks: enough of them to keep 16 threads busy at 16 rows
-  // (a decode step), large enough that a task's blocks reuse its rows from cache.
-  const int64_t bc = NN_COLS;     // columns per task
-  const int64_t br = ROWS * 2;    // rows per task
+  // Tasks of 4 row blocks x 2 column blocks (attention's p v: N is the head size).
+  const int64_t br = NN_ROWS * 4, bc = NN_COLS * 2;
   const int64_t tm = (M + br - 1) / br, tn = (N + bc - 1) / bc;
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
@@ -267,13 +360,8 @@ void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
 #pragma omp parallel for schedule(static) num_threads(threads_for(tasks))
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t g = t / (tm * tn), rest = t % (tm * tn), ti = rest / tn, tj = rest % tn;
-    const T* ag = pa + g * M * K;
-    const T* bg = pb + g * K * N;
-    float* og = po + g * M * N;
-    const int64_t row_end = std::min(M, (ti + 1) * br), col_end = std::min(N, (tj + 1) * bc);
-    for (int64_t i = ti * br; i < row_end; i += ROWS)
-      for (int64_t j = tj * bc; j < col_end; j += NN_COLS)
-        nn_block<T>(ag, bg, og, K, K, N, N, i, std::min(ROWS, row_end - i), j, std::min(NN_COLS, col_end - j));
+    nn_task<T>(pa + g * M * K, pb + g * K * N, po + g * M * N, K, N, ti * br, std::min(M, (ti + 1) * br), tj * bc,
+               std::min(N, (tj + 1) * bc));
   }
 }
 
