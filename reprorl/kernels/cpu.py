@@ -41,10 +41,12 @@ from reprorl.kernels.torch_ops import TorchKernels, math_attention
 
 logger = logging.getLogger(__name__)
 
-# `batched_attention` takes queries in blocks (bounds the [rows, keys] score matrix) and
+# `batched_attention` takes queries in blocks of KEY_BLOCK (bounds the [rows, keys] score
+# matrix, and a causal prefill's early blocks see only their keys: 3/4 of the products at
+# 256 tokens, about half at 4096) and
 # sequences in groups whose score matrix holds at most SCORE_ELEMENTS entries (16 MiB of
 # float32): memory stays bounded, and no row's bits depend on the block or the group.
-QUERY_BLOCK = 256
+QUERY_BLOCK = KEY_BLOCK
 SCORE_ELEMENTS = 1 << 22
 
 
@@ -95,9 +97,13 @@ def _attend(rows: Tensor, k: Tensor, v: Tensor, pos: Tensor, d: int) -> Tensor:
     b, hkv, r, _ = rows.shape
     length = k.shape[2]
     g = b * hkv
-    scores = matmul_nt(rows.reshape(g, r, d), k.reshape(g, length, d)).view(b, hkv, r, length) * d**-0.5
+    scores = matmul_nt(rows.reshape(g, r, d), k.reshape(g, length, d)).view(b, hkv, r, length)
+    # scale, then mask by adding 0 or -inf (x + 0 is x, up to the sign of a zero, which exp
+    # does not see): a third the time of a broadcast masked_fill_ here.
     masked = torch.arange(length, device=rows.device) > pos[:, None, :, None]  # [B, 1, R, L]
-    probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1).to(v.dtype)
+    bias = torch.zeros(masked.shape, device=rows.device).masked_fill_(masked, float("-inf"))
+    scores = scores.mul_(d**-0.5).add_(bias)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return matmul_nn(probs.view(g, r, length), v.reshape(g, length, d)).to(v.dtype).view(b, hkv, r, d)
 
 
