@@ -8,8 +8,9 @@ where the row sits, what the other rows hold, or the number of threads. How:
   and the machine: padding M to MKL's kernel quanta held on an AMD EPYC and failed on an
   Intel Xeon, and even fixed-shape single-threaded MKL calls gave a row different bits at
   places 0 and 1 of a tile there. Our kernels write each entry's arithmetic out as one
-  fixed sequence of fused multiply-adds (16 lane sums in k order, then a fixed tree), so
-  vectorisation, blocking and threads cannot change a bit.
+  fixed sequence of fused multiply-adds (a @ b^T: 8 lane sums in k order with AVX2, 16
+  with AVX-512, then a fixed tree; a @ b: one running sum in k order), so vectorisation,
+  blocking and threads cannot change a bit.
 - attention: scores and p v are such products; a row's keys past its position get
   probability exactly 0, so extra keys add exact zeros.
 - sums over the last dim (RMSNorm over a hidden size, log-softmax over a vocabulary,

@@ -11,8 +11,19 @@
 //          one running sum per entry over k in order (fused multiply-adds).
 // A fused multiply-add (the FMA instructions, or std::fma) is exact-then-round-once, and the
 // module is built without fast-math or contraction, so every lane computes exactly what
-// the scalar source says, whichever instructions carry it. Work is split over threads by blocks of rows and
-// columns, and each entry is computed by one thread from start to end.
+// the scalar source says, whichever instructions carry it.
+//
+// Speed without touching that arithmetic (each entry's sequence is the same in any block,
+// task or thread):
+//   mm_nt: register blocks of NT_ROWS x NT_COLS entries (one vector of lanes each), a's and
+//          b's vectors pinned in registers; a thread's task is up to 64 rows x 8 column
+//          blocks with the row tasks innermost, so at <= 64 rows each weight row is read
+//          from memory once; K in blocks of 512 (the lane vectors wait in a per-thread
+//          buffer, stored and reloaded exactly, and the sums go on in k order).
+//   mm_nn: vectorised across columns (a[i, k] broadcast, b's row k loaded), so each lane is
+//          one entry's running sum; NN_ROWS x NN_VECS vectors a register block.
+// Work is split over threads by tasks of rows and columns, never of K: each entry is
+// computed by one thread from start to end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
