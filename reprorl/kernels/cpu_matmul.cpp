@@ -327,6 +327,7 @@ inline int threads_for(int64_t tasks) {
 template <typename T>
 void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
+  if (G == 0 || M == 0 || N == 0) return;  // (the task sizes below divide by these)
   const int64_t kv = K - K % LANES;
   // k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
   // short K is one block, so the lane vectors never leave registers.

@@ -176,6 +176,9 @@ def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
     gen = torch.Generator().manual_seed(5)
     rng = random.Random(5)
     threads_before = torch.get_num_threads()
+    empty = torch.zeros(1, 0, 8, dtype=dtype)
+    assert cpu.matmul_nt(empty, torch.ones(1, 3, 8, dtype=dtype)).shape == (1, 0, 3)
+    assert cpu.matmul_nn(empty, torch.ones(1, 8, 3, dtype=dtype)).shape == (1, 0, 3)
     try:
         check_cpu_matmul_rows(cpu, dtype, gen, rng)
     finally:
