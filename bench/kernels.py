@@ -7,8 +7,10 @@ of Qwen2.5-0.5B- and 7B-shaped models with each backend. Times are medians of CU
 replays (`triton.testing.do_bench_cudagraph`: GPU time, no launch overhead); whole
 forwards also eagerly (`do_bench`, launches included).
 
-CPU (`--device cpu`): the cost of determinism on a forward of a width-512 model and a
-Qwen2.5-0.5B-shaped one of 2 layers, at 16, 64 and 256 rows, at the machine's thread count.
+CPU (`--device cpu`), at the machine's thread count, float32: each linear of a width-512
+model and of Qwen2.5-0.5B (its LM head left out) with our matmul against F.linear (MKL),
+with GFLOPS, then the cost of determinism on a forward of the width-512 model and a
+Qwen2.5-0.5B-shaped one of 2 layers, at 16, 64 and 256 rows.
 
 `--sweep`: time candidate Triton tiles per linear shape (the table in
 `reprorl/kernels/gpu/matmul.py` was chosen from it).
@@ -126,6 +128,25 @@ def bench_ops_cuda(results: dict) -> None:
     results["ops"] = rows
 
 
+def bench_ops_cpu(results: dict) -> None:
+    inv = select_kernels("cpu", True)
+    h, i, _, heads, kv, hd, _, _ = WIDE["width-512"]
+    shapes = {"width-512 qkv": (h, (heads + 2 * kv) * hd), "width-512 gate_up": (h, 2 * i), "width-512 down": (i, h),
+              **{f"qwen2.5-0.5b {n}": ks for n, ks in linear_shapes("qwen2.5-0.5b").items() if n != "lm_head"}}
+    rows = []
+    for name, (k, n) in shapes.items():
+        w = torch.randn(n, k) * 0.02
+        for m in (16, 64, 256):
+            x = torch.randn(m, k)
+            stock, ours = cpu_time_ms(lambda: F.linear(x, w)), cpu_time_ms(lambda: inv.linear(x, w))
+            flops = 2 * m * k * n
+            rows.append({"op": f"linear {name} {k}->{n}", "M": m, "stock_ms": stock, "invariant_ms": ours,
+                         "ratio": ours / stock, "stock_gflops": flops / stock / 1e6, "invariant_gflops": flops / ours / 1e6})
+            print(f"  linear {name} {k}->{n} M={m}: MKL {flops / stock / 1e6:.1f} GFLOPS, ours {flops / ours / 1e6:.1f}",
+                  flush=True)
+    results["ops"] = rows
+
+
 def _pair(op: str, m: int, stock, ours) -> dict:
     s, o = gpu_time_ms(stock), gpu_time_ms(ours)
     return {"op": op, "M": m, "stock_ms": s, "invariant_ms": o, "ratio": o / s}
@@ -222,6 +243,8 @@ def main() -> None:
         from reprorl.kernels.check import device_name
 
         results["cpu"] = device_name(torch.device("cpu"))
+        if not args.skip_ops:
+            bench_ops_cpu(results)
         results["forward"] = (whole_forward("width-512", None, "cpu", torch.float32, (16, 64, 256), cpu_time_ms)
                               + whole_forward("qwen2.5-0.5b", 2, "cpu", torch.float32, (16, 64, 256), cpu_time_ms))
     out.parent.mkdir(parents=True, exist_ok=True)

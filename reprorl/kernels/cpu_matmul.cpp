@@ -11,13 +11,26 @@
 //          one running sum per entry over k in order (fused multiply-adds).
 // A fused multiply-add (the FMA instructions, or std::fma) is exact-then-round-once, and the
 // module is built without fast-math or contraction, so every lane computes exactly what
-// the scalar source says, whichever instructions carry it. Work is split over threads by blocks of rows and
-// columns, and each entry is computed by one thread from start to end.
+// the scalar source says, whichever instructions carry it.
+//
+// Speed without touching that arithmetic (each entry's sequence is the same in any block,
+// task or thread):
+//   mm_nt: register blocks of NT_ROWS x NT_COLS entries (one vector of lanes each), a's and
+//          b's vectors pinned in registers; a thread's task is up to 64 rows x 8 column
+//          blocks with the row tasks innermost, so at <= 64 rows each weight row is read
+//          from memory once; K in blocks of 512 (the lane vectors wait in a per-thread
+//          buffer, stored and reloaded exactly, and the sums go on in k order).
+//   mm_nn: vectorised across columns (a[i, k] broadcast, b's row k loaded), so each lane is
+//          one entry's running sum; NN_ROWS x NN_VECS vectors a register block.
+// Work is split over threads by tasks of rows and columns, never of K: each entry is
+// computed by one thread from start to end.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -39,11 +52,30 @@ constexpr int64_t NT_ROWS = 4, NT_COLS = 3;
 constexpr int64_t LANES = 16;
 constexpr int64_t NT_ROWS = 2, NT_COLS = 2;
 #endif
-constexpr int64_t ROWS = 4;      // rows of a register block (mm_nn)
-constexpr int64_t NN_COLS = 64;  // columns of a register block (mm_nn)
+// mm_nn's register blocks: NN_ROWS rows x NN_VECS vectors of LANES columns (its arithmetic,
+// one running sum per entry, does not depend on LANES or the block).
+#if defined(__AVX512F__)
+constexpr int64_t NN_ROWS = 6, NN_VECS = 4;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t NN_ROWS = 6, NN_VECS = 2;
+#else
+constexpr int64_t NN_ROWS = 4, NN_VECS = 1;
+#endif
+constexpr int64_t NN_COLS = NN_VECS * LANES;
 
 template <typename T>
 inline float f(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// lane_total's tree over 8 lanes, as vector adds of the same pairs: lanes l + l+4, then
+// [0]+[2] and [1]+[3], then [0]+[1]. Each add is one IEEE add of the same two floats.
+inline float total8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
 
 // LANES float lanes and a lane-wise fused multiply-add (_mm512_fmadd_ps, _mm256_fmadd_ps or
 // std::fma): each lane exact-then-rounded-once, as the scalar source says.
@@ -58,6 +90,12 @@ struct Vec {
   }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void pin() { asm("" : "+v"(v)); }
+  static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+  float total() const {  // lane_total's tree: lanes l + l+8, then as AVX2 below
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return total8(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+  }
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 v;
   static Vec zero() { return {_mm256_setzero_ps()}; }
@@ -68,6 +106,9 @@ struct Vec {
   }
   static Vec fma(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void pin() { asm("" : "+x"(v)); }
+  static Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  float total() const { return total8(v); }
 #else
   float v[LANES];
   static Vec zero() { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = 0.f; return r; }
@@ -79,7 +120,13 @@ struct Vec {
     return r;
   }
   void store(float* p) const { for (int l = 0; l < LANES; ++l) p[l] = v[l]; }
+  void pin() {}
+  static Vec broadcast(float x) { Vec r; for (int l = 0; l < LANES; ++l) r.v[l] = x; return r; }
+  float total() const;
 #endif
+  // pin(): an empty asm that makes the compiler hold the value in a register from here on.
+  // Without it GCC re-reads a's or b's vectors from memory at every FMA of the AVX2 4x3
+  // block (15-16 loads for 12 FMAs, so the loop waited on loads). It changes no arithmetic.
 };
 
 inline float lane_total(float* acc) {
@@ -89,90 +136,244 @@ inline float lane_total(float* acc) {
   return acc[0];
 }
 
-// Entries (i0..i0+NR) x (j0..j0+NC) of a [M, K] @ b [N, K]^T. NR, NC known at compile time
-// (full blocks: the accumulators stay in registers) or, with DYN, nr and nc at run time
-// (edges); the arithmetic of an entry is the same either way.
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+inline float Vec::total() const {
+  float lanes[LANES];
+  store(lanes);
+  return lane_total(lanes);
+}
+#endif
+
+// One register block of a [M, K] @ b [N, K]^T: rows i0.. (R of them), columns j0.. (C), over
+// k in [k0, k1) (whole vectors). acc holds the block's NR x NC lane vectors between k
+// blocks (stored and reloaded exactly); `first` starts them at zero. NR, NC known at
+// compile time keep the accumulators in registers; DYN takes R, C <= NR, NC at run time
+// (edges). An entry's arithmetic is the same in every case: its lane sums continue in k
+// order from one k block to the next.
 template <typename T, int64_t NR, int64_t NC, bool DYN>
-void nt_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
-              int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-  const int64_t R = DYN ? nr : NR, C = DYN ? nc : NC;
-  Vec acc[NR][NC];
-  for (int64_t r = 0; r < NR; ++r)
-    for (int64_t c = 0; c < NC; ++c) acc[r][c] = Vec::zero();
-  const int64_t kv = K - K % LANES;
-  for (int64_t k = 0; k < kv; k += LANES) {
+inline void nt_block(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0, int64_t R_, int64_t j0,
+                     int64_t C_, int64_t k0, int64_t k1, float* acc, bool first) {
+  const int64_t R = DYN ? R_ : NR, C = DYN ? C_ : NC;
+  Vec r[NR][NC];
+  for (int64_t i = 0; i < NR; ++i)
+    for (int64_t c = 0; c < NC; ++c)
+      r[i][c] = (first || i >= R || c >= C) ? Vec::zero() : Vec::load(acc + (i * NC + c) * LANES);
+  const T* ar[NR];
+  const T* bc[NC];
+  for (int64_t i = 0; i < NR; ++i) ar[i] = a + (i0 + (i < R ? i : 0)) * lda;
+  for (int64_t c = 0; c < NC; ++c) bc[c] = b + (j0 + (c < C ? c : 0)) * ldb;
+  for (int64_t k = k0; k < k1; k += LANES) {
     Vec bv[NC];
-    for (int64_t c = 0; c < C; ++c) bv[c] = Vec::load(b + (j0 + c) * ldb + k);
-    for (int64_t r = 0; r < R; ++r) {
-      const Vec av = Vec::load(a + (i0 + r) * lda + k);
-      for (int64_t c = 0; c < C; ++c) acc[r][c] = Vec::fma(av, bv[c], acc[r][c]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) {
     for (int64_t c = 0; c < C; ++c) {
-      float lanes[LANES];
-      acc[r][c].store(lanes);
-      for (int64_t k = kv; k < K; ++k) {  // the tail of K goes to lanes 0.. in order
-        lanes[k - kv] = std::fma(f(a[(i0 + r) * lda + k]), f(b[(j0 + c) * ldb + k]), lanes[k - kv]);
-      }
-      out[(i0 + r) * ldo + j0 + c] = lane_total(lanes);
+      bv[c] = Vec::load(bc[c] + k);
+      bv[c].pin();
+    }
+    for (int64_t i = 0; i < R; ++i) {
+      Vec av = Vec::load(ar[i] + k);
+      av.pin();
+      for (int64_t c = 0; c < C; ++c) r[i][c] = Vec::fma(av, bv[c], r[i][c]);
     }
   }
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t c = 0; c < C; ++c) r[i][c].store(acc + (i * NC + c) * LANES);
 }
 
-// Entries (i0..i0+nr) x (j0..j0+nc) of a [M, K] @ b [K, N], nr <= ROWS, nc <= NN_COLS.
+// The end of an entry: the tail of K (K % LANES values) goes to lanes 0.. in order, then
+// the lanes are added in the fixed tree.
 template <typename T>
-void nn_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
-              int64_t i0, int64_t nr, int64_t j0, int64_t nc) {
-  float acc[ROWS][NN_COLS] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const T* bk = b + k * ldb + j0;
-    for (int64_t r = 0; r < nr; ++r) {
-      const float ark = f(a[(i0 + r) * lda + k]);
-      for (int64_t c = 0; c < nc; ++c) acc[r][c] = std::fma(ark, f(bk[c]), acc[r][c]);
-    }
-  }
-  for (int64_t r = 0; r < nr; ++r)
-    for (int64_t c = 0; c < nc; ++c) out[(i0 + r) * ldo + j0 + c] = acc[r][c];
+inline float nt_finish(const T* arow, const T* brow, int64_t kv, int64_t K, const float* lanes_in) {
+  float lanes[LANES];
+  for (int64_t l = 0; l < LANES; ++l) lanes[l] = lanes_in[l];
+  for (int64_t k = kv; k < K; ++k) lanes[k - kv] = std::fma(f(arow[k]), f(brow[k]), lanes[k - kv]);
+  return lane_total(lanes);
 }
 
-template <typename T, bool NT>
-void run(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
+// Blocks with NR rows compiled in (1..NT_ROWS, so small batches keep their accumulators in
+// registers too); DYN only for a partial column block.
+template <typename T, int64_t NR>
+inline void nt_rows(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0, int64_t j0, int64_t nc,
+                    int64_t k0, int64_t k1, float* acc, bool first) {
+  if (nc == NT_COLS) {
+    nt_block<T, NR, NT_COLS, false>(a, b, lda, ldb, i0, NR, j0, nc, k0, k1, acc, first);
+  } else {
+    nt_block<T, NR, NT_COLS, true>(a, b, lda, ldb, i0, NR, j0, nc, k0, k1, acc, first);
+  }
+}
+
+template <typename T>
+inline void nt_any(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0, int64_t nr, int64_t j0,
+                   int64_t nc, int64_t k0, int64_t k1, float* acc, bool first) {
+  static_assert(NT_ROWS == 4 || NT_ROWS == 2, "nt_any dispatches 1..NT_ROWS rows");
+  switch (nr) {
+    case 1: nt_rows<T, 1>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
+    case 2: nt_rows<T, 2>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+    case 3: nt_rows<T, 3>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
+    case 4: nt_rows<T, 4>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
+#endif
+    default: TORCH_CHECK(false, "nt_any: ", nr, " rows in a register block");
+  }
+}
+
+// Rows [i0, i1) x columns [j0, j1) of a [M, K] @ b [N, K]^T (one thread's task). K is cut
+// into blocks of KC (the task's rows of a and columns of b for one k block stay in L1/L2);
+// each register block's lane vectors wait in `acc` between k blocks.
+template <typename T>
+void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t i0, int64_t i1, int64_t j0,
+             int64_t j1, int64_t kc, float* acc) {
+  const int64_t kv = K - K % LANES;
+  const int64_t nbj = (j1 - j0 + NT_COLS - 1) / NT_COLS;
+  constexpr int64_t BLOCK = NT_ROWS * NT_COLS * LANES;  // floats of one register block's lanes
+  for (int64_t k0 = 0; k0 < std::max<int64_t>(kv, 1); k0 += kc) {
+    const int64_t k1 = std::min(kv, k0 + kc);
+    for (int64_t i = i0, bi = 0; i < i1; i += NT_ROWS, ++bi) {
+      const int64_t nr = std::min(NT_ROWS, i1 - i);
+      for (int64_t j = j0, bj = 0; j < j1; j += NT_COLS, ++bj) {
+        nt_any<T>(a, b, K, K, i, nr, j, std::min(NT_COLS, j1 - j), k0, k1, acc + (bi * nbj + bj) * BLOCK, k0 == 0);
+      }
+    }
+  }
+  for (int64_t i = i0, bi = 0; i < i1; i += NT_ROWS, ++bi)
+    for (int64_t j = j0, bj = 0; j < j1; j += NT_COLS, ++bj)
+      for (int64_t r = 0; r < std::min(NT_ROWS, i1 - i); ++r)
+        for (int64_t c = 0; c < std::min(NT_COLS, j1 - j); ++c)
+          out[(i + r) * ldo + j + c] =
+              kv == K ? Vec::load(acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES).total()
+                      : nt_finish(a + (i + r) * K, b + (j + c) * K, kv, K,
+                                  acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES);
+}
+
+// Entries (i0..i0+NR) x (j0..j0+V*LANES) of a [M, K] @ b [K, N]: each entry one running sum
+// over k in order, as the scalar loop in nn_columns; vectorised across columns (a[i, k]
+// broadcast, b's row k loaded), so a lane is one entry's sum. V = NN_VECS, or nv at run
+// time with DYN.
+template <typename T, int64_t NR, bool DYN>
+inline void nn_block(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
+                     int64_t i0, int64_t j0, int64_t nv) {
+  const int64_t V = DYN ? nv : NN_VECS;
+  Vec acc[NR][NN_VECS];
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t v = 0; v < NN_VECS; ++v) acc[r][v] = Vec::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    Vec bv[NN_VECS];
+    for (int64_t v = 0; v < V; ++v) {
+      bv[v] = Vec::load(b + k * ldb + j0 + v * LANES);
+      bv[v].pin();
+    }
+    for (int64_t r = 0; r < NR; ++r) {
+      Vec av = Vec::broadcast(f(a[(i0 + r) * lda + k]));
+      av.pin();
+      for (int64_t v = 0; v < V; ++v) acc[r][v] = Vec::fma(av, bv[v], acc[r][v]);
+    }
+  }
+  for (int64_t r = 0; r < NR; ++r)
+    for (int64_t v = 0; v < V; ++v) acc[r][v].store(out + (i0 + r) * ldo + j0 + v * LANES);
+}
+
+// The same sums, one entry at a time (the columns past the last whole vector).
+template <typename T>
+void nn_columns(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
+                int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t j = j0; j < j1; ++j) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc = std::fma(f(a[i * lda + k]), f(b[k * ldb + j]), acc);
+      out[i * ldo + j] = acc;
+    }
+}
+
+template <typename T, int64_t NR>
+inline void nn_rows(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo,
+                    int64_t i0, int64_t j0, int64_t nv) {
+  if (nv == NN_VECS) {
+    nn_block<T, NR, false>(a, b, out, K, lda, ldb, ldo, i0, j0, nv);
+  } else {
+    nn_block<T, NR, true>(a, b, out, K, lda, ldb, ldo, i0, j0, nv);
+  }
+}
+
+// Rows [i0, i1) x columns [j0, j1) of a [M, K] @ b [K, N] (one thread's task).
+template <typename T>
+void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i0, int64_t i1, int64_t j0,
+             int64_t j1) {
+  static_assert(NN_ROWS <= 6, "nn_task dispatches 1..6 rows");
+  const int64_t jv = j0 + (j1 - j0) / LANES * LANES;  // columns [j0, jv) in whole vectors
+  for (int64_t i = i0; i < i1; i += NN_ROWS) {
+    const int64_t nr = std::min(NN_ROWS, i1 - i);
+    for (int64_t j = j0; j < jv; j += NN_COLS) {
+      const int64_t nv = std::min(NN_COLS, jv - j) / LANES;
+      switch (nr) {
+        case 1: nn_rows<T, 1>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 2: nn_rows<T, 2>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 3: nn_rows<T, 3>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 4: nn_rows<T, 4>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 5: nn_rows<T, 5>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 6: nn_rows<T, 6>(a, b, out, K, K, N, N, i, j, nv); break;
+        default: TORCH_CHECK(false, "nn_task: ", nr, " rows in a register block");
+      }
+    }
+  }
+  if (jv < j1) nn_columns<T>(a, b, out, K, K, N, N, i0, i1, jv, j1);
+}
+
+// Our own OpenMP loops at torch's thread count (this module is built with -fopenmp; ATen's
+// inline parallel_for would run serially in an extension built without it). The split into
+// tasks follows the shape and the thread count, which only changes speed: each entry is
+// computed by one thread from start to end, K is never split between threads.
+inline int threads_for(int64_t tasks) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
+}
+
+template <typename T>
+void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
-  // Tasks of a few register blocks: enough of them to keep 16 threads busy at 16 rows
-  // (a decode step), large enough that a task's blocks reuse its rows from cache.
-  const int64_t bc = NT ? NT_COLS * 8 : NN_COLS;  // columns per task
-  const int64_t br = NT ? NT_ROWS * 2 : ROWS * 2;  // rows per task
+  if (G == 0 || M == 0 || N == 0) return;  // (the task sizes below divide by these)
+  const int64_t kv = K - K % LANES;
+  // k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
+  // short K is one block, so the lane vectors never leave registers.
+  const int64_t kc = kv <= 768 ? std::max<int64_t>(kv, LANES) : 512;
+  const int64_t br = std::min<int64_t>(64, (M + NT_ROWS - 1) / NT_ROWS * NT_ROWS);  // rows per task
+  const int64_t tm = (M + br - 1) / br;
+  // Columns per task: up to 8 register blocks, fewer when that leaves under 8 tasks a
+  // thread (a decode step's few rows on 16 threads).
+  const int64_t want = (8 * at::get_num_threads() + G * tm - 1) / (G * tm);
+  const int64_t bc = std::clamp<int64_t>(((N + want - 1) / want + NT_COLS - 1) / NT_COLS * NT_COLS, NT_COLS,
+                                         NT_COLS * 8);
+  const int64_t tn = (N + bc - 1) / bc;
+  const T* pa = a.data_ptr<T>();
+  const T* pb = b.data_ptr<T>();
+  float* po = out.data_ptr<float>();
+  const int64_t tasks = G * tm * tn;
+  const int64_t scratch = (br / NT_ROWS) * (bc / NT_COLS) * NT_ROWS * NT_COLS * LANES;
+#pragma omp parallel num_threads(threads_for(tasks))
+  {
+    std::vector<float> acc(scratch);
+    // Task t: the row task is the fastest index, so a thread's consecutive tasks share
+    // their columns of b (streamed from memory once at up to 64 rows).
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t g = t / (tm * tn), rest = t % (tm * tn), tj = rest / tm, ti = rest % tm;
+      nt_task<T>(pa + g * M * K, pb + g * N * K, po + g * M * N, K, N, ti * br, std::min(M, (ti + 1) * br),
+                 tj * bc, std::min(N, (tj + 1) * bc), kc, acc.data());
+    }
+  }
+}
+
+template <typename T>
+void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
+  const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
+  // Tasks of 4 row blocks x 2 column blocks (attention's p v: N is the head size).
+  const int64_t br = NN_ROWS * 4, bc = NN_COLS * 2;
   const int64_t tm = (M + br - 1) / br, tn = (N + bc - 1) / bc;
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
   float* po = out.data_ptr<float>();
-  // Our own OpenMP loop at torch's thread count (this module is built with -fopenmp; ATen's
-  // inline parallel_for would run serially in an extension built without it).
   const int64_t tasks = G * tm * tn;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(static) num_threads(threads_for(tasks))
   for (int64_t t = 0; t < tasks; ++t) {
-    {
-      const int64_t g = t / (tm * tn), rest = t % (tm * tn), ti = rest / tn, tj = rest % tn;
-      const T* ag = pa + g * M * K;
-      const T* bg = pb + g * K * N;
-      float* og = po + g * M * N;
-      const int64_t row_end = std::min(M, (ti + 1) * br), col_end = std::min(N, (tj + 1) * bc);
-      const int64_t rstep = NT ? NT_ROWS : ROWS, cstep = NT ? NT_COLS : NN_COLS;
-      for (int64_t i = ti * br; i < row_end; i += rstep) {
-        for (int64_t j = tj * bc; j < col_end; j += cstep) {
-          const int64_t nr = std::min(rstep, row_end - i), nc = std::min(cstep, col_end - j);
-          if (!NT) {
-            nn_block<T>(ag, bg, og, K, K, N, N, i, nr, j, nc);
-          } else if (nr == NT_ROWS && nc == NT_COLS) {
-            nt_block<T, NT_ROWS, NT_COLS, false>(ag, bg, og, K, K, K, N, i, nr, j, nc);
-          } else {
-            nt_block<T, NT_ROWS, NT_COLS, true>(ag, bg, og, K, K, K, N, i, nr, j, nc);
-          }
-        }
-      }
-    }
+    const int64_t g = t / (tm * tn), rest = t % (tm * tn), ti = rest / tn, tj = rest % tn;
+    nn_task<T>(pa + g * M * K, pb + g * K * N, po + g * M * N, K, N, ti * br, std::min(M, (ti + 1) * br), tj * bc,
+               std::min(N, (tj + 1) * bc));
   }
 }
 
@@ -185,9 +386,9 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt) {
   TORCH_CHECK((nt ? b.size(2) : b.size(1)) == a.size(2), "inner dimensions differ");
   auto out = torch::empty({a.size(0), a.size(1), N}, a.options().dtype(torch::kFloat32));
   if (a.scalar_type() == torch::kFloat32) {
-    nt ? run<float, true>(a, b, out) : run<float, false>(a, b, out);
+    nt ? run_nt<float>(a, b, out) : run_nn<float>(a, b, out);
   } else if (a.scalar_type() == torch::kBFloat16) {
-    nt ? run<at::BFloat16, true>(a, b, out) : run<at::BFloat16, false>(a, b, out);
+    nt ? run_nt<at::BFloat16>(a, b, out) : run_nn<at::BFloat16>(a, b, out);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 expected");
   }

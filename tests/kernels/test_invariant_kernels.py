@@ -162,6 +162,48 @@ def test_linear_3d_input_rows(backend):
             assert torch.equal(k.linear(x[b, t], w), full[b, t])
 
 
+# The CPU matmul kernels' edges: K past one k block (512) with a tail past the last vector,
+# N and K off the register blocks, rows 1..5 of a register block, many row tasks (64 rows).
+CPU_MATMUL_SHAPES = [(1100, 37), (1551, 70), (64, 29), (7, 5)]  # (K, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
+    """matmul_nt and matmul_nn: a row alone (1 thread) equals it inside batches of 2..150 rows
+    at THREADS threads, bit for bit, and both agree with float64."""
+    from reprorl.kernels import cpu
+
+    gen = torch.Generator().manual_seed(5)
+    rng = random.Random(5)
+    threads_before = torch.get_num_threads()
+    empty = torch.zeros(1, 0, 8, dtype=dtype)
+    assert cpu.matmul_nt(empty, torch.ones(1, 3, 8, dtype=dtype)).shape == (1, 0, 3)
+    assert cpu.matmul_nn(empty, torch.ones(1, 8, 3, dtype=dtype)).shape == (1, 0, 3)
+    try:
+        check_cpu_matmul_rows(cpu, dtype, gen, rng)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def check_cpu_matmul_rows(cpu, dtype, gen, rng):
+    for kk, n in CPU_MATMUL_SHAPES:
+        b_nt, b_nn = rand(gen, 1, n, kk, dtype=dtype, scale=0.1), rand(gen, 1, kk, n, dtype=dtype, scale=0.1)
+        row = rand(gen, 1, 1, kk, dtype=dtype)
+        torch.set_num_threads(1)
+        alone = cpu.matmul_nt(row, b_nt)[0, 0], cpu.matmul_nn(row, b_nn)[0, 0]
+        ref = row.double() @ b_nt.double().transpose(1, 2), row.double() @ b_nn.double()
+        assert rel_err(alone[0], ref[0][0, 0]) < TOL[torch.float32]  # float32 sums of bf16 products too
+        assert rel_err(alone[1], ref[1][0, 0]) < TOL[torch.float32]
+        for threads in THREADS:
+            torch.set_num_threads(threads)
+            for m in (2, 3, 4, 5, 6, 7, 66, 150):
+                batch = rand(gen, 1, m, kk, dtype=dtype)
+                pos = rng.randrange(m)
+                batch[0, pos] = row[0, 0]
+                assert torch.equal(cpu.matmul_nt(batch, b_nt)[0, pos], alone[0]), ("nt", kk, n, threads, m, pos)
+                assert torch.equal(cpu.matmul_nn(batch, b_nn)[0, pos], alone[1]), ("nn", kk, n, threads, m, pos)
+
+
 def test_plain_torch_is_not_row_invariant_here():
     """The harness can fail: stock F.silu rounds its scalar tail differently from its vector
     path on this CPU, so a row of 7 alone and inside a batch differ somewhere."""
