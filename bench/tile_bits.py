@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"0.5b q": (896, 896), "0.5b gate": (896, 4864), "7b k/v": (3584, 512), "7b down": (18944, 3584)}
 TILES = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
