@@ -44,7 +44,7 @@ def main() -> None:
             for bm, bn, bk, warps, stages in TILES:
                 for tma in (True, False):
                     tile = tl_matmul.Tile(bm, bn, bk, warps, stages, tma=tma)
-                    tl_matmul.tile_for = lambda n_, k_, d_, tile=tile: tile
+                    tl_matmul.tile_for = lambda n_, k_, d_, m_, tile=tile: tile
                     try:
                         out = tl_matmul.matmul(x, w)
                     except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):

@@ -30,6 +30,7 @@ class TritonKernels:
 
     name = "triton"
     batch_invariant = True
+    row_buckets = tl_matmul.ROW_BUCKETS  # the start-up check puts a row past each
 
     linear = staticmethod(linear_with_matmul_backward(tl_matmul.matmul))
     rms_norm = staticmethod(with_torch_backward(tl_rms_norm.rms_norm, TorchKernels.rms_norm))

@@ -1,21 +1,28 @@
-"""Batch-invariant linear layer on CUDA: `x @ weight.T + bias` with tiles fixed by (N, K, dtype).
+"""Batch-invariant linear layer on CUDA: `x @ weight.T + bias`, a row's bits independent of M.
 
-A row's result depends on the tile shape (which MMA instructions sum its products, in
-which order), never on M: the tile table below is read with N, K and the dtype only, there
-is no split-K (each output entry is one program's dot products over K, in K order), and
-M is not specialised by the compiler. Rows past M are masked loads of zeros. So a token's
-projection is the same bits alone, in a decode step of 256 sequences or in a 4096-token
-training micro-batch. cuBLAS picks its kernel (and split-K) from M as well, which is why it
-is not row-invariant at every shape (ENVIRONMENT.md).
+A row's result depends on the sequence of MMA steps that sums its products, and every tile
+here runs the same one: the products of a row and a column are summed in k order, 16 at a
+time (one MMA k-step for 16-bit inputs; fp32 runs IEEE FMAs in k order), into one fp32
+accumulator that is carried from each K block to the next. BLOCK_K only groups those steps,
+BLOCK_M and BLOCK_N only say how many outputs one program computes, and there is no split-K
+(no second accumulator, no reduction across programs). Rows past M are zeros that no real
+row reads. So a token's projection is the same bits alone, in a decode step of 256
+sequences or in a 4096-token training micro-batch. cuBLAS picks its kernel and its split-K
+from M, which is why it is not row-invariant at every shape (ENVIRONMENT.md).
 
-Tiles: the GPU must stay busy at small M, when there is one row of tiles, so narrow
-outputs take narrow tiles (more programs); wide ones take wide tiles (less re-reading).
-The table was chosen from a sweep on an H200 (bench/kernels.py --sweep) and is the same on
-every run: a tile chosen by timing at run time could differ between two processes and
-change the bits.
+That tiles do not change bits is also measured, not only argued: bench/tile_bits.py found
+the outputs of 11 tiles (16..128 rows x 16..256 columns x 64..128 k) on both kernels
+bitwise equal at four Qwen shapes (H200, triton 3.6); tests/kernels/test_gpu.py compares
+rows alone with rows inside batches of up to 4096, across all the row buckets below, at
+every linear of four Qwen models; and the start-up check (`reprorl.kernels.check`) puts a
+row in a batch past each bucket.
 
-Two kernels, and the choice between them is made from the dtype and the GPU alone (never M),
-so a shape always runs the same one:
+Hence the table reads M as well as (N, K, dtype): small batches take narrow tiles, which
+give the GPU enough programs when there is one row of tiles, and large ones take wide
+tiles, which re-read less. It is fixed (from a sweep on an H200, bench/kernels.py
+--sweep): a tile chosen by timing at run time could differ between two processes.
+
+Two kernels, chosen per tile; they too give the same bits:
 - `_matmul_tma_kernel` (16-bit inputs on Hopper, and under the interpreter): tiles come in
   through the bulk tensor copy engine (TMA descriptors; rows past M read as zeros), and a
   persistent grid of at most one program per SM walks them. The order in which a program
@@ -48,25 +55,36 @@ class Tile:
     """16-bit inputs on Hopper: the TMA persistent kernel (else the plain one)."""
 
 
-def tile_for(n: int, k: int, dtype: torch.dtype) -> Tile:
-    """The tile for an output of width n over a reduction of length k. Never reads M.
+ROW_BUCKETS = (128, 1024)
+"""Row counts where the 16-bit tile changes: M <= 128, M <= 1024, larger."""
 
-    bf16 rows: per Qwen2.5-0.5B/7B linear, the best of 20 candidates (10 tiles, each with
-    the TMA and the plain kernel) by the geometric mean of its time over cuBLAS's at M = 64,
-    256 and 4096 (H200, CUDA-graph replays, bench/kernels.py --sweep, 2026-12-01). The TMA
-    kernel won at every shape.
+
+def tile_for(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
+    """The tile for M rows of an output of width n over a reduction of length k.
+
+    bf16, per row bucket of `ROW_BUCKETS`: at each Qwen2.5-0.5B/7B linear, the fastest of 20
+    candidates (10 tiles, each with the TMA and the plain kernel) at M = 64, 256 and 4096
+    (H200, CUDA-graph replays over cuBLAS's time, bench/kernels.py --sweep, 2026-12-01).
     """
     if dtype == torch.float32:  # IEEE fp32 on the CUDA cores: small tiles
         return Tile(64, 64, 32, 4, 3, tma=False)
-    if n >= 16384:  # LM heads, 7B's gate/up
+    if m <= ROW_BUCKETS[0]:  # one row of tiles: as many programs as the SMs can take
+        if n >= 16384:  # LM heads, 7B's gate/up
+            return Tile(64, 128, 64, 4, 4)
+        return Tile(64, 64, 128, 4, 3)
+    if m <= ROW_BUCKETS[1]:
+        if n >= 65536:  # LM heads
+            return Tile(128, 256, 64, 8, 3)
+        if n >= 4096:  # gate/up
+            return Tile(128, 128, 64, 4, 4)
+        if n >= 2048 and k >= 2048:  # 7B's q, o, down
+            return Tile(64, 128, 64, 4, 4)
+        return Tile(64, 64, 128, 4, 3)  # 0.5B's q, k, v, o, down; 7B's k, v
+    if n <= 256:  # 0.5B's k, v
+        return Tile(64, 64, 128, 4, 3)
+    if n >= 16384 or 512 < n <= 1024:  # LM heads, 7B's gate/up; 0.5B's q, o, down
         return Tile(128, 256, 64, 8, 3)
-    if n >= 4096 and k < 2048:  # 0.5B's gate/up
-        return Tile(128, 128, 64, 4, 4)
-    if k >= 8192:  # 7B's down
-        return Tile(128, 128, 64, 4, 4)
-    if n >= 2048:  # 7B's q and o
-        return Tile(64, 128, 64, 4, 4)
-    return Tile(64, 64, 128, 4, 3)  # narrow outputs (0.5B's q, k, v, o, down; 7B's k, v): many programs
+    return Tile(128, 128, 64, 4, 4)  # 7B's q, k, v, o, down; 0.5B's gate/up
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -169,7 +187,7 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*x.shape[:-1], n)
-    t = tile_for(n, k, x.dtype)
+    t = tile_for(n, k, x.dtype, m)
     tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     if t.tma and _uses_tma(x) and (k * x.element_size()) % 16 == 0 and (n * x.element_size()) % 16 == 0:
         a, w = _tma_ready(a), _tma_ready(weight)
