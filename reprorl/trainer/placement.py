@@ -48,7 +48,10 @@ class Placement:
 
 
 def _floor_share(total: float, parts: int) -> float:
-    return math.floor(total / parts / RAY_GPU_RESOLUTION) * RAY_GPU_RESOLUTION if parts else 0.0
+    """total / parts rounded down to Ray's resolution (the 1e-9 keeps 0.3 / 3 at 0.1, not 0.0999)."""
+    if not parts:
+        return 0.0
+    return round(math.floor(total / parts / RAY_GPU_RESOLUTION + 1e-9) * RAY_GPU_RESOLUTION, 4)
 
 
 def plan_placement(device: str, *, actor_workers: int, ref_workers: int, critic_workers: int,
