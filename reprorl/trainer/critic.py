@@ -28,7 +28,7 @@ from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
-from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms
+from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms, pad_responses, trim_padding
 
 
 VALUE_HEAD = ("score.weight", "score.bias")  # ValueModel's head, as XForTokenClassification
@@ -102,8 +102,8 @@ class CriticWorker:
         """`[B, R]` float32 values, 0 where `response_mask` is 0; micro-batches in sample order."""
         check_positive(micro_batch_size=micro_batch_size)
         with torch.no_grad():
-            out = [torch.where(micro["response_mask"] > 0, self._values(micro), 0.0)
-                   for micro in batch.split(micro_batch_size)]
+            out = [pad_responses(torch.where(m["response_mask"] > 0, self._values(m), 0.0), batch["responses"].shape[1])
+                   for m in map(trim_padding, batch.split(micro_batch_size))]
         return torch.cat(out)
 
     def update(
@@ -171,6 +171,7 @@ class CriticWorker:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(differentiable value loss, stats) of one micro-batch, as its share of the
         mini-batch whose `norms` (`policy.mini_batch_norms`) are given."""
+        micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)
         vf_loss, clipfrac = value_loss(
             self._values(micro), micro["values"].float(), micro["returns"].float(), mask,
