@@ -10,10 +10,12 @@ default paths: a user's own path that does not exist stays an error.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
 from reprorl.config import Config
+from reprorl.determinism import CUBLAS_WORKSPACE_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +134,12 @@ def make_gpu_policy(out_dir: Path, train_file: Path, *, shape: dict[str, int] | 
     from reprorl.models.transformer import CausalLM
     from reprorl.trainer.warm_start import warm_start
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # (asks the driver; does not start CUDA)
         raise ConfigError(f"model.path={str(out_dir)!r}: the GPU example's policy is made on a GPU, and torch sees "
                           "none here; run examples/gpu_arithmetic.yaml on a machine with CUDA")
+    # This process starts CUDA here, before the run: cuBLAS reads its workspace setting only
+    # then, and full determinism (enable_full_determinism, later in this process) needs it.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     args = dataclasses.replace(tiny_args("policy"), **{**GPU_MODEL_SHAPE, **(shape or {})})
     logger.info("making the GPU policy in %s (%s + %d warm-start steps on cuda)", out_dir, args, steps)
     pairs = run_on_pairs(read_rows(train_file), RUN_ON_FRACTION, seed=MODEL_SEED)
@@ -146,4 +151,5 @@ def make_gpu_policy(out_dir: Path, train_file: Path, *, shape: dict[str, int] | 
         make_char_tokenizer().save_pretrained(base)
         warm_start(base, out_dir, pairs, steps=steps, batch_size=GPU_WARM_START_BATCH_SIZE, lr=GPU_WARM_START_LR,
                    seed=MODEL_SEED, device="cuda")
+    torch.cuda.empty_cache()  # the run's workers and replicas need the memory, not this process
     return out_dir
