@@ -1,6 +1,10 @@
 """One rank of a worker group: a process (Ray actor) that holds a whole model for its
 forward passes and, when trainable, its shard of the gradient, master weights and AdamW
-moments (the layout and the reductions: flat.py).
+moments (the layout and the reductions: flat.py). The shard is float32 whatever the
+model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the model's
+weights being the bf16 cast of the master after every step. `device="cuda"`: the model
+runs on the GPU Ray gave the process (the group's collectives then use NCCL), and
+`gradient_checkpointing` recomputes each decoder layer in the backward pass.
 
 The model and its losses are `PolicyWorker`'s and `CriticWorker`'s (trainer/): a rank runs
 their per-micro-batch loss and adds nothing itself; their own optimizer stays unused (it
