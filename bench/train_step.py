@@ -116,7 +116,7 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def generate(engine, prompts: list[list[int]], n: int, new_tokens: int, step: int) -> list:
+def generate(loop, engine, prompts: list[list[int]], n: int, new_tokens: int, step: int) -> list:
     from reprorl.determinism import stable_hash
     from reprorl.rollout.sampling import SamplingParams
 
@@ -127,7 +127,7 @@ def generate(engine, prompts: list[list[int]], n: int, new_tokens: int, step: in
                  for i, ids in enumerate(prompts) for j in range(n)]
         return await asyncio.gather(*calls)
 
-    return asyncio.get_event_loop().run_until_complete(run())
+    return loop.run_until_complete(run())
 
 
 def rollout_batch(prompts: list[list[int]], n: int, outputs: list, new_tokens: int, pad: int):
@@ -183,6 +183,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n
     record: dict = {"full_determinism": full_determinism}
+    loop = asyncio.new_event_loop()  # the engine's step loop lives on it, for the whole mode
     try:
         for step in (1, 2):
             new_tokens = args.new_tokens if step == 2 else min(16, args.new_tokens)  # step 1: warm-up
@@ -191,10 +192,10 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                 torch.cuda.reset_peak_memory_stats()
             sync(device)
             t0 = time.perf_counter()
-            outputs = generate(engine, prompts, args.n, new_tokens, step)
+            outputs = generate(loop, engine, prompts, args.n, new_tokens, step)
             sync(device)
             t1 = time.perf_counter()
-            asyncio.get_event_loop().run_until_complete(engine.sleep())
+            loop.run_until_complete(engine.sleep())
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
             t2 = time.perf_counter()
@@ -206,7 +207,6 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             weights = worker.named_weights()
             sync(device)
             t4 = time.perf_counter()
-            loop = asyncio.get_event_loop()
             loop.run_until_complete(engine.update_weights(weights, version=step))
             loop.run_until_complete(engine.wake_up())
             sync(device)
@@ -227,7 +227,9 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         record["update_mfu"] = record["update_tflops"] / args.peak_tflops
     finally:
         engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0.01))  # let the cancelled step loop finish
         worker.shutdown()
+        loop.close()
         del engine, worker
         if device == "cuda":
             torch.cuda.empty_cache()
