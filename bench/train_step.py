@@ -21,7 +21,7 @@ the step, tokens/s of generation, peak GPU memory, and the update's MFU: model F
 (6 x matmul parameters x tokens, plus causal attention's 6 x layers x tokens x context x
 width, recomputation not counted) over the update time, against `--peak-tflops` (790,
 an H200's dense bf16). When `import trl` works, TRL's `GRPOTrainer` runs the same shape
-(transformers generate, beta 0, its defaults otherwise) and its step time is in the JSON;
+(transformers generate, beta 0, 64 completions a micro-batch, its default sampling otherwise) and its step time is in the JSON;
 else the JSON says why it did not run.
 
 CUBLAS_WORKSPACE_CONFIG is set before CUDA starts (full determinism needs it then), so
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -82,8 +83,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_model_dir(root: Path, shape: dict, dtype: str) -> Path:
     """A random Qwen2-shaped policy (HF directory, the char tokenizer beside it)."""
-    import dataclasses
-
     from reprorl.models.hf_io import save_model
     from reprorl.models.tiny import init_weights, tiny_args
     from reprorl.models.tokenizer import make_char_tokenizer
@@ -268,17 +267,22 @@ def run_trl(args: argparse.Namespace, shape: dict) -> dict:
             sync(args.device)
             times.append(time.perf_counter() - self.t0)
 
-    grpo = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=args.prompts * args.n,
-        num_generations=args.n, max_completion_length=args.new_tokens, max_steps=2, beta=0.0,
-        bf16=args.device == "cuda", logging_steps=1, report_to=[], save_strategy="no",
-        gradient_accumulation_steps=1, temperature=1.0, top_k=0, top_p=1.0,
+    # 64 completions a forward/backward, 8 of them a step: one generation of prompts x n per
+    # optimizer step (TRL's steps_per_generation defaults to the accumulation steps).
+    micro = min(64, args.prompts * args.n)
+    wanted = dict(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=args.prompts * args.n // micro, num_generations=args.n,
+        max_completion_length=args.new_tokens, max_prompt_length=args.prompt_len, max_steps=2, beta=0.0,
+        bf16=args.device == "cuda", logging_steps=1, report_to=[], save_strategy="no", temperature=1.0,
     )
+    known = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    grpo = trl.GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
     trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                               args=grpo, train_dataset=Dataset.from_dict({"prompt": prompts}),
                               processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
-    return {"ran": True, "version": trl.__version__, "step_s": times, "timed_step_s": times[-1] if times else None,
+    return {"ran": True, "version": trl.__version__, "config": {k: v for k, v in wanted.items() if k in known}, "step_s": times, "timed_step_s": times[-1] if times else None,
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None}
 
 
