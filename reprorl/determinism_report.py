@@ -230,6 +230,8 @@ def build_report(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: bo
 def format_report(report: Mapping[str, Any]) -> str:
     """A short human-readable block: the verdict, one line per part, the problems."""
     lines = [f"determinism: {report['verdict']}"]
+    if "placement" in report:  # added by the trainer (reprorl/trainer/placement.py)
+        lines.append("  placement: " + ", ".join(f"{k} {v}" for k, v in report["placement"].items()))
     parts = report["parts"]
     width = max((len(n) for n in parts), default=0)
     for name, info in parts.items():
