@@ -78,15 +78,17 @@ class CriticWorker:
         seed: int,
         dtype: str | torch.dtype | None = None,
         batch_invariant: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model_path = Path(model_path)
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="critic", dtype=dtype_from_name(dtype))
-        first = next(self.model.parameters())
-        self.model.kernels = select_kernels(first.device, batch_invariant)
-        verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         if not set(VALUE_HEAD) & checkpoint_tensor_names(self.model_path):
-            init_value_head(self.model, seed)
+            init_value_head(self.model, seed)  # on the host, where it loaded: the same draws on any device
+        self.model.to(device)
+        first = next(self.model.parameters())
+        self.model.kernels = select_kernels(first.device, batch_invariant)  # the kernels of the device it runs on
+        verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         self.model.eval()  # no dropout in reprorl's models: compute_values and update see the same forward
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim_args = optim

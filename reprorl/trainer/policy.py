@@ -151,7 +151,8 @@ def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor, log_softm
 class PolicyWorker:
     """The actor (`optim` given: trainable) or the reference policy (`optim=None`: frozen).
 
-    `PolicyWorker(path, optim=OptimArgs(lr=1e-6, total_steps=100), batch_invariant=True)`.
+    `PolicyWorker(path, optim=OptimArgs(lr=1e-6, total_steps=100), batch_invariant=True)`;
+    `device="cuda"` loads on the host, moves the model there and takes that device's kernels.
     """
 
     def __init__(
@@ -162,13 +163,15 @@ class PolicyWorker:
         dtype: str | torch.dtype | None = None,
         batch_invariant: bool = False,
         name: str | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model_path = Path(model_path)
         self.trainable = optim is not None
         self.name = name or ("actor" if self.trainable else "ref")
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
-        first = next(self.model.parameters())
+        self.model.to(device)
+        first = next(self.model.parameters())  # the kernels of the device it runs on
         self.model.kernels = select_kernels(first.device, batch_invariant)
         verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         # reprorl's models have no dropout; eval() everywhere keeps the update's forward

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
 from reprorl.io import atomic_write
-from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.protocol import Batch
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
@@ -89,15 +88,11 @@ class ShardWorker:
         self.batch_invariant = batch_invariant
         if role == "critic":
             self.model_worker = CriticWorker(model_path, optim=optim, seed=seed, dtype=dtype,
-                                             batch_invariant=batch_invariant)
+                                             batch_invariant=batch_invariant, device=self.device)
         else:
             self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype,
-                                             batch_invariant=batch_invariant, name=role)
-        model = self.model_worker.model.to(self.device)
-        if self.device.type != "cpu":  # the worker chose its kernels on the CPU, where it loaded
-            model.kernels = select_kernels(self.device, batch_invariant)
-            verify_batch_invariance(model.kernels, self.model_worker.model_args, next(model.parameters()).dtype,
-                                    self.device)
+                                             batch_invariant=batch_invariant, name=role, device=self.device)
+        model = self.model_worker.model
         model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
         self.optim_args = optim
         self.trainable = optim is not None
