@@ -1,6 +1,8 @@
 """Placement (reprorl/trainer/placement.py): `resources.device` resolved, the Ray GPU shares;
 and the packed weight push every replica receives (reprorl/rollout/replica.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def test_two_workers_of_a_group_on_one_gpu_are_refused(has_cuda):
 
 
 def test_gpu_example_resolves_and_asks_for_cuda_and_bf16():
-    cfg = load_config("examples/gpu_arithmetic.yaml", [])
+    cfg = load_config(str(Path(__file__).parents[2] / "examples" / "gpu_arithmetic.yaml"), [])
     assert (cfg.resources.device, cfg.model.dtype, cfg.full_determinism) == ("cuda", "bfloat16", True)
 
 
