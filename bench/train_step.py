@@ -15,14 +15,15 @@ in `reprorl train` on one GPU.
 
 Each mode runs a warm-up step first (the same batch, 16 new tokens: compilation, autotuning,
 the allocator) and is timed on its second step. The JSON is rewritten after each part, so
-a run cut short by `timeout` still leaves what it measured. Both modes run: full determinism on (batch-invariant Triton kernels,
-deterministic algorithms) and off (stock torch). Reported per mode: seconds per phase,
+a run cut short by `timeout` still leaves what it measured. Both modes run: full
+determinism on (batch-invariant Triton kernels, deterministic algorithms) and off (stock
+torch). Reported per mode: seconds per phase,
 the step, tokens/s of generation, peak GPU memory, and the update's MFU: model FLOPs
 (6 x matmul parameters x tokens, plus causal attention's 6 x layers x tokens x context x
 width, recomputation not counted) over the update time, against `--peak-tflops` (790,
 an H200's dense bf16). When `import trl` works, TRL's `GRPOTrainer` runs the same shape
-(transformers generate, beta 0, 64 completions a micro-batch, its default sampling otherwise) and its step time is in the JSON;
-else the JSON says why it did not run.
+(transformers generate, beta 0, 64 completions a micro-batch, its default sampling
+otherwise) and its step time is in the JSON; else the JSON says why it did not run.
 
 CUBLAS_WORKSPACE_CONFIG is set before CUDA starts (full determinism needs it then), so
 the "off" mode runs with it too.
@@ -282,7 +283,8 @@ def run_trl(args: argparse.Namespace, shape: dict) -> dict:
                               args=grpo, train_dataset=Dataset.from_dict({"prompt": prompts}),
                               processing_class=tokenizer, callbacks=[StepTimer()])
     trainer.train()
-    return {"ran": True, "version": trl.__version__, "config": {k: v for k, v in wanted.items() if k in known}, "step_s": times, "timed_step_s": times[-1] if times else None,
+    return {"ran": True, "version": trl.__version__, "config": {k: v for k, v in wanted.items() if k in known},
+            "step_s": times, "timed_step_s": times[-1] if times else None,
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None}
 
 

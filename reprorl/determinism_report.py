@@ -16,9 +16,9 @@ whose keys are documented in `reprorl.rollout.replica`), `agent-loop worker <i>`
 its environment: it tokenizes and routes, it runs no model).
 
 A part on a GPU adds `gpu` and `cuda` (`cuda_info()`: CUDA/cuDNN/NCCL versions, the
-reduced-precision and TF32 switches, and the
-cuBLAS and NCCL variables; TF32 must be off with full determinism); actor, reference and
-rollout parts on different kinds of device are a problem with full determinism (the trainer's log-probs could not equal the engine's).
+reduced-precision and TF32 switches, and the cuBLAS and NCCL variables; TF32 must be off
+with full determinism); actor, reference and rollout parts on different kinds of device
+are a problem with full determinism (the trainer's log-probs could not equal the engine's).
 The run's `placement` (reprorl/trainer/placement.py) is recorded beside the parts.
 
 Every part's info holds `process_info()` (the torch switches and the determinism

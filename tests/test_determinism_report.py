@@ -188,4 +188,5 @@ def test_tf32_on_a_gpu_part_is_a_problem_with_full_determinism():
 def test_policy_parts_on_different_devices_are_a_problem():
     parts = run_parts({"rollout replica 0": gpu_part(), "rollout replica 1": gpu_part()})  # the actor on the CPU
     problems = build_report(parts, full_determinism=True, seed=SEED)["problems"]
-    assert any(p.startswith("model parts run on different devices (actor: cpu, rollout replica 0: cuda") for p in problems)
+    expected = "model parts run on different devices (actor: cpu, rollout replica 0: cuda"
+    assert any(p.startswith(expected) for p in problems), problems
