@@ -75,7 +75,15 @@ class ModelConfig:
     path: str = _field("models/tiny-policy", "the actor (policy) model: a HF-format directory")
     ref_path: str | None = _field(None, "the reference model for KL; null = model.path")
     critic_path: str | None = _field(None, "the critic's initial weights (GAE only); null = model.path")
-    dtype: Literal["float32", "bfloat16"] = _field("float32", "dtype of weights and compute in every worker")
+    dtype: Literal["float32", "bfloat16"] = _field(
+        "float32", "dtype of weights and compute in every worker and replica; bfloat16 is mixed precision: "
+        "trainable workers keep float32 master weights and AdamW state, and the bf16 weights they compute with "
+        "(and push to the replicas) are the cast of the master"
+    )
+    gradient_checkpointing: bool = _field(
+        False, "recompute each decoder layer's activations in the backward pass of the actor and critic (less "
+        "memory, about a third more compute; the same bits)"
+    )
 
 
 @dataclass
@@ -245,6 +253,19 @@ class TrainerConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    device: Literal["auto", "cpu", "cuda"] = _field(
+        "auto", "where the actor, reference, critic and built-in rollout replicas run (a reward model stays on the "
+        "CPU for now); auto = cuda when torch sees a GPU, else cpu (resolved when the run starts; the determinism "
+        "report shows it)"
+    )
+    gpu_share_rollout: float = _field(
+        0.3, "device=cuda, one GPU shared by every part: the share of it (a Ray GPU fraction) that the rollout "
+        "replicas take together, split evenly between them; the trainer's workers share what is left. Ray fractions only place actors: memory is not capped by them", gt=0, lt=1
+    )
+
+
+@dataclass
 class Config:
     seed: int = _field(42, "the run seed: every seed in the run (data order, sampling, init) derives from it", ge=0)
     full_determinism: bool = _field(
@@ -258,6 +279,7 @@ class Config:
     actor: ActorConfig = _section(ActorConfig, "policy optimisation")
     critic: CriticConfig = _section(CriticConfig, "value-function optimisation (adv_estimator=gae only)")
     trainer: TrainerConfig = _section(TrainerConfig, "the training loop, logging and checkpoints")
+    resources: ResourcesConfig = _section(ResourcesConfig, "devices: where each part of the run is placed")
 
 
 # ---------------------------------------------------------------------------------------
@@ -509,6 +531,8 @@ def _derive(cfg: Config) -> None:
         cfg.critic.ppo_micro_batch_size = cfg.actor.ppo_micro_batch_size
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    # resources.device stays "auto" here, so a config file is portable between machines:
+    # the trainer resolves it when the run starts (reprorl/trainer/placement.py).
 
 
 def _check_types(section: Any, prefix: str = "") -> None:

@@ -15,6 +15,12 @@ each of the trainer's worker groups, reprorl/workers; their info adds `rank`,
 whose keys are documented in `reprorl.rollout.replica`), `agent-loop worker <i>` (only
 its environment: it tokenizes and routes, it runs no model).
 
+A part on a GPU adds `gpu` and `cuda` (`cuda_info()`: CUDA/cuDNN/NCCL versions, the
+reduced-precision and TF32 switches, and the cuBLAS and NCCL variables; TF32 must be off
+with full determinism); actor, reference and rollout parts on different kinds of device
+are a problem with full determinism (the trainer's log-probs could not equal the engine's).
+The run's `placement` (reprorl/trainer/placement.py) is recorded beside the parts.
+
 Every part's info holds `process_info()` (the torch switches and the determinism
 variables its process sees) plus, for parts that run a model, `backend`,
 `batch_invariant`, `num_threads` and `dtype`. `build_report` compares each part with
@@ -94,7 +100,35 @@ def model_part_info(*, backend: str, batch_invariant: bool, dtype: Any, num_thre
         import torch
 
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        info["cuda"] = cuda_info()
     return info
+
+
+def cuda_info() -> dict[str, Any]:
+    """The CUDA switches a GPU part's bits can depend on (its `cuda` key): library versions,
+    the reduced-precision reductions and TF32 (all must be off in determinism mode), and the
+    cuBLAS workspace and NCCL variables it sees."""
+    import torch
+
+    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+    return {
+        "cuda_version": torch.version.cuda,
+        "cudnn_version": torch.backends.cudnn.version(),
+        "nccl_version": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
+    }
+
+
+# A GPU part in determinism mode must have these off (`enable_full_determinism` turns them
+# off): TF32 rounds matmul inputs in a way cuBLAS/cuDNN choose per shape. The
+# reduced-precision reduction flags are reported, not required: the batch-invariant
+# kernels do not run their matmuls through cuBLAS.
+CUDA_MUST_BE_OFF = ("tf32_matmul", "tf32_cudnn")
 
 
 def _on(value: Any) -> str:
@@ -132,6 +166,10 @@ def find_problems(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: b
                 problems.append(f"{name}: {key}={env[key]!r} (expected {value!r})")
         if not is_model:
             continue
+        if full_determinism and "cuda" in info:
+            for key in CUDA_MUST_BE_OFF:
+                if info["cuda"].get(key):
+                    problems.append(f"{name}: CUDA {key} on (expected off, as full_determinism=true)")
         for key in ("batch_invariant", "deterministic_algorithms"):
             # A part that runs one sequence per forward (vLLM's CPU build in determinism
             # mode, `max_num_seqs` 1) has no batch for a row to depend on.
@@ -139,6 +177,14 @@ def find_problems(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: b
             if info[key] != full_determinism and not serialized:
                 problems.append(f"{name}: {key} {_on(info[key])} (expected {_on(full_determinism)}, "
                                 f"as full_determinism={str(full_determinism).lower()})")
+
+    # The trainer's log-probs equal the engine's only when the policy's parts (actor,
+    # reference, rollout) run on the same kind of device.
+    kinds = {n: str(parts[n].get("device") or "cpu").split(":")[0] for n in parts
+             if "backend" in parts[n] and n.startswith(("actor", "ref", "rollout"))}
+    if full_determinism and len(set(kinds.values())) > 1:
+        seen = ", ".join(f"{n}: {k}" for n, k in kinds.items())
+        problems.append(f"model parts run on different devices ({seen}): their log-probs cannot match bit for bit")
 
     pools: dict[str, list[str]] = {}
     for name in parts:
@@ -184,6 +230,8 @@ def build_report(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: bo
 def format_report(report: Mapping[str, Any]) -> str:
     """A short human-readable block: the verdict, one line per part, the problems."""
     lines = [f"determinism: {report['verdict']}"]
+    if "placement" in report:  # added by the trainer (reprorl/trainer/placement.py)
+        lines.append("  placement: " + ", ".join(f"{k} {v}" for k, v in report["placement"].items()))
     parts = report["parts"]
     width = max((len(n) for n in parts), default=0)
     for name, info in parts.items():
@@ -193,6 +241,11 @@ def format_report(report: Mapping[str, Any]) -> str:
                     f"algorithms {_on(info['deterministic_algorithms'])}, {info['num_threads']} thread(s), {info['dtype']}")
             if "rank" in info:
                 mode += f", rank {info['rank']} of {info['world_size']} on {info['device']} ({info['dist_backend']})"
+            if "cuda" in info:
+                cuda = info["cuda"]
+                off = [k for k in CUDA_MUST_BE_OFF if not cuda.get(k)]
+                mode += (f", {info.get('gpu')}, CUDA {cuda['cuda_version']}, NCCL {cuda['nccl_version']}, "
+                         f"CUBLAS_WORKSPACE_CONFIG={cuda['cublas_workspace_config']}, off: {' '.join(off) or 'none'}")
         else:
             mode = "no model (environment only)"
         lines.append(f"  {name:<{width}}  {mode}")

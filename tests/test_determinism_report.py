@@ -158,3 +158,35 @@ def test_every_worker_of_a_group_is_named_with_its_rank_and_the_group_must_agree
     assert build_report(parts, full_determinism=True, seed=SEED)["problems"] == [
         "actor workers differ in world_size (0: 2, 1: 4): a result depends on which one served it"
     ]
+
+
+def gpu_part(**cuda_changes):
+    cuda = {"cuda_version": "13.0", "cudnn_version": 91000, "nccl_version": "2.27.7",
+            "bf16_reduced_precision_reduction": True, "fp16_reduced_precision_reduction": True,
+            "tf32_matmul": False, "tf32_cudnn": False, "cublas_workspace_config": ":4096:8", "nccl_env": {}}
+    return {**model_part(dtype="bfloat16"), "kernels": "triton", "device": "cuda:0", "gpu": "NVIDIA H200",
+            "cuda": {**cuda, **cuda_changes}}
+
+
+def test_gpu_parts_agree_and_show_their_cuda_settings():
+    parts = run_parts({"actor": gpu_part(), "rollout replica 0": gpu_part(), "rollout replica 1": gpu_part()})
+    report = build_report(parts, full_determinism=True, seed=SEED)
+    report["placement"] = {"device": "cuda", "worker_gpus": 0.7, "rollout_gpus": 0.15}
+    assert report["problems"] == [] and report["verdict"] == "full determinism: on, all parts agree"
+    text = format_report(report)
+    assert "placement: device cuda, worker_gpus 0.7, rollout_gpus 0.15" in text
+    assert "NVIDIA H200, CUDA 13.0, NCCL 2.27.7, CUBLAS_WORKSPACE_CONFIG=:4096:8, off: tf32_matmul tf32_cudnn" in text
+
+
+def test_tf32_on_a_gpu_part_is_a_problem_with_full_determinism():
+    parts = run_parts({"actor": gpu_part(), "rollout replica 0": gpu_part(tf32_matmul=True),
+                       "rollout replica 1": gpu_part()})
+    report = build_report(parts, full_determinism=True, seed=SEED)
+    assert report["problems"] == ["rollout replica 0: CUDA tf32_matmul on (expected off, as full_determinism=true)"]
+
+
+def test_policy_parts_on_different_devices_are_a_problem():
+    parts = run_parts({"rollout replica 0": gpu_part(), "rollout replica 1": gpu_part()})  # the actor on the CPU
+    problems = build_report(parts, full_determinism=True, seed=SEED)["problems"]
+    expected = "model parts run on different devices (actor: cpu, rollout replica 0: cuda"
+    assert any(p.startswith(expected) for p in problems), problems

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -319,6 +320,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.kernels = TorchKernels
+        # Recompute each layer's activations in backward (the trainer's option): the same
+        # kernels run twice on the same inputs, so the gradient keeps its bits.
+        self.gradient_checkpointing = False
         cos, sin_rot = rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
@@ -347,7 +351,11 @@ class Transformer(nn.Module):
         cos, sin = self._rope(position_ids)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask, self.kernels)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, self.kernels,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, attention_mask, self.kernels)
         return self.norm(x, self.kernels)
 
     def forward_packed(

@@ -24,13 +24,18 @@ determinism report (`reprorl.determinism_report`), with at least these keys:
 `determinism_report.model_part_info(backend=..., batch_invariant=..., dtype=...,
 num_threads=..., kernels=..., device=...)` builds such a dict (adding pid, host and torch's flags); a backend may
 add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id.
+
+Placement: `device="cuda"` builds each built-in engine on the GPU Ray gives the replica
+(`num_gpus`, a fraction when the trainer shares the GPU: reprorl/trainer/placement.py).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -45,7 +50,7 @@ from reprorl.determinism import (
     ray_runtime_env,
 )
 from reprorl.determinism_report import model_part_info
-from reprorl.rollout.engine import Engine, GenerateOutput
+from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import KillSwitch, Restarts, gather, kill_switch_env, replace_dead
 
@@ -97,11 +102,58 @@ def wait_ready(actors: list[Any], what: str, num_cpus_each: float, timeout_s: fl
     ray.get(done)  # raises the replica's own error if its start failed
 
 
+@dataclass(frozen=True)
+class PackedWeights:
+    """A weight push as one flat buffer per dtype instead of a list of tensors: one object
+    in Ray's store and, in the replica, one host-to-device copy per dtype per sync.
+
+    `entries[i] = (name, dtype name, shape, offset)` into `buffers[dtype name]` (1-D)."""
+
+    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
+    buffers: dict[str, torch.Tensor]
+
+    @classmethod
+    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
+        tensors = [(name, t.detach()) for name, t in named_tensors]
+        sizes: dict[str, int] = {}
+        entries = []
+        for name, t in tensors:
+            key = str(t.dtype).removeprefix("torch.")
+            entries.append((name, key, tuple(t.shape), sizes.get(key, 0)))
+            sizes[key] = sizes.get(key, 0) + t.numel()
+        dtypes = {str(t.dtype).removeprefix("torch."): t.dtype for _, t in tensors}
+        buffers = {key: torch.empty(size, dtype=dtypes[key]) for key, size in sizes.items()}
+        for (_, key, shape, offset), (_, t) in zip(entries, tensors):
+            buffers[key][offset : offset + t.numel()].copy_(t.reshape(-1))
+        return cls(tuple(entries), buffers)
+
+    def unpack(self, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+        """(name, view of the buffer moved to `device`) per tensor, in push order."""
+        moved = {key: buf.to(device) for key, buf in self.buffers.items()}
+        return [(name, moved[key][offset : offset + math.prod(shape)].view(shape))
+                for name, key, shape, offset in self.entries]
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(name for name, *_ in self.entries)
+
+
+def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, **options: Any) -> Engine:
+    """The built-in engine for `model_path` on `device` ("cpu" or "cuda"), weights in `dtype`
+    (None: the checkpoint's). The engine runs where its model's parameters are."""
+    from reprorl.models.hf_io import load_model
+    from reprorl.trainer.policy import dtype_from_name
+
+    model, _ = load_model(model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
+    return Engine(model.to(device), eos_token_id=eos_ids_from_dir(str(model_path)), **options)
+
+
 class RolloutReplica:
     """One inference engine; create with `ray.remote(RolloutReplica)` (as `ReplicaPool` does).
 
-    `engine_options` go to `Engine.from_path`: max_num_seqs, max_num_batched_tokens,
-    max_model_len, batch_invariant. `expected_env` is the run's `determinism_env(...)`.
+    `engine_options` go to `build_engine`: device, dtype, max_num_seqs,
+    max_num_batched_tokens, max_model_len, batch_invariant. `expected_env` is the run's
+    `determinism_env(...)`.
     """
 
     def __init__(self, replica_id: int, model_path: str, engine_options: Mapping[str, Any],
@@ -110,7 +162,7 @@ class RolloutReplica:
         if is_full_determinism():
             enable_full_determinism(int(os.environ[ENV_SEED]))
         self.replica_id = replica_id
-        self.engine = Engine.from_path(model_path, **engine_options)
+        self.engine = build_engine(model_path, **engine_options)
         self.kill_switch = KillSwitch.from_env(f"rollout replica {replica_id}")  # fault tests only
 
     async def ready(self) -> int:
@@ -123,7 +175,10 @@ class RolloutReplica:
             self.kill_switch.see(request_id)
         return await self.engine.generate(request_id, prompt_ids, sampling_params, seed, priority)
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+    async def update_weights(self, named_tensors: PackedWeights | Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> int:
+        if isinstance(named_tensors, PackedWeights):  # one copy to where the weights live now
+            named_tensors = named_tensors.unpack("cpu" if self.engine.asleep else self.engine.device)
         await self.engine.update_weights(named_tensors, version)
         return self.engine.weight_version
 
@@ -194,6 +249,9 @@ class ReplicaPool:
         backend: str = "native",
         vllm_options: Mapping[str, Any] | None = None,
         restarts: Restarts | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        num_gpus: float | None = None,
     ):
         if num_replicas < 1:
             raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
@@ -215,12 +273,15 @@ class ReplicaPool:
             "max_model_len": max_model_len,
             # Batch invariance is what makes a sample independent of its batch: on with determinism.
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
+            "device": device, "dtype": dtype,
         }
-        replica_cls, num_gpus = RolloutReplica, 0
+        replica_cls = RolloutReplica
+        if num_gpus is None:
+            num_gpus = 1 if device == "cuda" else 0
         if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
             from reprorl.rollout.vllm_replica import VllmReplica, replica_gpus, warn_if_serialized
 
-            replica_cls, num_gpus = VllmReplica, replica_gpus()
+            replica_cls, num_gpus = VllmReplica, replica_gpus(num_gpus if device == "cuda" else None)
             engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                               "max_model_len": max_model_len, **(vllm_options or {})}
         self._actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
@@ -246,15 +307,17 @@ class ReplicaPool:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Push the same weights to every replica as `version`, then check they all serve it.
 
-        The tensors are put in Ray's object store once and shared by all replicas. The pool
-        keeps that copy until a later push covers the same names, so that a replica that
-        dies can be replaced at the current version: between pushes, the object store holds
-        one copy of the weights (during a push, two).
+        The tensors are packed into one flat buffer per dtype (`PackedWeights`) and put in
+        Ray's object store once, shared by all replicas; each replica copies it to its
+        device in one transfer. The pool keeps that copy until a later push covers the
+        same names, so that a replica that dies can be replaced at the current version:
+        between pushes, the object store holds one copy of the weights (during a push, two).
         """
-        tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
-        ref = ray.put(tensors)
+        packed = named_tensors if isinstance(named_tensors, PackedWeights) else PackedWeights.pack(
+            (name, t.detach().cpu()) for name, t in named_tensors)
+        ref = ray.put(packed)
         _, dead = gather({i: r.update_weights.remote(ref, version) for i, r in self.replicas.items()})
-        names = frozenset(name for name, _ in tensors)
+        names = packed.names
         self._pushes = [p for p in self._pushes if not p[1] <= names] + [(ref, names, version)]
         self.version = version
         self._replace_dead(dead, f"update_weights to version {version}")  # a replacement replays the pushes

@@ -84,11 +84,26 @@ SERIALIZED_WARNING = (
 )
 
 
-def replica_gpus() -> int:
-    """GPUs each vLLM replica asks Ray for: 1 on a cluster with GPUs (Ray hides GPUs from an
-    actor that asks for none), else 0."""
+def replica_gpus(share: float | None = None) -> float:
+    """GPUs each vLLM replica asks Ray for: `share` (the run's placement, a fraction when the
+    trainer shares one GPU: reprorl/trainer/placement.py) when given; else 1 on a cluster
+    with GPUs (Ray hides GPUs from an actor that asks for none), else 0.
+
+    From vLLM's docs (not run here: vLLM cannot be installed on our GPU machine): one
+    vLLM engine with tensor_parallel_size=1 runs in the Ray actor's own process on the GPU
+    Ray assigned it (`CUDA_VISIBLE_DEVICES`); a Ray GPU fraction does NOT cap its memory,
+    so several engines and the trainer fit on one GPU only when each engine's
+    `gpu_memory_utilization` (rollout.vllm_gpu_memory_utilization, the share of the
+    whole GPU's memory it may take for weights, activations and KV cache) stays within its
+    share and the shares add up to less than 1 with the trainer's memory. vLLM's sleep
+    mode (`enable_sleep_mode=True`; `sleep(level=1)` offloads the weights to host memory
+    and drops the KV cache, `wake_up()` restores them) is what frees the GPU while the
+    trainer updates (the replica's sleep/wake_up).
+    """
     import ray
 
+    if share is not None:
+        return share
     return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
 
 

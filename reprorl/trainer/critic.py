@@ -28,7 +28,7 @@ from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
-from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms
+from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms, pad_responses, trim_padding
 
 
 VALUE_HEAD = ("score.weight", "score.bias")  # ValueModel's head, as XForTokenClassification
@@ -78,15 +78,17 @@ class CriticWorker:
         seed: int,
         dtype: str | torch.dtype | None = None,
         batch_invariant: bool = False,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model_path = Path(model_path)
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="critic", dtype=dtype_from_name(dtype))
-        first = next(self.model.parameters())
-        self.model.kernels = select_kernels(first.device, batch_invariant)
-        verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         if not set(VALUE_HEAD) & checkpoint_tensor_names(self.model_path):
-            init_value_head(self.model, seed)
+            init_value_head(self.model, seed)  # on the host, where it loaded: the same draws on any device
+        self.model.to(device)
+        first = next(self.model.parameters())
+        self.model.kernels = select_kernels(first.device, batch_invariant)  # the kernels of the device it runs on
+        verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         self.model.eval()  # no dropout in reprorl's models: compute_values and update see the same forward
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim_args = optim
@@ -102,8 +104,8 @@ class CriticWorker:
         """`[B, R]` float32 values, 0 where `response_mask` is 0; micro-batches in sample order."""
         check_positive(micro_batch_size=micro_batch_size)
         with torch.no_grad():
-            out = [torch.where(micro["response_mask"] > 0, self._values(micro), 0.0)
-                   for micro in batch.split(micro_batch_size)]
+            out = [pad_responses(torch.where(m["response_mask"] > 0, self._values(m), 0.0), batch["responses"].shape[1])
+                   for m in map(trim_padding, batch.split(micro_batch_size))]
         return torch.cat(out)
 
     def update(
@@ -171,6 +173,7 @@ class CriticWorker:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(differentiable value loss, stats) of one micro-batch, as its share of the
         mini-batch whose `norms` (`policy.mini_batch_norms`) are given."""
+        micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)
         vf_loss, clipfrac = value_loss(
             self._values(micro), micro["values"].float(), micro["returns"].float(), mask,

@@ -1,4 +1,5 @@
-"""The embedded default run's assets: the synthetic task and the warm-started tiny policy.
+"""The embedded default run's assets: the synthetic task and the warm-started tiny policy,
+and the GPU example's larger policy (examples/gpu_arithmetic.yaml, `GPU_POLICY_PATH`).
 
 `reprorl train` with the default config needs a model and data that no hub provides, so
 the project makes them, deterministically from fixed seeds, the first time they are
@@ -9,10 +10,12 @@ default paths: a user's own path that does not exist stays an error.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
 from reprorl.config import Config
+from reprorl.determinism import CUBLAS_WORKSPACE_CONFIG
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,16 @@ WARM_START_BATCH_SIZE = 32
 WARM_START_LR = 1e-3
 RUN_ON_FRACTION = 0.7
 
+# The GPU example's policy: the tiny model's tokenizer and task, ~75M parameters (width
+# 768, 12 layers, 12 query heads on 4 KV heads, tied embeddings), warm-started on the GPU
+# (bf16 autocast, float32 weights) with the same run-on pairs. A minute or less on an H200.
+GPU_POLICY_PATH = "models/gpu-policy"
+GPU_MODEL_SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+                   "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
+GPU_WARM_START_STEPS = 1200
+GPU_WARM_START_BATCH_SIZE = 64
+GPU_WARM_START_LR = 3e-4
+
 
 def prepare_default_assets(cfg: Config) -> None:
     """Make the default data and model if `cfg` uses their default paths and they are missing."""
@@ -44,6 +57,8 @@ def prepare_default_assets(cfg: Config) -> None:
             make_default_data(Path(cfg.data.train_files[0]).parent)
     if cfg.model.path == defaults.model.path and not Path(cfg.model.path).exists():
         make_default_policy(Path(cfg.model.path), Path(cfg.data.train_files[0]))
+    if cfg.model.path == GPU_POLICY_PATH and not Path(cfg.model.path).exists():
+        make_gpu_policy(Path(cfg.model.path), Path(cfg.data.train_files[0]))
 
 
 def make_default_data(out_dir: Path) -> dict[str, Path]:
@@ -101,3 +116,40 @@ def run_on_pairs(rows: list[dict], run_on_fraction: float, seed: int) -> list[tu
             target += "\n" + other["prompt"][-1]["content"] + other["reward_model"]["ground_truth"]
         pairs.append((row["prompt"], target))
     return pairs
+
+
+def make_gpu_policy(out_dir: Path, train_file: Path, *, shape: dict[str, int] | None = None,
+                    steps: int = GPU_WARM_START_STEPS) -> Path:
+    """The GPU example's policy (`GPU_MODEL_SHAPE` unless `shape` overrides fields), warm-
+    started on CUDA for `steps` on the train split's run-on pairs, as the default policy."""
+    import dataclasses
+
+    import torch
+
+    from reprorl.data.dataset import read_rows
+    from reprorl.errors import ConfigError
+    from reprorl.models.hf_io import save_model
+    from reprorl.models.tiny import init_weights, tiny_args
+    from reprorl.models.tokenizer import make_char_tokenizer
+    from reprorl.models.transformer import CausalLM
+    from reprorl.trainer.warm_start import warm_start
+
+    if not torch.cuda.is_available():  # (asks the driver; does not start CUDA)
+        raise ConfigError(f"model.path={str(out_dir)!r}: the GPU example's policy is made on a GPU, and torch sees "
+                          "none here; run examples/gpu_arithmetic.yaml on a machine with CUDA")
+    # This process starts CUDA here, before the run: cuBLAS reads its workspace setting only
+    # then, and full determinism (enable_full_determinism, later in this process) needs it.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    args = dataclasses.replace(tiny_args("policy"), **{**GPU_MODEL_SHAPE, **(shape or {})})
+    logger.info("making the GPU policy in %s (%s + %d warm-start steps on cuda)", out_dir, args, steps)
+    pairs = run_on_pairs(read_rows(train_file), RUN_ON_FRACTION, seed=MODEL_SEED)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent) as scratch:
+        model = CausalLM(args)
+        init_weights(model, MODEL_SEED)
+        base = save_model(model, args, Path(scratch) / "base")
+        make_char_tokenizer().save_pretrained(base)
+        warm_start(base, out_dir, pairs, steps=steps, batch_size=GPU_WARM_START_BATCH_SIZE, lr=GPU_WARM_START_LR,
+                   seed=MODEL_SEED, device="cuda")
+    torch.cuda.empty_cache()  # the run's workers and replicas need the memory, not this process
+    return out_dir

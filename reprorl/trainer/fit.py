@@ -53,6 +53,7 @@ from reprorl.trainer.checkpoint import (
     save_checkpoint,
 )
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
+from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
 from reprorl.workers.group import WorkerError, WorkerGroup
@@ -153,6 +154,7 @@ class Trainer:
             torch.manual_seed(cfg.seed)  # weight init of fresh heads only; sampling seeds are per request
 
         self.train_set, self.val_set = self._make_datasets()
+        self.placement = self._plan_placement()
         check_train_set_size(cfg, len(self.train_set))
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
@@ -170,16 +172,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ parts
 
-    def _make_datasets(self) -> tuple[PromptDataset, PromptDataset]:
+    def _plan_placement(self) -> Placement:
+        cfg = self.cfg
+        workers = cfg.trainer.num_workers
+        return plan_placement(
+            cfg.resources.device, actor_workers=workers,
+            ref_workers=workers if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) else 0,
+            critic_workers=workers if cfg.algorithm.adv_estimator == "gae" else 0,
+            rollout_replicas=cfg.rollout.num_replicas, rollout_share=cfg.resources.gpu_share_rollout,
+        )
+
+    def _make_datasets(self) -> tuple[PromptDataset, PromptDataset | None]:
+        """(train set, validation set or None for `data.val_files=[]`)."""
         data, rw = self.cfg.data, self.cfg.reward
         # The built-in rule rewards know which ground truths they can ever match: a row that
         # could only score 0 is an error naming it, before the run starts.
         builtin_rules = rw.fn is None and (rw.model_path is None or rw.rule_weight != 0)
-        return tuple(
-            PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
-                          prompt_key=data.prompt_key, check_ground_truth=check_ground_truth if builtin_rules else None)
-            for files in (data.train_files, data.val_files)
-        )
+        def dataset(files: list[str]) -> PromptDataset:
+            return PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
+                                 prompt_key=data.prompt_key,
+                                 check_ground_truth=check_ground_truth if builtin_rules else None)
+
+        return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
     def _make_workers(self) -> tuple[WorkerGroup, WorkerGroup | None, WorkerGroup | None]:
         """(actor, reference or None, critic or None), each a group of `trainer.num_workers`
@@ -187,7 +201,8 @@ class Trainer:
         cfg = self.cfg
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
-                  "dtype": cfg.model.dtype}
+                  "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing}
         actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         ref = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -238,6 +253,7 @@ class Trainer:
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
             backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
+            device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
         agent = AgentLoopManager(
@@ -385,6 +401,11 @@ class Trainer:
         returns those weights."""
         cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
+        # Sharing one GPU: the engines give back their KV cache (and weights) while the
+        # trainer updates, and take them back once the new weights are in.
+        on_gpu = self.placement.device == "cuda"
+        if on_gpu:
+            self.pool.sleep()
         if self.critic is not None:
             metrics.update(self.critic.update(
                 batch, ppo_epochs=cfg.critic.ppo_epochs, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
@@ -398,6 +419,8 @@ class Trainer:
         ))
         weights = self.actor.named_weights()  # gathered once: for the replicas and the fingerprint
         self.pool.update_weights(weights, version=step)
+        if on_gpu:
+            self.pool.wake_up()
         metrics["timing/update_s"] = time.perf_counter() - t0
         return weights
 
@@ -453,6 +476,8 @@ class Trainer:
         `val/reward_mean` is the mean of the final reward (rule and model, weighted).
         """
         cfg = self.cfg
+        if self.val_set is None:  # data.val_files=[]
+            return {}
         positions = list(range(len(self.val_set)))
         size = cfg.data.val_batch_size or len(positions)
         scores, correct, lengths = [], [], []
@@ -555,6 +580,7 @@ class Trainer:
         parts.update({f"agent-loop worker {i}": info for i, info in self.agent.determinism_info().items()})
         report = build_report(parts, full_determinism=self.cfg.full_determinism, seed=self.cfg.seed)
         report["started_at_step"] = step
+        report["placement"] = dataclasses.asdict(self.placement)
         write_report(self.run_dir, report)
         logger.info("%s", format_report(report))
         return report
@@ -584,7 +610,7 @@ class Trainer:
         if start >= cfg.total_steps:
             logger.info("run in %s is already at step %d of %d: nothing to do", self.run_dir, start, cfg.total_steps)
             return self.run_dir
-        if start == 0 and cfg.val_before_train:
+        if start == 0 and cfg.val_before_train and self.val_set is not None:
             with self._stop_note(0):
                 self.tracker.log(0, self.validate(0))
         progress = tqdm(range(start + 1, cfg.total_steps + 1), initial=start, total=cfg.total_steps,

@@ -17,6 +17,9 @@ T = 1 for greedy (temperature 0). With `batch_invariant=True` the model runs on 
 device's batch-invariant kernels (`reprorl.kernels`), so a sample's log-probs do not depend on which
 micro-batch it sits in.
 
+Each micro-batch drops the columns that are padding in all of its rows (`trim_padding`), so
+it costs its own longest sample, not the batch's width.
+
 One `update` call is one training step: `ppo_epochs` passes over the batch, each cut into
 consecutive mini-batches of `mini_batch_size` samples (sample order, no shuffling; the last
 may be smaller), one optimizer step per mini-batch. A mini-batch is cut into micro-batches
@@ -97,6 +100,47 @@ def response_logits(logits: torch.Tensor, response_length: int, temperature: flo
     return scaled / temperature if temperature > 0 else scaled
 
 
+FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")  # [b, P+R]
+
+
+def trim_padding(micro: Batch) -> Batch:
+    """`micro` without the columns that are padding in every one of its rows: the leading
+    prompt columns and the trailing response columns where `attention_mask` is 0 throughout
+    (one prompt and one response column always stay).
+
+    A micro-batch then costs its own longest sample, not the batch's width. The columns cut
+    are a function of the micro-batch's rows alone (cut in sample order, whatever the worker
+    count), and a row's logits do not depend on its padding (each row already has its own
+    in a batch), so log-probs keep their bits. Response-width tensors (`[b, R]`, any key)
+    keep their first columns; `[b, P+R]` ones (`FULL_WIDTH_KEYS`) and `prompts` are cut alike.
+    """
+    response_len = micro["responses"].shape[1]
+    prompt_len = micro["input_ids"].shape[1] - response_len
+    real = micro["attention_mask"].bool().any(0)  # [P+R]: a real token in some row
+    prompt_real = real[:prompt_len].nonzero()
+    lead = int(prompt_real[0]) if len(prompt_real) else prompt_len - 1
+    response_real = real[prompt_len:].nonzero()
+    keep = int(response_real[-1]) + 1 if len(response_real) else 1
+    if lead == 0 and keep == response_len:
+        return micro
+    tensors = {}
+    for key, t in micro.tensors.items():
+        if key in FULL_WIDTH_KEYS:
+            tensors[key] = t[:, lead : prompt_len + keep]
+        elif key == "prompts":
+            tensors[key] = t[:, lead:]
+        elif t.dim() >= 2 and t.shape[1] == response_len:
+            tensors[key] = t[:, :keep]
+        else:
+            tensors[key] = t
+    return Batch(tensors, {k: list(v) for k, v in micro.non_tensors.items()}, dict(micro.meta))
+
+
+def pad_responses(t: torch.Tensor, response_len: int) -> torch.Tensor:
+    """`[b, R']` -> `[b, R]`, zeros on the right (undoes `trim_padding` for an output)."""
+    return torch.nn.functional.pad(t, (0, response_len - t.shape[1]))
+
+
 def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor, log_softmax=TorchKernels.log_softmax
                     ) -> torch.Tensor:
     """`log_softmax(scaled_logits)` at `tokens`: `[B, R, V]`, `[B, R]` -> `[B, R]`. `log_softmax`
@@ -107,7 +151,8 @@ def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor, log_softm
 class PolicyWorker:
     """The actor (`optim` given: trainable) or the reference policy (`optim=None`: frozen).
 
-    `PolicyWorker(path, optim=OptimArgs(lr=1e-6, total_steps=100), batch_invariant=True)`.
+    `PolicyWorker(path, optim=OptimArgs(lr=1e-6, total_steps=100), batch_invariant=True)`;
+    `device="cuda"` loads on the host, moves the model there and takes that device's kernels.
     """
 
     def __init__(
@@ -118,13 +163,15 @@ class PolicyWorker:
         dtype: str | torch.dtype | None = None,
         batch_invariant: bool = False,
         name: str | None = None,
+        device: str | torch.device = "cpu",
     ) -> None:
         self.model_path = Path(model_path)
         self.trainable = optim is not None
         self.name = name or ("actor" if self.trainable else "ref")
         self.batch_invariant = batch_invariant
         self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
-        first = next(self.model.parameters())
+        self.model.to(device)
+        first = next(self.model.parameters())  # the kernels of the device it runs on
         self.model.kernels = select_kernels(first.device, batch_invariant)
         verify_batch_invariance(self.model.kernels, self.model_args, first.dtype, first.device)
         # reprorl's models have no dropout; eval() everywhere keeps the update's forward
@@ -157,12 +204,14 @@ class PolicyWorker:
         check_positive(micro_batch_size=micro_batch_size)
         log_probs, entropies = [], []
         with torch.no_grad():
+            width = batch["responses"].shape[1]
             for micro in batch.split(micro_batch_size):
-                scaled, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
+                micro = trim_padding(micro)
+                scaled, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R', V], [b, R']
                 mask = micro["response_mask"] > 0
-                log_probs.append(torch.where(mask, micro_log_probs, 0.0))
+                log_probs.append(pad_responses(torch.where(mask, micro_log_probs, 0.0), width))
                 if with_entropy:
-                    entropies.append(torch.where(mask, entropy_from_logits(scaled), 0.0))
+                    entropies.append(pad_responses(torch.where(mask, entropy_from_logits(scaled), 0.0), width))
         if with_entropy:
             return torch.cat(log_probs), torch.cat(entropies)
         return torch.cat(log_probs)
@@ -238,7 +287,8 @@ class PolicyWorker:
         """(differentiable loss, stats) of one micro-batch: its share of the loss of the
         mini-batch whose `norms` (`mini_batch_norms`) are given. The stats add up over a
         mini-batch's micro-batches, in order, to the mini-batch's (see `update`)."""
-        mask = micro["response_mask"].to(torch.float32)  # [b, R]
+        micro = trim_padding(micro)
+        mask = micro["response_mask"].to(torch.float32)  # [b, R']
         scaled, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
         pg_loss, pg_stats = ppo_policy_loss(
             micro["old_log_probs"], log_probs, micro["advantages"], mask,

@@ -14,7 +14,9 @@ answer and to stop, never to imitate the prompt.
 
 The run is a pure function of (weights in `model_dir`, pairs, arguments): batches come
 from a `torch.Generator(seed)`, the global RNGs are not used, and the output files are
-the same bytes on a rerun with the same torch build and thread count.
+the same bytes on a rerun with the same torch build and thread count (on a GPU,
+`device="cuda"`, only with torch's deterministic algorithms on: embedding backward adds
+with atomics otherwise).
 """
 
 from __future__ import annotations
@@ -105,8 +107,12 @@ def sft_train(
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
     log_every: int = 50,
+    device: str = "cpu",
 ) -> list[float]:
     """Train `model` in place on tokenised examples (`sft_example`); returns each step's loss.
+
+    `device` "cuda": the model (float32 weights and AdamW state) is moved there and its
+    forward runs under bf16 autocast (mixed precision); the loss is taken in float32.
 
     AdamW with the trainer's optimizer helpers; `lr_schedule` "cosine" decays the rate to 0
     over `steps`, "constant" keeps it. Cosine is the default for a reason: stopping at a
@@ -114,6 +120,7 @@ def sft_train(
     a small rate (RL included) gains a lot at once, which would be credited to RL.
     """
     optim_args = OptimArgs(lr=lr, weight_decay=weight_decay, lr_schedule=lr_schedule, total_steps=steps, grad_clip=grad_clip)
+    model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(params, optim_args)
     model.train()
@@ -121,8 +128,11 @@ def sft_train(
     for step, indices in enumerate(batch_indices(len(examples), batch_size, steps, seed)):
         step_lr = lr * lr_multiplier(step, warmup_steps=0, total_steps=steps, schedule=lr_schedule)
         set_lr(optimizer, step_lr)
-        input_ids, attention_mask, loss_mask = collate([examples[i] for i in indices], pad_token_id)
-        loss = sft_loss(model(input_ids, attention_mask), input_ids, loss_mask)
+        input_ids, attention_mask, loss_mask = (t.to(device) for t in collate([examples[i] for i in indices],
+                                                                               pad_token_id))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+            logits = model(input_ids, attention_mask)
+        loss = sft_loss(logits, input_ids, loss_mask)
         loss.backward()
         guarded_step(optimizer, params, grad_clip, where=f"warm start step {step + 1}")
         losses.append(float(loss.detach()))
@@ -148,6 +158,7 @@ def warm_start(
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
     log_every: int = 50,
+    device: str = "cpu",
 ) -> Path:
     """Fine-tune the causal LM in `model_dir` on `pairs` and write it to `out_dir`.
 
@@ -172,8 +183,9 @@ def warm_start(
     sft_train(
         model, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
         pad_token_id=tokenizer.pad_token_id, lr_schedule=lr_schedule, weight_decay=weight_decay,
-        grad_clip=grad_clip, log_every=log_every,
+        grad_clip=grad_clip, log_every=log_every, device=device,
     )
+    model.to("cpu")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")

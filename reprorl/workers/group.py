@@ -53,19 +53,23 @@ class WorkerGroup:
 
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False) -> None:
+        """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
+        reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
         self.role, self.num_workers = role, num_workers
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
         remote = ray.remote(ShardWorker).options(
-            num_cpus=0, num_gpus=1 if device == "cuda" else 0, runtime_env=ray_runtime_env(env),
+            num_cpus=0, num_gpus=(1 if device == "cuda" else 0) if num_gpus is None else num_gpus,
+            runtime_env=ray_runtime_env(env),
         )
         batch_invariant = full_determinism if batch_invariant is None else batch_invariant
         self.workers = [
             remote.remote(role, rank, num_workers, str(model_path), optim=optim, dtype=dtype,
-                          batch_invariant=batch_invariant, seed=seed, expected_env=env, device=device)
+                          batch_invariant=batch_invariant, seed=seed, expected_env=env, device=device,
+                          gradient_checkpointing=gradient_checkpointing)
             for rank in range(num_workers)
         ]
         self.pids: dict[int, int] = {}

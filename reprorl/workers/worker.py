@@ -1,6 +1,10 @@
 """One rank of a worker group: a process (Ray actor) that holds a whole model for its
 forward passes and, when trainable, its shard of the gradient, master weights and AdamW
-moments (the layout and the reductions: flat.py).
+moments (the layout and the reductions: flat.py). The shard is float32 whatever the
+model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the model's
+weights being the bf16 cast of the master after every step. `device="cuda"`: the model
+runs on the GPU Ray gave the process (the group's collectives then use NCCL), and
+`gradient_checkpointing` recomputes each decoder layer in the backward pass.
 
 The model and its losses are `PolicyWorker`'s and `CriticWorker`'s (trainer/): a rank runs
 their per-micro-batch loss and adds nothing itself; their own optimizer stays unused (it
@@ -30,7 +34,6 @@ import torch.distributed as dist
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
 from reprorl.io import atomic_write
-from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.protocol import Batch
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
@@ -48,6 +51,9 @@ from reprorl.workers.flat import (
 )
 
 WORKER_THREADS = 1
+MASTER_DTYPE = torch.float32
+"""Master weights, gradient sums and AdamW state of a trainable rank: float32 even when the
+model computes in bfloat16 (`model.dtype`), so small updates are not rounded away."""
 ROLES = ("actor", "ref", "critic")
 # A collective that waits this long for a peer has lost it (the group's driver notices a
 # dead worker sooner, from Ray).
@@ -69,7 +75,7 @@ class ShardWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", gradient_checkpointing: bool = False) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
         torch.set_num_threads(WORKER_THREADS)
@@ -82,15 +88,12 @@ class ShardWorker:
         self.batch_invariant = batch_invariant
         if role == "critic":
             self.model_worker = CriticWorker(model_path, optim=optim, seed=seed, dtype=dtype,
-                                             batch_invariant=batch_invariant)
+                                             batch_invariant=batch_invariant, device=self.device)
         else:
             self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype,
-                                             batch_invariant=batch_invariant, name=role)
-        model = self.model_worker.model.to(self.device)
-        if self.device.type != "cpu":  # the worker chose its kernels on the CPU, where it loaded
-            model.kernels = select_kernels(self.device, batch_invariant)
-            verify_batch_invariance(model.kernels, self.model_worker.model_args, next(model.parameters()).dtype,
-                                    self.device)
+                                             batch_invariant=batch_invariant, name=role, device=self.device)
+        model = self.model_worker.model
+        model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
         self.optim_args = optim
         self.trainable = optim is not None
 
@@ -120,7 +123,9 @@ class ShardWorker:
             return
         self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
         start, end = self.layout.shard_range(self.rank)
-        self.shard = torch.nn.Parameter(self.flat[start:end].clone())  # master weights of this rank's range
+        # Master weights of this rank's range, float32 whatever the model computes in (mixed
+        # precision with bf16); the model's weights are their cast, written by all_gather.
+        self.shard = torch.nn.Parameter(self.flat[start:end].to(MASTER_DTYPE, copy=True))
         self.optimizer = make_adamw([self.shard], self.optim_args)
         args = self.optim_args
         self.schedule = LRSchedule(args.lr, args.warmup_steps, args.total_steps, args.lr_schedule)
@@ -187,7 +192,8 @@ class ShardWorker:
             if not bool(torch.isfinite(total)):
                 raise _LossNotFinite(k, float(total.detach()))
             total.backward()
-            return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params], self.layout)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            return flatten(grads, self.layout).to(MASTER_DTYPE)  # summed in float32, as the master
 
         failure, block_sum = None, None
         try:
@@ -211,7 +217,7 @@ class ShardWorker:
         self.shard.grad = grad
         self.optimizer.step()
         self.shard.grad = None
-        all_gather_shards(self.shard.detach(), self.flat, self.layout, self.group)
+        self._publish_master()
         return {"stats": sorted(stats.items()), "grad_norm": grad_norm}
 
     # ---------------------------------------------------------------- weights and state
@@ -268,7 +274,11 @@ class ShardWorker:
             self.optimizer.state[self.shard] = {"step": step.clone(), **{k: t.to(self.shard.device)
                                                                           for k, t in moments.items()}}
         self.schedule.load_state_dict(schedule)
-        all_gather_shards(self.shard.detach(), self.flat, self.layout, self.group)
+        self._publish_master()
+
+    def _publish_master(self) -> None:
+        """Every rank's master shard, cast to the model's dtype, into the whole model (`flat`)."""
+        all_gather_shards(self.shard.detach().to(self.flat.dtype), self.flat, self.layout, self.group)
 
     def determinism_info(self) -> dict[str, Any]:
         """This rank's mode for the determinism report: the model part's keys plus its place."""

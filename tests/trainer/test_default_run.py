@@ -53,3 +53,15 @@ def test_the_default_run_learns(tmp_path):
     accuracy = {line["step"]: line["val/accuracy"] for line in lines if "val/accuracy" in line}
     assert sorted(accuracy) == [0, 10, 20, 30]
     assert accuracy[30] >= accuracy[0] + 0.2, accuracy
+
+
+def test_the_gpu_policy_is_refused_without_a_gpu(tmp_path, monkeypatch):
+    import torch
+
+    from reprorl.errors import ConfigError
+    from reprorl.trainer.default_run import make_gpu_policy
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"model.path=.*made on a GPU"):
+        make_gpu_policy(tmp_path / "gpu-policy", tmp_path / "train.parquet")
+    assert not (tmp_path / "gpu-policy").exists()

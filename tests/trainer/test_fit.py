@@ -197,3 +197,13 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
     result = compare_runs(tmp_path / "whole", tmp_path / "killed")
     assert result.identical and result.common_steps == [1, 2, 3, 4], result
     assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2, 3, 4]
+
+
+def test_no_validation_files_means_no_validation(assets, tmp_path):
+    """`data.val_files=[]` (the documented "no validation") trains, and validates nothing."""
+    trainer = run_trainer(small_config(assets, tmp_path / "run", "data.val_files=[]", "trainer.val_before_train=true",
+                                       "trainer.test_freq=1"))
+    assert trainer.val_set is None
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    assert not any(k.startswith("val/") for r in records for k in r)

@@ -12,7 +12,8 @@ import torch
 from reprorl.algos import LOSS_AGG_MODES
 from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from reprorl.trainer.optim import NonFiniteError, OptimArgs, lr_multiplier
-from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker
+from reprorl.protocol import Batch
+from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, trim_padding
 
 LOSS = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.1)
@@ -212,3 +213,40 @@ def test_named_weights_and_save_hf(tiny_policy_dir, rollout_batch, tmp_path):
     torch.testing.assert_close(ours[real], theirs[real], rtol=0, atol=1e-5)
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>" and tok.chat_template is not None
+
+
+def _widen(batch, lead: int, tail: int):
+    """`batch` with `lead` more all-padding prompt columns and `tail` more response columns."""
+    out = {}
+    for key, t in batch.tensors.items():
+        if key in ("input_ids", "attention_mask", "position_ids"):
+            out[key] = torch.nn.functional.pad(t, (lead, tail))
+        elif key == "prompts":
+            out[key] = torch.nn.functional.pad(t, (lead, 0))
+        else:  # [b, R]
+            out[key] = torch.nn.functional.pad(t, (0, tail))
+    return Batch(out)
+
+
+def test_trim_padding_cuts_the_columns_padded_in_every_row(rollout_batch):
+    batch = rollout_batch(4, 6, 5, seed=3)
+    wide = _widen(batch, 3, 2)
+    trimmed = trim_padding(wide)
+    real = batch["attention_mask"].bool().any(0)
+    lead, last = int(real.nonzero()[0]), int(real.nonzero()[-1])
+    assert trimmed["input_ids"].shape[1] == last - lead + 1
+    assert trimmed["responses"].shape[1] == last - 6 + 1 and trimmed["advantages"].shape == trimmed["responses"].shape
+    assert torch.equal(trimmed["input_ids"], batch["input_ids"][:, lead : last + 1])
+    assert trim_padding(trimmed) is trimmed  # nothing left to cut
+
+
+def test_log_probs_keep_their_bits_when_padding_is_cut(tiny_policy_dir, rollout_batch):
+    """The micro-batches are cut to their own rows' width: the same log-probs as one pass on a
+    wider batch, and as micro-batches of one row (each cut to itself)."""
+    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    batch = rollout_batch(8, 6, 5, seed=4)
+    whole = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=8)
+    wide = worker.compute_log_probs(_widen(batch, 4, 3), temperature=1.0, micro_batch_size=8)
+    rows = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=1)
+    assert wide.shape == (8, 8) and torch.equal(wide[:, 5:], torch.zeros(8, 3))
+    assert torch.equal(wide[:, :5], whole) and torch.equal(rows, whole)

@@ -1,0 +1,341 @@
+"""One GRPO step on one GPU through reprorl's own parts, split into generation / log-probs / update.
+
+    timeout 300 python3 bench/train_step.py --out bench/results/train_step.json     # one H200
+    python3 bench/train_step.py --quick --out /tmp/train_step.json                  # CPU smoke run
+
+The model is shaped like Qwen2.5-0.5B (width 896, 24 layers, 14 query / 2 KV heads, vocab
+151,936, tied embeddings) with random weights, bf16, written once to a scratch directory.
+The step: 64 prompts x n=8 of 128 random tokens, 256 new tokens each (eos ignored, so
+every response has full length), sampled at T=1 from the full distribution by the built-in
+engine (`reprorl.rollout.replica.build_engine`); then the actor's log-probs and one update
+on the whole batch (one optimizer step, AdamW on float32 master weights), by the trainer's
+own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process). Between the
+update and the generation the engine sleeps (its KV cache and weights leave the GPU), as
+in `reprorl train` on one GPU.
+
+Each mode runs a warm-up step first (the same batch, 16 new tokens: compilation, autotuning,
+the allocator) and is timed on its second step. The JSON is rewritten after each part, so
+a run cut short by `timeout` still leaves what it measured. Both modes run: full
+determinism on (batch-invariant Triton kernels, deterministic algorithms) and off (stock
+torch). Reported per mode: seconds per phase,
+the step, tokens/s of generation, peak GPU memory, and the update's MFU: model FLOPs
+(6 x matmul parameters x tokens, plus causal attention's 6 x layers x tokens x context x
+width, recomputation not counted) over the update time, against `--peak-tflops` (790,
+an H200's dense bf16). When `import trl` works, TRL's `GRPOTrainer` runs the same shape
+(transformers generate, beta 0, 64 completions a micro-batch, its default sampling
+otherwise) and its step time is in the JSON; else the JSON says why it did not run.
+
+CUBLAS_WORKSPACE_CONFIG is set before CUDA starts (full determinism needs it then), so
+the "off" mode runs with it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from reprorl.determinism import CUBLAS_WORKSPACE_CONFIG, determinism_env  # noqa: E402
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+
+import torch  # noqa: E402
+
+QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+            "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 4096}
+QUICK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+         "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128, "max_position_embeddings": 256}
+SEED = 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="tiny shapes on the CPU (a smoke run, no timings of worth)")
+    p.add_argument("--device", default=None, help="cuda (default when there is one) or cpu")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (64; quick: 2)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (8; quick: 2)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (128; quick: 8)")
+    p.add_argument("--new-tokens", type=int, default=None, help="new tokens per response (256; quick: 4)")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (16; quick: 2)")
+    p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
+    p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
+    p.add_argument("--peak-tflops", type=float, default=790.0, help="the GPU's dense bf16 peak, TFLOP/s")
+    args = p.parse_args(argv)
+    defaults = (2, 2, 8, 4, 2) if args.quick else (64, 8, 128, 256, 16)
+    for name, value in zip(("prompts", "n", "prompt_len", "new_tokens", "micro_batch"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.device is None:
+        args.device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    return args
+
+
+def make_model_dir(root: Path, shape: dict, dtype: str) -> Path:
+    """A random Qwen2-shaped policy (HF directory, the char tokenizer beside it)."""
+    from reprorl.models.hf_io import save_model
+    from reprorl.models.tiny import init_weights, tiny_args
+    from reprorl.models.tokenizer import make_char_tokenizer
+    from reprorl.models.transformer import CausalLM
+
+    args = dataclasses.replace(tiny_args("policy"), **shape, torch_dtype=dtype)
+    model = CausalLM(args)
+    init_weights(model, SEED)
+    out = save_model(model.to(getattr(torch, dtype)), args, root / "policy")
+    make_char_tokenizer().save_pretrained(out)
+    return out
+
+
+def matmul_params(shape: dict) -> int:
+    """Parameters that take part in a matmul per token: the layers' projections and the LM head."""
+    h, i, d = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * i
+    return shape["num_hidden_layers"] * per_layer + h * shape["vocab_size"]
+
+
+def update_flops(shape: dict, batch: int, seq: int) -> float:
+    tokens = batch * seq
+    attention = 6 * shape["num_hidden_layers"] * tokens * seq * shape["num_attention_heads"] * shape["head_dim"]
+    return 6.0 * matmul_params(shape) * tokens + attention  # QK^T and AV: 2 x 2 flops, halved by causality, x3
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def generate(loop, engine, prompts: list[list[int]], n: int, new_tokens: int, step: int) -> list:
+    from reprorl.determinism import stable_hash
+    from reprorl.rollout.sampling import SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens, ignore_eos=True)
+
+    async def run():
+        calls = [engine.generate(f"s{step}-p{i}-r{j}", ids, params, stable_hash(SEED, step, i, j))
+                 for i, ids in enumerate(prompts) for j in range(n)]
+        return await asyncio.gather(*calls)
+
+    return loop.run_until_complete(run())
+
+
+def rollout_batch(prompts: list[list[int]], n: int, outputs: list, new_tokens: int, pad: int):
+    """The trainer's batch of the outputs (prompts all of one length here, responses right-padded)."""
+    from reprorl.protocol import Batch
+
+    prompt = torch.tensor([ids for ids in prompts for _ in range(n)])  # [B, P]
+    responses = torch.full((len(outputs), new_tokens), pad, dtype=torch.long)
+    response_mask = torch.zeros_like(responses)
+    rollout_log_probs = torch.zeros(len(outputs), new_tokens)
+    for b, out in enumerate(outputs):
+        responses[b, : len(out.token_ids)] = torch.tensor(out.token_ids)
+        response_mask[b, : len(out.token_ids)] = 1
+        rollout_log_probs[b, : len(out.token_ids)] = torch.tensor(out.log_probs)
+    attention_mask = torch.cat([torch.ones_like(prompt), response_mask], dim=1)
+    g = torch.Generator().manual_seed(SEED)
+    return Batch({
+        "prompts": prompt, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompt, responses], dim=1), "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "advantages": torch.randn(len(outputs), 1, generator=g).expand(-1, new_tokens) * response_mask,
+        "rollout_log_probs": rollout_log_probs,
+    })
+
+
+def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determinism: bool) -> dict:
+    """Two GRPO steps in one mode; the second's timings."""
+    from reprorl.determinism import enable_full_determinism
+    from reprorl.rollout.replica import build_engine
+    from reprorl.trainer.optim import OptimArgs
+    from reprorl.trainer.policy import PolicyLossArgs
+    from reprorl.workers.worker import ShardWorker
+
+    env = determinism_env(SEED, full_determinism)
+    os.environ.update(env)
+    if full_determinism:
+        enable_full_determinism(SEED)
+    else:
+        torch.use_deterministic_algorithms(False)
+    device = args.device
+    engine = build_engine(str(model_dir), device=device, dtype="bfloat16", batch_invariant=full_determinism,
+                          max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len + args.new_tokens,
+                          max_num_batched_tokens=max(args.prompts * args.n, 8192))
+    engine.eos_token_ids = frozenset()  # random weights: every response runs to full length
+    worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=2), dtype="bfloat16",
+                         batch_invariant=full_determinism, seed=SEED, expected_env=env, device=device,
+                         gradient_checkpointing=args.gradient_checkpointing)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker.join(f"tcp://127.0.0.1:{port}")
+    g = torch.Generator().manual_seed(SEED)
+    vocab = shape["vocab_size"]
+    samples = args.prompts * args.n
+    record: dict = {"full_determinism": full_determinism}
+    loop = asyncio.new_event_loop()  # the engine's step loop lives on it, for the whole mode
+    try:
+        for step in (1, 2):
+            new_tokens = args.new_tokens if step == 2 else min(16, args.new_tokens)  # step 1: warm-up
+            prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            sync(device)
+            t0 = time.perf_counter()
+            outputs = generate(loop, engine, prompts, args.n, new_tokens, step)
+            sync(device)
+            t1 = time.perf_counter()
+            loop.run_until_complete(engine.sleep())
+            batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
+            sync(device)
+            t2 = time.perf_counter()
+            batch["old_log_probs"] = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch)
+            sync(device)
+            t3 = time.perf_counter()
+            worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
+                          max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0)
+            weights = worker.named_weights()
+            sync(device)
+            t4 = time.perf_counter()
+            loop.run_until_complete(engine.update_weights(weights, version=step))
+            loop.run_until_complete(engine.wake_up())
+            sync(device)
+            t5 = time.perf_counter()
+            gap = ((batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]).max().item()
+            record[f"step{step}"] = {
+                "generation_s": t1 - t0, "sleep_and_batch_s": t2 - t1, "log_probs_s": t3 - t2, "update_s": t4 - t3,
+                "weight_sync_and_wake_s": t5 - t4, "step_s": t5 - t0,
+                "generation_tok_per_s": samples * new_tokens / (t1 - t0),
+                "log_prob_max_gap": gap,
+                "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+            }
+            print(f"  {'on ' if full_determinism else 'off'} step {step}: " + ", ".join(
+                f"{k} {v:.3g}" for k, v in record[f"step{step}"].items() if v is not None), flush=True)
+        timed = record["step2"]
+        flops = update_flops(shape, samples, args.prompt_len + args.new_tokens)
+        record["update_tflops"] = flops / timed["update_s"] / 1e12
+        record["update_mfu"] = record["update_tflops"] / args.peak_tflops
+    finally:
+        engine.shutdown()
+        loop.run_until_complete(asyncio.sleep(0.01))  # let the cancelled step loop finish
+        worker.shutdown()
+        loop.close()
+        del engine, worker
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return record
+
+
+def run_trl(args: argparse.Namespace, shape: dict) -> dict:
+    """TRL's GRPOTrainer on the same shape (random Qwen2 weights, beta 0): the second step's time."""
+    try:
+        import trl
+        from datasets import Dataset
+        from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+    except ImportError as err:
+        return {"ran": False, "why": f"import failed: {err}"}
+    from reprorl.models.tokenizer import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    config = Qwen2Config(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+                         num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
+                         num_key_value_heads=shape["num_key_value_heads"], vocab_size=shape["vocab_size"],
+                         max_position_embeddings=shape["max_position_embeddings"], tie_word_embeddings=True)
+    torch.manual_seed(SEED)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(SEED)
+    chars = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    prompts = ["".join(chars[int(i)] for i in torch.randint(0, 26, (args.prompt_len,), generator=g))
+               for _ in range(args.prompts * 4)]
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            sync(args.device)
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            sync(args.device)
+            times.append(time.perf_counter() - self.t0)
+
+    # 64 completions a forward/backward, 8 of them a step: one generation of prompts x n per
+    # optimizer step (TRL's steps_per_generation defaults to the accumulation steps).
+    micro = min(64, args.prompts * args.n)
+    wanted = dict(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=args.prompts * args.n // micro, num_generations=args.n,
+        max_completion_length=args.new_tokens, max_prompt_length=args.prompt_len, max_steps=2, beta=0.0,
+        bf16=args.device == "cuda", logging_steps=1, report_to=[], save_strategy="no", temperature=1.0,
+    )
+    known = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    grpo = trl.GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                              args=grpo, train_dataset=Dataset.from_dict({"prompt": prompts}),
+                              processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer.train()
+    return {"ran": True, "version": trl.__version__, "config": {k: v for k, v in wanted.items() if k in known},
+            "step_s": times, "timed_step_s": times[-1] if times else None,
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else None}
+
+
+def write(path: str, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    shape = dict(QUICK if args.quick else QWEN_05B)
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    result: dict = {"args": vars(args), "shape": shape, "matmul_params": matmul_params(shape),
+                    "torch": torch.__version__,
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "modes": {}}
+    print(f"GRPO step: {args.prompts} prompts x n={args.n}, {args.prompt_len} + {args.new_tokens} tokens, "
+          f"{matmul_params(shape) / 1e6:.0f}M matmul parameters, on {args.device}", flush=True)
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = make_model_dir(Path(scratch), shape, "bfloat16")
+        for mode in args.modes.split(","):
+            result["modes"][mode] = run_mode(args, model_dir, shape, full_determinism=mode == "on")
+            write(args.out, result)
+    modes = result["modes"]
+    if "on" in modes and "off" in modes:
+        on, off = modes["on"]["step2"]["step_s"], modes["off"]["step2"]["step_s"]
+        result["determinism_cost"] = on / off - 1.0
+    if args.skip_trl:
+        result["trl"] = {"ran": False, "why": "--skip-trl"}
+    else:
+        try:
+            result["trl"] = run_trl(args, shape)
+        except Exception as err:  # a bench: report TRL's failure, keep reprorl's figures
+            result["trl"] = {"ran": False, "why": f"{type(err).__name__}: {err}"}
+    trl_step = result["trl"].get("timed_step_s")
+    if trl_step and "on" in modes:
+        result["trl_over_reprorl_on"] = trl_step / modes["on"]["step2"]["step_s"]
+    result["wall_s"] = time.perf_counter() - t_start
+    for mode, rec in modes.items():
+        s = rec["step2"]
+        print(f"determinism {mode}: step {s['step_s']:.2f} s (generation {s['generation_s']:.2f}, log-probs "
+              f"{s['log_probs_s']:.2f}, update {s['update_s']:.2f}, sync+wake {s['weight_sync_and_wake_s']:.2f}), "
+              f"update MFU {rec['update_mfu']:.1%}, peak {s['peak_gpu_gib']} GiB, log-prob gap {s['log_prob_max_gap']}")
+    if "determinism_cost" in result:
+        print(f"determinism costs {result['determinism_cost']:+.1%} of a step")
+    print(f"TRL: {result['trl']}")
+    write(args.out, result)
+    print(f"wrote {args.out} ({result['wall_s']:.0f} s)")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Placement (reprorl/trainer/placement.py): `resources.device` resolved, the Ray GPU shares;
+and the packed weight push every replica receives (reprorl/rollout/replica.py)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reprorl.config import load_config
+from reprorl.errors import ConfigError
+from reprorl.rollout.replica import PackedWeights
+from reprorl.trainer import placement
+from reprorl.trainer.placement import RAY_GPU_RESOLUTION, plan_placement
+
+PARTS = {"actor_workers": 1, "ref_workers": 1, "critic_workers": 1, "rollout_replicas": 3, "rollout_share": 0.3}
+
+
+@pytest.fixture
+def has_cuda(monkeypatch):
+    """Pretend torch sees a GPU (placement only asks `torch.cuda.is_available`)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_the_default_config_resolves_to_the_cpu_here():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: auto resolves to cuda")
+    cfg = load_config(None, [])
+    assert cfg.resources.device == "auto"  # resolved at run start, so config files stay portable
+    assert plan_placement(cfg.resources.device, **PARTS) == placement.Placement("cpu", 0.0, 0.0)
+
+
+def test_auto_is_cuda_when_torch_sees_a_gpu(has_cuda):
+    assert plan_placement("auto", **PARTS).device == "cuda"
+
+
+def test_cuda_without_a_gpu_names_the_key(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"resources.device=cuda"):
+        plan_placement("cuda", **PARTS)
+
+
+def test_gpu_shares_add_up_to_at_most_one_gpu(has_cuda):
+    plan = plan_placement("cuda", **PARTS)
+    assert plan.rollout_gpus == 0.1
+    assert plan.worker_gpus == 0.2333
+    assert 3 * plan.worker_gpus + 3 * plan.rollout_gpus <= 1.0
+    for share in (plan.worker_gpus, plan.rollout_gpus):  # whole multiples of Ray's resolution
+        assert round(share / RAY_GPU_RESOLUTION, 6).is_integer()
+
+
+def test_two_workers_of_a_group_on_one_gpu_are_refused(has_cuda):
+    with pytest.raises(ConfigError, match=r"trainer.num_workers=2"):
+        plan_placement("cuda", **{**PARTS, "actor_workers": 2})
+
+
+def test_gpu_example_resolves_and_asks_for_cuda_and_bf16():
+    cfg = load_config(str(Path(__file__).parents[2] / "examples" / "gpu_arithmetic.yaml"), [])
+    assert (cfg.resources.device, cfg.model.dtype, cfg.full_determinism) == ("cuda", "bfloat16", True)
+
+
+def test_packed_weights_round_trip_exactly():
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(3, 4, generator=g).to(torch.bfloat16)), ("b", torch.randn(5, generator=g)),
+             ("c", torch.randn(2, 2, generator=g).to(torch.bfloat16))]
+    packed = PackedWeights.pack(named)
+    assert sorted(packed.buffers) == ["bfloat16", "float32"]  # one flat buffer per dtype
+    assert packed.buffers["bfloat16"].numel() == 16 and packed.names == {"a", "b", "c"}
+    out = packed.unpack("cpu")
+    assert [n for n, _ in out] == ["a", "b", "c"]
+    for (_, want), (_, got) in zip(named, out):
+        assert got.dtype == want.dtype and torch.equal(got, want)
