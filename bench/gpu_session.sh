@@ -8,6 +8,7 @@
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests and bench/rollout.py --device cuda
 #   gputrain the one-GPU training tests and bench/train_step.py
+#   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU
 # engine, gputrain and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 LOGS=$(mktemp -d)
 mkdir -p "$OUT"
-steps=${*:-tests bench xeon engine gputrain train}
+steps=${*:-tests bench xeon engine gputrain example train}
 summary() { tee -a "$LOGS/summary.txt"; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | summary
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
@@ -60,6 +61,13 @@ for step in $steps; do
       run_tests test_gpu_train tests/trainer/test_gpu_train.py
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
+    example)
+      with_ray || { echo "no .whl: skipping example" | summary; continue; }
+      timeout 420 python3 -m reprorl.cli train examples/gpu_arithmetic.yaml > "$LOGS/example.log" 2>&1
+      echo "GPU example: exit $?, $((SECONDS - start)) s" | summary
+      grep -E "warm|val/accuracy|verdict|step 30" "$LOGS/example.log" | tail -20 | summary
+      cp runs/reprorl/gpu-grpo/determinism.txt "$LOGS/example_determinism.txt" 2>/dev/null
+      cp runs/reprorl/gpu-grpo/metrics.jsonl "$LOGS/example_metrics.jsonl" 2>/dev/null ;;
     train)
       with_ray || { echo "no .whl: skipping train" | summary; continue; }
       timeout 420 python3 -m reprorl.cli train > "$LOGS/train_xeon.log" 2>&1
