@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: the chosen steps' tests and benchmarks, every log and JSON
 # packed into $OUT/session.tgz (a call brings back at most 8 files) and a summary in
-# $OUT/summary.txt. Steps (default: all):
+# $OUT/summary.txt, both rewritten after each step. Steps (default: all):
 #   tests    the gpu kernel tests, and the kernel tests on CUDA and on the host CPU
 #   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep)
 #   xeon     the kernel benchmarks on the host CPU
@@ -78,6 +78,7 @@ for step in $steps; do
     *) echo "unknown step $step" | summary ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | summary
+  # After every step: a call cut short by its time limit still brings back the steps done.
+  cp "$LOGS/summary.txt" "$OUT/"
+  tar czf "$OUT/session.tgz" -C "$LOGS" .
 done
-cp "$LOGS/summary.txt" "$OUT/"
-tar czf "$OUT/session.tgz" -C "$LOGS" .
