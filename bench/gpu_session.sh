@@ -31,7 +31,7 @@ with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installe
 }
 run_tests() {  # name, pytest args...
   local name=$1; shift
-  python3 -m pytest -q -p no:cacheprovider "$@" > "$LOGS/$name.log" 2>&1
+  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider "$@" > "$LOGS/$name.log" 2>&1
   echo "[$name] $(tail -1 "$LOGS/$name.log")" | summary
   grep -E "^(FAILED|ERROR)" "$LOGS/$name.log" | head -20 | summary
 }

@@ -123,6 +123,14 @@ class RolloutConfig:
         None, "tools the tool loop may call, by name, from reprorl/agent_loop/tools.py TOOLS; null = all of them; "
         "[] = none, an error with agent_loop=tool"
     )
+    gpu_memory_utilization: float = _field(
+        0.3, "backend=native on a GPU: share of the GPU's free memory at start-up that one replica's KV cache may "
+        "take (it takes no more than max_num_seqs sequences of the run's longest length need)", gt=0, le=1
+    )
+    cuda_graphs: bool = _field(True, "backend=native on a GPU: replay decode steps from CUDA graphs (false = eager)")
+    prefix_sharing: bool = _field(
+        True, "backend=native: prefill a prompt once for the samples that bring it together (the n of a GRPO group)"
+    )
     vllm_gpu_memory_utilization: float = _field(
         0.3, "backend=vllm: share of accelerator memory per replica for weights and KV cache (CPU: of host memory, "
         "for the KV cache) when vllm_kv_cache_gib is null", gt=0, le=1

@@ -152,7 +152,7 @@ class RolloutReplica:
     """One inference engine; create with `ray.remote(RolloutReplica)` (as `ReplicaPool` does).
 
     `engine_options` go to `build_engine`: device, dtype, max_num_seqs,
-    max_num_batched_tokens, max_model_len, batch_invariant. `expected_env` is the run's
+    max_num_batched_tokens, max_model_len, batch_invariant, and the GPU engine's options. `expected_env` is the run's
     `determinism_env(...)`.
     """
 
@@ -224,6 +224,8 @@ class ReplicaPool:
     still gets scheduled instead of waiting forever.
     `runtime_env` is the user's, merged with the determinism variables. `max_model_len`:
     the longest prompt plus response a replica serves (None: the engine's default).
+    `native_options`: more `Engine` keywords for the built-in backend (gpu_memory_utilization,
+    cuda_graphs, prefix_sharing).
 
     A replica found dead by any pool call is replaced, within `restarts` (the run's
     budget; None: no replacement, the call raises `FaultError`): a new actor with the
@@ -252,6 +254,7 @@ class ReplicaPool:
         device: str = "cpu",
         dtype: str | None = None,
         num_gpus: float | None = None,
+        native_options: Mapping[str, Any] | None = None,
     ):
         if num_replicas < 1:
             raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
@@ -273,7 +276,7 @@ class ReplicaPool:
             "max_model_len": max_model_len,
             # Batch invariance is what makes a sample independent of its batch: on with determinism.
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
-            "device": device, "dtype": dtype,
+            "device": device, "dtype": dtype, **(native_options or {}),
         }
         replica_cls = RolloutReplica
         if num_gpus is None:

@@ -254,6 +254,8 @@ class Trainer:
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
             backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
             device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
+            native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
+                            "prefix_sharing": ro.prefix_sharing},
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
         agent = AgentLoopManager(
