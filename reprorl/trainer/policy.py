@@ -97,7 +97,12 @@ def response_logits(logits: torch.Tensor, response_length: int, temperature: flo
     (position t predicts token t+1). temperature <= 0 (greedy) counts as 1, as the engine.
     """
     scaled = logits[:, -response_length - 1 : -1].float()
-    return scaled / temperature if temperature > 0 else scaled
+    if temperature <= 0:
+        return scaled
+    # Divided by a tensor on the logits' device, as the engine's sampler divides each row:
+    # CUDA divides by a host number as a multiplication by its reciprocal, which can round
+    # differently in the last bit (the CPU divides either way).
+    return scaled / torch.tensor(temperature, dtype=scaled.dtype, device=scaled.device)
 
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")  # [b, P+R]

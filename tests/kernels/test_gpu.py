@@ -142,10 +142,11 @@ def test_two_processes_give_the_same_bits(tiny_dir, dtype):
     assert out.stdout.strip().splitlines()[-1] == here
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype):
+@pytest.mark.parametrize("dtype,temperature", [(torch.bfloat16, 1.0), (torch.float32, 1.0), (torch.bfloat16, 0.7)])
+def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype, temperature):
     """The engine on the GPU (prefill, decode, 12 requests batched and one alone) against
-    the trainer's padded forward on the same tokens: bitwise equal log-probs."""
+    the trainer's padded forward on the same tokens: bitwise equal log-probs (at T != 1 too:
+    both divide by the temperature on the device)."""
     from reprorl.models.hf_io import load_model
     from reprorl.rollout.engine import Engine
     from reprorl.rollout.sampling import SamplingParams
@@ -155,7 +156,7 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype):
     model = model.cuda()
     engine = Engine(model, batch_invariant=True, eos_token_id=None, max_num_seqs=16)
     prompts = [[5 + i, 17, 33 + i, 8, 91][: 2 + i % 4] + [40] * (i % 7) for i in range(12)]
-    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True)
 
     async def run(batch):
         return await asyncio.gather(*[engine.generate(f"r{i}", p, params, seed=100 + i)
@@ -167,6 +168,6 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype):
     for p, out in zip(prompts, together):
         ids = torch.tensor([p + out.token_ids], device="cuda")
         with torch.no_grad():
-            scaled = response_logits(model(ids), len(out.token_ids), 1.0)
+            scaled = response_logits(model(ids), len(out.token_ids), temperature)
             expected = token_log_probs(scaled, torch.tensor([out.token_ids], device="cuda"), model.kernels.log_softmax)
         assert torch.equal(torch.tensor(out.log_probs, dtype=torch.float32), expected[0].cpu())
