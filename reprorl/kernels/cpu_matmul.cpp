@@ -219,8 +219,8 @@ inline void nt_any(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0,
 // into blocks of KC (the task's rows of a and columns of b for one k block stay in L1/L2);
 // each register block's lane vectors wait in `acc` between k blocks.
 template <typename T>
-void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t i0, int64_t i1, int64_t j0,
-             int64_t j1, int64_t kc, float* acc) {
+void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo, int64_t i0,
+             int64_t i1, int64_t j0, int64_t j1, int64_t kc, float* acc) {
   const int64_t kv = K - K % LANES;
   const int64_t nbj = (j1 - j0 + NT_COLS - 1) / NT_COLS;
   constexpr int64_t BLOCK = NT_ROWS * NT_COLS * LANES;  // floats of one register block's lanes
@@ -229,7 +229,7 @@ void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t
     for (int64_t i = i0, bi = 0; i < i1; i += NT_ROWS, ++bi) {
       const int64_t nr = std::min(NT_ROWS, i1 - i);
       for (int64_t j = j0, bj = 0; j < j1; j += NT_COLS, ++bj) {
-        nt_any<T>(a, b, K, K, i, nr, j, std::min(NT_COLS, j1 - j), k0, k1, acc + (bi * nbj + bj) * BLOCK, k0 == 0);
+        nt_any<T>(a, b, lda, ldb, i, nr, j, std::min(NT_COLS, j1 - j), k0, k1, acc + (bi * nbj + bj) * BLOCK, k0 == 0);
       }
     }
   }
@@ -239,7 +239,7 @@ void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t
         for (int64_t c = 0; c < std::min(NT_COLS, j1 - j); ++c)
           out[(i + r) * ldo + j + c] =
               kv == K ? Vec::load(acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES).total()
-                      : nt_finish(a + (i + r) * K, b + (j + c) * K, kv, K,
+                      : nt_finish(a + (i + r) * lda, b + (j + c) * ldb, kv, K,
                                   acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES);
 }
 
@@ -294,8 +294,8 @@ inline void nn_rows(const T* a, const T* b, float* out, int64_t K, int64_t lda, 
 
 // Rows [i0, i1) x columns [j0, j1) of a [M, K] @ b [K, N] (one thread's task).
 template <typename T>
-void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i0, int64_t i1, int64_t j0,
-             int64_t j1) {
+void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t lda, int64_t ldb, int64_t ldo, int64_t i0,
+             int64_t i1, int64_t j0, int64_t j1) {
   static_assert(NN_ROWS <= 6, "nn_task dispatches 1..6 rows");
   const int64_t jv = j0 + (j1 - j0) / LANES * LANES;  // columns [j0, jv) in whole vectors
   for (int64_t i = i0; i < i1; i += NN_ROWS) {
@@ -303,17 +303,17 @@ void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i
     for (int64_t j = j0; j < jv; j += NN_COLS) {
       const int64_t nv = std::min(NN_COLS, jv - j) / LANES;
       switch (nr) {
-        case 1: nn_rows<T, 1>(a, b, out, K, K, N, N, i, j, nv); break;
-        case 2: nn_rows<T, 2>(a, b, out, K, K, N, N, i, j, nv); break;
-        case 3: nn_rows<T, 3>(a, b, out, K, K, N, N, i, j, nv); break;
-        case 4: nn_rows<T, 4>(a, b, out, K, K, N, N, i, j, nv); break;
-        case 5: nn_rows<T, 5>(a, b, out, K, K, N, N, i, j, nv); break;
-        case 6: nn_rows<T, 6>(a, b, out, K, K, N, N, i, j, nv); break;
+        case 1: nn_rows<T, 1>(a, b, out, K, lda, ldb, ldo, i, j, nv); break;
+        case 2: nn_rows<T, 2>(a, b, out, K, lda, ldb, ldo, i, j, nv); break;
+        case 3: nn_rows<T, 3>(a, b, out, K, lda, ldb, ldo, i, j, nv); break;
+        case 4: nn_rows<T, 4>(a, b, out, K, lda, ldb, ldo, i, j, nv); break;
+        case 5: nn_rows<T, 5>(a, b, out, K, lda, ldb, ldo, i, j, nv); break;
+        case 6: nn_rows<T, 6>(a, b, out, K, lda, ldb, ldo, i, j, nv); break;
         default: TORCH_CHECK(false, "nn_task: ", nr, " rows in a register block");
       }
     }
   }
-  if (jv < j1) nn_columns<T>(a, b, out, K, K, N, N, i0, i1, jv, j1);
+  if (jv < j1) nn_columns<T>(a, b, out, K, lda, ldb, ldo, i0, i1, jv, j1);
 }
 
 // Our own OpenMP loops at torch's thread count (this module is built with -fopenmp; ATen's
@@ -324,14 +324,18 @@ inline int threads_for(int64_t tasks) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
 }
 
+// k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
+// short K is one block, so the lane vectors never leave registers.
+inline int64_t k_block(int64_t K) {
+  const int64_t kv = K - K % LANES;
+  return kv <= 768 ? std::max<int64_t>(kv, LANES) : 512;
+}
+
 template <typename T>
 void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
   if (G == 0 || M == 0 || N == 0) return;  // (the task sizes below divide by these)
-  const int64_t kv = K - K % LANES;
-  // k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
-  // short K is one block, so the lane vectors never leave registers.
-  const int64_t kc = kv <= 768 ? std::max<int64_t>(kv, LANES) : 512;
+  const int64_t kc = k_block(K);
   const int64_t br = std::min<int64_t>(64, (M + NT_ROWS - 1) / NT_ROWS * NT_ROWS);  // rows per task
   const int64_t tm = (M + br - 1) / br;
   // Columns per task: up to 8 register blocks, fewer when that leaves under 8 tasks a
@@ -353,7 +357,7 @@ void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t g = t / (tm * tn), rest = t % (tm * tn), tj = rest / tm, ti = rest % tm;
-      nt_task<T>(pa + g * M * K, pb + g * N * K, po + g * M * N, K, N, ti * br, std::min(M, (ti + 1) * br),
+      nt_task<T>(pa + g * M * K, pb + g * N * K, po + g * M * N, K, K, K, N, ti * br, std::min(M, (ti + 1) * br),
                  tj * bc, std::min(N, (tj + 1) * bc), kc, acc.data());
     }
   }
@@ -372,8 +376,105 @@ void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
 #pragma omp parallel for schedule(static) num_threads(threads_for(tasks))
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t g = t / (tm * tn), rest = t % (tm * tn), ti = rest / tn, tj = rest % tn;
-    nn_task<T>(pa + g * M * K, pb + g * K * N, po + g * M * N, K, N, ti * br, std::min(M, (ti + 1) * br), tj * bc,
+    nn_task<T>(pa + g * M * K, pb + g * K * N, po + g * M * N, K, K, N, N, ti * br, std::min(M, (ti + 1) * br), tj * bc,
                std::min(N, (tj + 1) * bc));
+  }
+}
+
+// Causal GQA attention, the whole call in one OpenMP region (a Python op each for the
+// scores, the mask, the softmax, p v and their reshapes cost more than the arithmetic at
+// a few rows, and each opened its own parallel region). q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D]
+// (any strides with unit stride along D), q_start [B] -> [B, Hq, Tq, D] in q's dtype.
+//
+// The arithmetic is the one the Python version had, per entry:
+//   query block qs.. of query_block queries: nk = min(max(q_start) + qs + qn, Tk) keys, the
+//   softmax row padded to nb = nk rounded up to whole key_blocks;
+//   s[j] = mm_nt's sum(q, k_j) * scale + (j > pos ? -inf : 0)   (-inf for j >= nk)
+//   p = torch's softmax over the nb entries (at::_softmax_out, the kernel torch.softmax ran),
+//       rounded to v's dtype by torch's copy (for bfloat16);
+//   out = mm_nn's running sum over keys 0..nk-1 in order of p[j] * v_j, rounded by torch's copy.
+// Keys past nk are masked for every row of the block, so their score is -inf whatever the
+// dot product (finite keys, as the kernels' contract says) and their probability exactly
+// 0, and p v stops at nk: the terms it leaves out, fma(+0, v, acc), return acc exactly (acc
+// starts at +0 and an fma never makes it -0). A task is one head's chunk of up to 24 queries
+// of one query block; tasks, their order and the thread that runs one change no bit.
+template <typename T>
+void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* q_start,
+                   double scale, int64_t query_block, int64_t key_block, torch::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), Tk = k.size(2), group = Hq / Hkv;
+  int64_t max_start = 0;
+  for (int64_t b = 0; b < B; ++b) max_start = std::max(max_start, q_start[b]);
+  constexpr int64_t CHUNK = 24;  // queries per task: 6 register blocks of a @ b^T, 4 of p v
+  const int64_t nqb = (Tq + query_block - 1) / query_block;
+  const int64_t chunks = (std::min(query_block, Tq) + CHUNK - 1) / CHUNK;  // per query block
+  const int64_t nb_max = [&] {
+    const int64_t nk = std::min(max_start + Tq, Tk);
+    return nk + (key_block - nk % key_block) % key_block;
+  }();
+  // The later query blocks see more keys: they go first, handed out one task at a time.
+  const int64_t tasks = nqb * B * Hq * chunks;
+  const float fscale = static_cast<float>(scale);  // what x.mul_(scale) multiplies by
+  const int64_t kc = k_block(D);
+  constexpr int64_t COLS = NT_COLS * 8;  // score columns per nt_task call (its lane buffer)
+  const T* pq = q.data_ptr<T>();
+  const T* pk = k.data_ptr<T>();
+  const T* pv = v.data_ptr<T>();
+  T* po = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+#pragma omp parallel num_threads(threads_for(tasks))
+  {
+    std::vector<float> acc(((CHUNK + NT_ROWS - 1) / NT_ROWS) * (COLS / NT_COLS) * NT_ROWS * NT_COLS * LANES);
+    std::vector<float> scores(CHUNK * nb_max), probs(CHUNK * nb_max), result(CHUNK * D);
+    std::vector<T> probs_t(std::is_same<T, float>::value ? 0 : CHUNK * nb_max);
+    std::vector<T> result_t(std::is_same<T, float>::value ? 0 : CHUNK * D);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t qb = nqb - 1 - t / (B * Hq * chunks), rest = t % (B * Hq * chunks);
+      const int64_t b = rest / (Hq * chunks), h = rest / chunks % Hq, c = rest % chunks;
+      const int64_t qs = qb * query_block, qn = std::min(query_block, Tq - qs);
+      const int64_t t0 = qs + c * CHUNK, n = std::min(CHUNK, qs + qn - t0);
+      if (n <= 0) continue;  // the last query block may have fewer chunks
+      const int64_t nk = std::min(max_start + qs + qn, Tk);
+      const int64_t nb = nk + (key_block - nk % key_block) % key_block;
+      const T* rows = pq + b * qs0 + h * qs1 + t0 * qs2;
+      const T* keys = pk + b * ks0 + (h / group) * ks1;
+      const T* vals = pv + b * vs0 + (h / group) * vs1;
+      for (int64_t j0 = 0; j0 < nk; j0 += COLS)
+        nt_task<T>(rows, keys, scores.data(), D, qs2, ks2, nb, 0, n, j0, std::min(nk, j0 + COLS), kc, acc.data());
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t pos = q_start[b] + t0 + r;
+        float* s = scores.data() + r * nb;
+        for (int64_t j = 0; j < nk; ++j) s[j] = s[j] * fscale + (j > pos ? -INFINITY : 0.f);
+        for (int64_t j = nk; j < nb; ++j) s[j] = -INFINITY;
+      }
+      auto s_t = torch::from_blob(scores.data(), {n, nb}, f32);
+      auto p_t = torch::from_blob(probs.data(), {n, nb}, f32);
+      at::_softmax_out(p_t, s_t, -1, false);
+      const T* p = nullptr;
+      if constexpr (std::is_same<T, float>::value) {
+        p = probs.data();
+      } else {
+        torch::from_blob(probs_t.data(), {n, nb}, q.options()).copy_(p_t);
+        p = probs_t.data();
+      }
+      nn_task<T>(p, vals, result.data(), nk, nb, vs2, D, 0, n, 0, D);
+      const float* o = result.data();
+      if constexpr (!std::is_same<T, float>::value) {
+        torch::from_blob(result_t.data(), {n, D}, q.options()).copy_(torch::from_blob(result.data(), {n, D}, f32));
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        T* dst = po + ((b * Hq + h) * Tq + t0 + r) * D;
+        if constexpr (std::is_same<T, float>::value) {
+          std::copy(o + r * D, o + (r + 1) * D, dst);
+        } else {
+          std::copy(result_t.data() + r * D, result_t.data() + (r + 1) * D, dst);
+        }
+      }
+    }
   }
 }
 
@@ -397,6 +498,30 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt) {
 
 }  // namespace
 
+// q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] -> [B, Hq, Tq, D] (see run_attention)
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, double scale,
+                        int64_t query_block, int64_t key_block) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                  q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0 && q_start.numel() == q.size(0),
+              "attention: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] expected");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v: one dtype");
+  auto unit = [](torch::Tensor x) { return x.stride(3) == 1 ? x : x.contiguous(); };
+  q = unit(q);
+  k = unit(k);
+  v = unit(v);
+  const auto starts = q_start.to(torch::kCPU, torch::kInt64).contiguous();
+  auto out = torch::empty(q.sizes(), q.options());
+  if (out.numel() == 0) return out;
+  if (q.scalar_type() == torch::kFloat32) {
+    run_attention<float>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    run_attention<at::BFloat16>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, out);
+  } else {
+    TORCH_CHECK(false, "attention: float32 or bfloat16 expected");
+  }
+  return out;
+}
+
 // a [G, M, K], b [G, N, K] -> float32 [G, M, N]
 torch::Tensor mm_nt(torch::Tensor a, torch::Tensor b) { return launch(a, b, true); }
 // a [G, M, K], b [G, K, N] -> float32 [G, M, N]
@@ -405,4 +530,5 @@ torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, fals
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nt", &mm_nt, "a @ b^T, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
+  m.def("attention", &attention, "causal GQA attention from mm_nt, torch's softmax and mm_nn, one parallel region");
 }
