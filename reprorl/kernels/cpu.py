@@ -12,7 +12,10 @@ where the row sits, what the other rows hold, or the number of threads. How:
   with AVX-512, then a fixed tree; a @ b: one running sum in k order), so vectorisation,
   blocking and threads cannot change a bit.
 - attention: scores and p v are such products; a row's keys past its position get
-  probability exactly 0, so extra keys add exact zeros.
+  probability exactly 0, so extra keys add exact zeros. The whole attention is one call
+  into the extension (`cpu_attention.cpp`: scores, mask, torch's own softmax kernel, p v,
+  per head and chunk of queries, in one parallel region): as a dozen torch ops a query
+  block, the ops' fixed costs were 10x the arithmetic at 16 rows.
 - sums over the last dim (RMSNorm over a hidden size, log-softmax over a vocabulary,
   softmax over keys): torch's fused `rms_norm`, `log_softmax` and `softmax` reduce each row
   on its own, vector lane by index, in an order set by the width; attention's scores are
@@ -21,8 +24,8 @@ where the row sits, what the other rows hold, or the number of threads. How:
   and scalar-tail paths round differently).
 - +, -, *, /, sqrt, max and gathers are exact, so they never depend on the batch.
 
-The matmul kernels are a small C++ extension built on first use for this machine
-(-march=native; about 30 s, then cached by torch in ~/.cache/torch_extensions); it needs a
+The matmul and attention kernels are a small C++ extension built on first use for this
+machine (-march=native; about 40 s, then cached by torch in ~/.cache/torch_extensions); it needs a
 C++ compiler and ninja.
 """
 
@@ -51,15 +54,15 @@ QUERY_BLOCK = KEY_BLOCK
 def _matmuls():
     from torch.utils.cpp_extension import load
 
-    source = Path(__file__).with_name("cpu_matmul.cpp")
-    logger.info("building reprorl's CPU matmul kernels (%s), once per machine, about 30 s", source.name)
+    sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp")]
+    logger.info("building reprorl's CPU kernels (%s), once per machine, about 40 s", ", ".join(p.name for p in sources))
     try:
-        return load(name="reprorl_cpu_matmul", sources=[str(source)], verbose=False,
+        return load(name="reprorl_cpu_matmul", sources=[str(p) for p in sources], verbose=False,
                     extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
-            f"full_determinism on the CPU needs reprorl's matmul kernels ({source}), built with a C++ "
+            f"full_determinism on the CPU needs reprorl's kernels ({sources[0].parent}/cpu_*.cpp), built with a C++ "
             f"compiler and ninja (pip install ninja; apt-get install g++); building them failed: {e}"
         ) from e
 
