@@ -82,13 +82,18 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     the bias is added in float32 before the one rounding."""
     out = matmul_nt(x.reshape(1, -1, x.shape[-1]), weight[None])[0]
     if bias is not None:
-        out = out + bias.float()
+        out.add_(bias.float())  # in place: the kernel's fresh output (a new [M, N] costs page faults)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     g = gate.float()
-    return (g / (1.0 + torch.exp(-g))).to(gate.dtype) * up
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return (g / (1.0 + torch.exp(-g))).to(gate.dtype) * up
+    # The same ops in place in one temporary: without grad, fresh [rows, I] tensors cost
+    # more than the arithmetic (256 x 1408 rows: median 3.6 ms -> 0.54 ms, 1 thread).
+    e = torch.neg(g).exp_().add_(1.0)
+    return torch.div(g, e, out=e).to(gate.dtype).mul_(up)
 
 
 def _batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
