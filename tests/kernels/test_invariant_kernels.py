@@ -185,6 +185,34 @@ def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
         torch.set_num_threads(threads_before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_rows_independent_of_threads_and_layout(dtype):
+    """The CPU attention (one extension call, tasks of a head's chunk of queries): a sequence
+    alone at 1 thread equals it inside a batch of others with later starts at THREADS threads,
+    bit for bit, with q/k/v packed or strided (the padded path's transposes), 1 to 300
+    queries (past one query block and one 24-query chunk), head sizes on and off the vector."""
+    from reprorl.kernels import cpu
+
+    gen = torch.Generator().manual_seed(9)
+    threads_before = torch.get_num_threads()
+    try:
+        for hq, hkv, d, tq in ((8, 2, 64, 1), (8, 2, 64, 30), (4, 4, 80, 300), (6, 2, 8, 129)):
+            tk = tq + 200
+            q, k, v = (rand(gen, 3, h, t, d, dtype=dtype) for h, t in ((hq, tq), (hkv, tk), (hkv, tk)))
+            starts = torch.tensor([5, 0, 200])
+            torch.set_num_threads(1)
+            alone = cpu._batched_attention(q[1:2], k[1:2], v[1:2], starts[1:2])
+            for threads in THREADS:
+                torch.set_num_threads(threads)
+                packed = cpu._batched_attention(q, k, v, starts)
+                strided = cpu._batched_attention(*(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v)),
+                                                 starts)
+                assert torch.equal(packed[1:2], alone), (hq, hkv, d, tq, threads)
+                assert torch.equal(strided, packed), (hq, hkv, d, tq, threads)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
 def check_cpu_matmul_rows(cpu, dtype, gen, rng):
     for kk, n in CPU_MATMUL_SHAPES:
         b_nt, b_nn = rand(gen, 1, n, kk, dtype=dtype, scale=0.1), rand(gen, 1, kk, n, dtype=dtype, scale=0.1)
