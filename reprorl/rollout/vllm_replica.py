@@ -49,6 +49,7 @@ from reprorl.determinism import (
     is_full_determinism,
 )
 from reprorl.rollout.engine import GenerateOutput, check_prompt
+from reprorl.rollout.replica import PackedWeights
 from reprorl.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -307,12 +308,16 @@ class VllmReplica:
             final = out
         return [float(lp[t].logprob) for lp, t in zip(final.prompt_logprobs[1:], token_ids[1:])]
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        """Load new weights (HF names, every weight of the model) into the running engine, as `version`."""
+    async def update_weights(self, named_tensors: PackedWeights | Iterable[tuple[str, torch.Tensor]],
+                             version: int) -> int:
+        """Load new weights (HF names, every weight of the model; packed as the pool pushes
+        them, or as pairs) into the running engine, as `version`."""
         if version <= self.version:
             raise ValueError(
                 f"update_weights: version {version} must be greater than the current {self.version}"
             )
+        if isinstance(named_tensors, PackedWeights):  # vLLM's worker takes them from host memory
+            named_tensors = named_tensors.unpack("cpu")
         await self.engine.collective_rpc("reprorl_load_weights", args=(_to_bytes(named_tensors),))
         # Cached prefixes hold keys/values of the old weights.
         if not await self.engine.reset_prefix_cache() and self.mode["prefix_caching"]:
