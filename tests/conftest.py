@@ -93,3 +93,13 @@ def _assert_grads_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.fixture
 def assert_grads_close():
     return _assert_grads_close
+
+
+@pytest.fixture
+def restore_environ():
+    """Undo changes to os.environ after a test (`reprorl train` run in-process sets the run's
+    determinism variables)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -16,7 +16,6 @@ these runs, and on a replica started in the wrong mode on purpose.
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,8 @@ from reprorl import cli
 from reprorl.determinism_report import REPORT_FILE, TEXT_FILE, build_report
 from small_run import small_run_overrides
 
-pytestmark = pytest.mark.slow
+# restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory, ray_local):
@@ -40,15 +40,6 @@ def assets(tmp_path_factory, ray_local):
         "policy": make_tiny(root / "policy", kind="policy", seed=0),
         "reward": make_tiny(root / "reward", kind="reward", seed=1),
     }
-
-
-@pytest.fixture(autouse=True)
-def restore_environ():
-    """`reprorl train` sets the run's determinism variables in its process: undo it after each test."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def train(assets, run_dir: Path, *overrides: str) -> Path:

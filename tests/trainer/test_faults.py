@@ -21,7 +21,8 @@ from reprorl.determinism_report import TEXT_FILE
 from reprorl.rollout.supervision import KILL_ENV
 from small_run import small_run_overrides
 
-pytestmark = pytest.mark.slow
+# restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
 
 COMMON = ("rollout.num_replicas=2", "rollout.num_agent_workers=2")
 
@@ -38,15 +39,6 @@ def assets(tmp_path_factory, ray_local):
         "policy": make_tiny(root / "policy", kind="policy", seed=0),
         "reward": make_tiny(root / "reward", kind="reward", seed=1),
     }
-
-
-@pytest.fixture(autouse=True)
-def restore_environ():
-    """`reprorl train` sets the run's determinism variables in its process: undo it after each test."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def train(assets, run_dir: Path, *overrides: str, kill: str | None = None) -> Path:

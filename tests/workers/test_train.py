@@ -22,7 +22,8 @@ from reprorl.trainer.fit import Trainer
 from reprorl.workers.group import WorkerError
 from small_run import run_trainer, small_run_overrides
 
-pytestmark = pytest.mark.slow
+# restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
 
 ALGOS = {
     "grpo": ("algorithm.adv_estimator=grpo",),
@@ -39,15 +40,6 @@ def assets(tmp_path_factory, ray_local):
     paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
     return {"train": paths["train"], "val": paths["val"], "policy": make_tiny(root / "policy", kind="policy", seed=0),
             "root": root}
-
-
-@pytest.fixture(autouse=True)
-def restore_environ():
-    """`reprorl train` sets the run's determinism variables in its process: undo it after each test."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def overrides(assets, run_dir, algo, num_workers, *extra):
