@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 
+from engine_runs import generate_all
 from kernel_modes import on_kernels
 from reprorl.kernels import KEY_BLOCK, CpuInvariantKernels
 from reprorl.models.hf_io import load_model
@@ -46,20 +47,6 @@ def req(rid, prompt, seed=0, priority=0, **params):
         "seed": seed,
         "priority": priority,
     }
-
-
-def generate_all(engine, requests, delays=None) -> list[GenerateOutput]:
-    """Run requests concurrently (optionally staggered by `delays` seconds); outputs in request order."""
-
-    async def one(r, delay):
-        if delay:
-            await asyncio.sleep(delay)
-        return await engine.generate(**r)
-
-    async def main():
-        return await asyncio.gather(*[one(r, d) for r, d in zip(requests, delays or [0] * len(requests))])
-
-    return asyncio.run(main())
 
 
 def key(out: GenerateOutput):

@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from engine_runs import generate_all
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 EOS = 2
@@ -44,18 +46,6 @@ def req(rid, prompt, seed=0, **params):
     from reprorl.rollout.sampling import SamplingParams
 
     return {"request_id": rid, "prompt_ids": prompt, "sampling_params": SamplingParams(**params), "seed": seed}
-
-
-def generate_all(engine, requests, delays=None):
-    async def one(r, delay):
-        if delay:
-            await asyncio.sleep(delay)
-        return await engine.generate(**r)
-
-    async def main():
-        return await asyncio.gather(*[one(r, d) for r, d in zip(requests, delays or [0] * len(requests))])
-
-    return asyncio.run(main())
 
 
 def assert_same(a, b):
