@@ -32,6 +32,7 @@ Two kernels, chosen per tile; they too give the same bits:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -159,11 +160,18 @@ def _uses_tma(x: Tensor) -> bool:
     interpreter, which checks its arithmetic). From the dtype and the device, never the shape."""
     if x.dtype == torch.float32:
         return False
-    return INTERPRETED or torch.cuda.get_device_capability(x.device)[0] >= 9
+    return INTERPRETED or _gpu(x.device)[0] >= 9
 
 
 def _num_programs(device: torch.device) -> int:
-    return 4 if INTERPRETED else torch.cuda.get_device_properties(device).multi_processor_count
+    return 4 if INTERPRETED else _gpu(device)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu(device: torch.device) -> tuple[int, int]:
+    """(compute capability major, SM count) of a GPU, asked once: every linear call needs them."""
+    props = torch.cuda.get_device_properties(device)
+    return props.major, props.multi_processor_count
 
 
 def _tma_ready(t: Tensor) -> Tensor:
