@@ -16,9 +16,9 @@ first token from the leader's last logits with its own uniform. In batch-invaria
 that is the same bits as n prefills (tested), so it changes only the work.
 
 On a GPU, decode-only steps are replayed from CUDA graphs (`cuda_graphs.py`) and sampling
-runs on the device for the whole batch (`sampling.sample_on_device`): the host ships the
-step's uniforms and parameters in one copy and reads the new tokens and log-probs back in
-one copy.
+runs on the device for the whole batch (`sampling.sample_on_device`; one fused Triton launch
+for the rows that sample from the full distribution): the host ships the step's uniforms
+and parameters in one copy and reads the new tokens and log-probs back in one copy.
 
 The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
 op from `reprorl.kernels`): all decode tokens of a step share one batched attention
@@ -304,10 +304,11 @@ class Engine:
         self._step_lock: asyncio.Lock | None = None
         self._sample_on_device = self.device.type == "cuda"  # else sample_batch: the host path's bits
         if self.device.type == "cuda":
-            from reprorl.kernels.gpu import row_cumsum
             from reprorl.kernels.gpu.attention import batched_attention as triton_attention
+            from reprorl.kernels.gpu.sampling import row_cumsum, sample_rows
 
-            self._cumsum = row_cumsum
+            # In both modes: the fused sampler's log-probs are the Triton log-softmax's bits.
+            self._cumsum, self._full_sampler = row_cumsum, sample_rows
             # Graph replays need an attention that reads nothing on the host: the Triton one.
             self._graph_attention = self.kernels.batched_attention if batch_invariant else triton_attention
             self._make_gpu_pool()
@@ -660,7 +661,7 @@ class Engine:
                 return tokens.tolist(), log_probs.tolist()
             packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
             tokens, log_probs = sample_on_device(logits, packed, any_filter(params), self.kernels.softmax,
-                                                 self.kernels.log_softmax, self._cumsum)
+                                                 self._cumsum, self._full_sampler)
             return join_tokens_and_log_probs(tokens, log_probs)
 
     def _logits(self, chunks: list[_Chunk]) -> Tensor | None:
