@@ -34,6 +34,13 @@ Each engine row also gives `gpu_busy`: the steps' device span over the run's wal
 `--budget-s` are skipped (listed in the JSON), and the JSON is rewritten after each row.
 
     python bench/rollout.py --device cuda --out bench/results/rollout_cuda.json
+
+`--profile` (with `--device cuda`) runs no table: torch.profiler over 8 decode steps of the
+first model at batch 256 (engine and engine-det), printing and saving the top kernels by
+CUDA time, their groups (linear, attention, sampling...) in ms a step, and the share of the
+window the GPU runs a kernel.
+
+    python bench/rollout.py --device cuda --profile --out bench/results/rollout_profile.json
 """
 
 from __future__ import annotations
@@ -252,6 +259,117 @@ def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict
             "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"]}
 
 
+def kernel_group(name: str) -> str:
+    """A kernel's share of a step, by its name: what the profile's groups add up."""
+    n = name.lower()
+    for group, keys in (("sampling", ("_sample_kernel", "softmax", "cumsum", "sort", "argmax", "radix")),
+                        ("attention", ("attention",)),
+                        ("linear", ("gemm", "nvjet", "cutlass", "matmul", "xmma", "sm90", "splitk")),
+                        ("norm/rope/swiglu", ("rms", "rotary", "swiglu", "silu"))):
+        if any(k in n for k in keys):
+            return group
+    return "other"
+
+
+def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip: int = 4, steps: int = 8) -> dict:
+    """torch.profiler over `steps` decode steps of the engine (after the prefill step and
+    `skip` decodes): the top kernels by CUDA time, their groups, and the share of the window
+    the GPU runs a kernel (the union of kernel intervals over the window's wall time: the
+    host's time between steps is in the window)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from reprorl.rollout.sampling import SamplingParams
+
+    async def run(new_tokens):
+        p = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+        return await asyncio.gather(*[engine.generate(f"p{i}", x, p, seed=s)
+                                      for i, (x, s) in enumerate(zip(prompts, seeds))])
+
+    cuda = torch.cuda.is_available()  # (on the CPU only for a smoke test: no kernels to list)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    asyncio.run(run(8))  # warm-up, graph capture
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    state = {"n": 0}
+    timed_step = engine._timed_step
+
+    def hooked(chunks):  # step 0 is the prefill; the window is decode steps skip+1 .. skip+steps
+        n = state["n"]
+        state["n"] += 1
+        if n == skip + 1:
+            sync()
+            prof.start()
+            state["t0"] = time.perf_counter()
+        out = timed_step(chunks)
+        if n == skip + steps:
+            sync()
+            state["wall"] = time.perf_counter() - state["t0"]
+            prof.stop()
+        return out
+
+    engine._timed_step = hooked
+    try:
+        asyncio.run(run(skip + steps + 2))
+    finally:
+        del engine._timed_step  # back to the method
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in intervals:  # the union of the kernels' intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    total = sum(sum(v) for v in by_name.values()) or 1e-9
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    groups: dict[str, float] = {}
+    for name, times in by_name.items():
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + sum(times)
+    wall_us = state["wall"] * 1e6
+    return {
+        "decode_steps": steps, "batch": len(prompts), "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
+        "kernel_ms_per_step": round(total / steps / 1e3, 3), "gpu_busy": round(busy / wall_us, 3),
+        "groups_ms_per_step": {g: round(t / steps / 1e3, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": name[:120], "group": kernel_group(name), "calls_per_step": len(t) / steps,
+                         "us_per_step": round(sum(t) / steps, 1), "share": round(sum(t) / total, 4)}
+                        for name, t in top[:25]],
+    }
+
+
+def main_profile(args) -> None:
+    """`--profile`: the decode step of the first --gpu-models model at batch 256, engine and engine-det."""
+    import transformers
+
+    from reprorl.rollout.engine import Engine
+
+    transformers.logging.set_verbosity_error()
+    name, batch = args.gpu_models[0], max(GPU_BATCHES)
+    _, ours = gpu_models(name)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
+    for det in (False, True):
+        label = "engine-det" if det else "engine"
+        engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
+                        max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
+                        gpu_memory_utilization=0.3)
+        r = profile_engine_cuda(engine, gpu_prompts(batch, ours.args.vocab_size), list(range(batch)))
+        out["profiles"][label] = r
+        print(f"\n{name} {label} batch {batch}: {r['wall_ms_per_step']} ms a decode step, kernels "
+              f"{r['kernel_ms_per_step']} ms, GPU busy {r['gpu_busy']:.0%}; by group (ms a step): "
+              + ", ".join(f"{g} {t}" for g, t in r["groups_ms_per_step"].items()))
+        for k in r["top_kernels"][:20]:
+            print(f"  {k['us_per_step']:9.1f} us  {k['share']:6.1%}  x{k['calls_per_step']:<5g} {k['group']:16} {k['name'][:90]}")
+        engine.shutdown()
+        engine = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"\nwrote {args.out}")
+
+
 def main_cuda(args) -> None:
     """The GPU table (see the module doc)."""
     import transformers
@@ -347,6 +465,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the CPU table; cuda: the GPU one")
     parser.add_argument("--gpu-models", nargs="*", default=list(QWEN), help="--device cuda: which of " + " ".join(QWEN))
     parser.add_argument("--budget-s", type=float, default=330, help="--device cuda: skip rows started past this")
+    parser.add_argument("--profile", action="store_true",
+                        help="--device cuda: profile decode steps (torch.profiler) instead of the table")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script works")
     parser.add_argument("--batches", type=int, nargs="*", default=None, help="batch sizes (default 1 16 64)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 128)")
@@ -358,7 +478,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=5, metavar="ARG", help=argparse.SUPPRESS)  # a child of `measure`
     args = parser.parse_args()
     if args.device == "cuda":
-        main_cuda(args)
+        main_profile(args) if args.profile else main_cuda(args)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
