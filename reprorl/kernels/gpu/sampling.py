@@ -95,7 +95,7 @@ def _sample_kernel(logits_ptr, params_ptr, tokens_ptr, log_probs_ptr, log_z_ptr,
     # 1. the row's softmax statistics and the first index of its max
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
-    first = tl.full((BLOCK,), V, tl.int32)  # each lane's first index of its running max
+    first = tl.zeros((BLOCK,), tl.int32) + V  # each lane's first index of its running max
     for start in range(0, V, BLOCK):
         cols = start + offs
         x = _scaled_block(row_ptr, cols, V, temperature)
