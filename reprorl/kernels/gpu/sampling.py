@@ -128,6 +128,7 @@ def _sample_kernel(logits_ptr, params_ptr, tokens_ptr, log_probs_ptr, log_z_ptr,
             inside = tl.sum(((cdf <= target) & (cols < V)).to(tl.int32), axis=0)
             token = tl.minimum(j * BLOCK + inside, last_mass)
 
+    token = tl.minimum(tl.maximum(token, 0), V - 1)  # in the row even when it is all NaN or -inf
     x_token = tl.math.div_rn(tl.load(row_ptr + token).to(tl.float32), temperature)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(log_probs_ptr + row, x_token - log_z)
