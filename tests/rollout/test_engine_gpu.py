@@ -230,3 +230,32 @@ def test_from_path_onto_the_gpu(tiny_dir, model):
     assert engine.device.type == "cuda" and engine.stats()["kv_slots"] == 64
     r = [req("a", [7, 8, 9], seed=5, max_tokens=12, ignore_eos=True)]
     assert_same(generate_all(engine, r)[0], generate_all(make_engine(model), r)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_sampler_at_a_qwen_vocabulary(dtype):
+    """The fused sampler on the GPU (the compiled kernel, not the interpreter): its log-probs
+    are the Triton log-softmax's bits at a 152k vocabulary, a row alone gives the bits it has
+    in a batch of 256, and its tokens are the host rule's away from CDF boundaries."""
+    from reprorl.kernels.gpu import TritonKernels
+    from reprorl.kernels.gpu.sampling import sample_rows
+    from reprorl.rollout.sampling import SamplingParams, draw_uniforms, make_generator, pack_step_params, sample_batch
+
+    B, V = 256, 151936
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (3 * torch.randn(B, V, device="cuda", generator=g)).to(dtype)
+    params = [SamplingParams(temperature=[0.0, 1.0, 0.7, 1.3][i % 4]) for i in range(B)]
+    uniforms = [draw_uniforms(make_generator(i), 1)[0] for i in range(B)]
+    packed = pack_step_params(params, uniforms, V).cuda()
+    tokens, log_probs, log_z = sample_rows(logits, packed)
+    temps = torch.tensor([p.temperature or 1.0 for p in params], device="cuda")
+    scaled = logits.float() / temps[:, None]
+    expected = TritonKernels.log_softmax(scaled)
+    assert torch.equal(log_probs, expected.gather(1, tokens[:, None])[:, 0])
+    assert torch.equal(scaled - log_z[:, None], expected)
+    for i in (0, 1, 2, 255):
+        alone = sample_rows(logits[i : i + 1], packed[:, i : i + 1])
+        assert all(torch.equal(a, b[i : i + 1]) for a, b in zip(alone, (tokens, log_probs, log_z))), i
+    host_tokens, _ = sample_batch(logits, params, uniforms)  # float64 probabilities on the host
+    # a float32 CDF over 152k entries may cross a boundary the float64 one does not: allow 1 row in 256
+    assert (tokens.cpu() != host_tokens).sum() <= 1
