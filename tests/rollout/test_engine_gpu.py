@@ -257,5 +257,12 @@ def test_fused_sampler_at_a_qwen_vocabulary(dtype):
         alone = sample_rows(logits[i : i + 1], packed[:, i : i + 1])
         assert all(torch.equal(a, b[i : i + 1]) for a, b in zip(alone, (tokens, log_probs, log_z))), i
     host_tokens, _ = sample_batch(logits, params, uniforms)  # float64 probabilities on the host
-    # a float32 CDF over 152k entries may cross a boundary the float64 one does not: allow 1 row in 256
-    assert (tokens.cpu() != host_tokens).sum() <= 1
+    # Compare where the target is far from every CDF entry next to it (float32 sums of 152k
+    # terms err by ~1e-7 of the total; the tail's tiny bins put some rows within that).
+    cdf = torch.softmax(scaled.double(), -1).cumsum(-1)
+    target = torch.tensor(uniforms, dtype=torch.float64, device="cuda") * cdf[:, -1]
+    margin = ((cdf - target[:, None]).abs().min(-1).values / cdf[:, -1]).cpu()
+    sampled = torch.tensor([not p.greedy for p in params])
+    far = sampled & (margin > 1e-5) | ~sampled
+    assert far[sampled].sum() >= 96, far[sampled].sum()  # the premise: most sampled rows are compared
+    assert torch.equal(tokens.cpu()[far], host_tokens[far])
