@@ -43,6 +43,7 @@ class DecodeGraphs:
         # Row b: (token id, slot, position); a bucket's rows are one contiguous block, one copy.
         self.inputs = torch.zeros(max_batch, 3, dtype=torch.long, device=cache.device)
         self._host = torch.zeros(max_batch, 3, dtype=torch.long).pin_memory()
+        self._host_np = self._host.numpy()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -68,9 +69,10 @@ class DecodeGraphs:
         self.graphs[b] = graph
 
     def _fill(self, ids: list[int], slots: list[int], positions: list[int], b: int) -> None:
-        pad = b - len(ids)
-        rows = list(zip(ids, slots, positions)) + [(0, self.pad_slot, 0)] * pad
-        self._host[:b] = torch.tensor(rows, dtype=torch.long)
+        n = len(ids)
+        host = self._host_np  # numpy's view of the pinned block: a list goes in without a tensor per row
+        host[:n, 0], host[:n, 1], host[:n, 2] = ids, slots, positions
+        host[n:b] = (0, self.pad_slot, 0)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
