@@ -27,6 +27,7 @@ GPU (`--device cuda`, one process, about 4-5 minutes on an H200): Qwen2.5-0.5B- 
 256, every sample from the full distribution (T=1, top_k off, top_p 1) on both sides:
   - `engine` / `engine-det`: the engine with determinism off / on (CUDA graphs, device sampling),
   - `engine-n8` / `engine-n8-noshare`: 32 prompts x 8 samples with and without prefix sharing,
+  - `engine-ahead`: `engine` at batch 256 with `lookahead` (step t+1 launched before t is read),
   - `hf` / `hf-topk50`: `generate` on the full distribution / with its default top-k of 50.
 Each engine row also gives `gpu_busy`: the steps' device span over the run's wall time
 (see `Engine._timed_step`). Targets (issue 13): engine >= 40,000 tok/s at batch 256 on
@@ -256,7 +257,8 @@ def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict
     return {"seconds": seconds, "tokens_per_s": len(prompts) * GPU_NEW / seconds, "gpu_busy": busy / seconds,
             "gpu_busy_of_step_time": busy / max(after["step_wall_s"] - before["step_wall_s"], 1e-9),
             "steps": after["steps"] - before["steps"], "graph_steps": after["graph_steps"] - before["graph_steps"],
-            "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"]}
+            "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"],
+            "lookahead_steps": after["lookahead_steps"] - before["lookahead_steps"]}
 
 
 def kernel_group(name: str) -> str:
@@ -401,6 +403,8 @@ def main_cuda(args) -> None:
         rows.append({"model": model, "backend": backend, "batch": batch, **{k: round(v, 4) if isinstance(v, float)
                                                                              else v for k, v in r.items()}})
         extra = f"  gpu busy {r['gpu_busy']:.0%}, {r['graph_steps']}/{r['steps']} steps graphed" if "gpu_busy" in r else ""
+        if r.get("lookahead_steps"):
+            extra += f", {r['lookahead_steps']} launched ahead"
         if r.get("graph_error"):
             extra += f"  GRAPH ERROR {r['graph_error']}"
         print(f"{model:13} {backend:17} batch {batch:4} {r['tokens_per_s']:11.0f} tok/s  ({r['seconds']:.2f} s){extra}",
@@ -423,6 +427,9 @@ def main_cuda(args) -> None:
                 record(name, "engine-n8", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
                 engine.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
+                engine.prefix_sharing, engine.lookahead = True, True  # step t+1 launched from t's device tokens
+                prompts = gpu_prompts(max(GPU_BATCHES), vocab)
+                record(name, "engine-ahead", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()
             engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
             gc.collect()
