@@ -37,7 +37,7 @@ Each engine row also gives `gpu_busy`: the steps' device span over the run's wal
     python bench/rollout.py --device cuda --out bench/results/rollout_cuda.json
 
 `--profile` (with `--device cuda`) runs no table: torch.profiler over 8 decode steps of the
-first model at batch 256 (engine and engine-det), printing and saving the top kernels by
+first model at batch 256 (engine, engine-det, engine-ahead), printing and saving the top kernels by
 CUDA time, their groups (linear, attention, sampling...) in ms a step, and the share of the
 window the GPU runs a kernel.
 
@@ -293,27 +293,25 @@ def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip
     asyncio.run(run(8))  # warm-up, graph capture
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     state = {"n": 0}
-    timed_step = engine._timed_step
+    apply = engine._apply  # once a step on every path (lookahead steps skip _timed_step)
 
-    def hooked(chunks):  # step 0 is the prefill; the window is decode steps skip+1 .. skip+steps
+    def hooked(chunks, tokens, log_probs):  # step 0 is the prefill; the window: after step skip .. step skip+steps
         n = state["n"]
         state["n"] += 1
-        if n == skip + 1:
-            sync()
+        apply(chunks, tokens, log_probs)
+        if n == skip:  # no sync: a step launched ahead keeps running into the window
             prof.start()
             state["t0"] = time.perf_counter()
-        out = timed_step(chunks)
         if n == skip + steps:
             sync()
             state["wall"] = time.perf_counter() - state["t0"]
             prof.stop()
-        return out
 
-    engine._timed_step = hooked
+    engine._apply = hooked
     try:
         asyncio.run(run(skip + steps + 2))
     finally:
-        del engine._timed_step  # back to the method
+        del engine._apply  # back to the method
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0]
     by_name: dict[str, list[float]] = {}
     for e in kernels:
@@ -341,7 +339,8 @@ def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip
 
 
 def main_profile(args) -> None:
-    """`--profile`: the decode step of the first --gpu-models model at batch 256, engine and engine-det."""
+    """`--profile`: the decode step of the first --gpu-models model at batch 256: engine,
+    engine-det, and engine with lookahead (step t+1 launched before t is read)."""
     import transformers
 
     from reprorl.rollout.engine import Engine
@@ -350,11 +349,10 @@ def main_profile(args) -> None:
     name, batch = args.gpu_models[0], max(GPU_BATCHES)
     _, ours = gpu_models(name)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
-    for det in (False, True):
-        label = "engine-det" if det else "engine"
+    for label, det, ahead in (("engine", False, False), ("engine-det", True, False), ("engine-ahead", False, True)):
         engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
                         max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
-                        gpu_memory_utilization=0.3)
+                        gpu_memory_utilization=0.3, lookahead=ahead)
         r = profile_engine_cuda(engine, gpu_prompts(batch, ours.args.vocab_size), list(range(batch)))
         out["profiles"][label] = r
         print(f"\n{name} {label} batch {batch}: {r['wall_ms_per_step']} ms a decode step, kernels "
