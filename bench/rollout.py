@@ -359,7 +359,8 @@ def main_profile(args) -> None:
               f"{r['kernel_ms_per_step']} ms, GPU busy {r['gpu_busy']:.0%}; by group (ms a step): "
               + ", ".join(f"{g} {t}" for g, t in r["groups_ms_per_step"].items()))
         for k in r["top_kernels"][:20]:
-            print(f"  {k['us_per_step']:9.1f} us  {k['share']:6.1%}  x{k['calls_per_step']:<5g} {k['group']:16} {k['name'][:90]}")
+            print(f"  {k['us_per_step']:9.1f} us  {k['share']:6.1%}  x{k['calls_per_step']:<5g} {k['group']:16} "
+                  f"{k['name'][:90]}")
         engine.shutdown()
         engine = None
         gc.collect()
