@@ -6,7 +6,7 @@
 #   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep)
 #   xeon     the kernel benchmarks on the host CPU
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
-#   engine   the GPU engine's tests and bench/rollout.py --device cuda
+#   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
 #   gputrain the one-GPU training tests and bench/train_step.py
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU
@@ -55,7 +55,10 @@ for step in $steps; do
       with_ray || echo "no .whl: the engine tests that need Ray skip" | summary
       run_tests test_engine_gpu tests/rollout/test_engine_gpu.py
       timeout 400 python3 bench/rollout.py --device cuda --out "$LOGS/rollout_cuda.json" > "$LOGS/bench_rollout.log" 2>&1
-      tail -40 "$LOGS/bench_rollout.log" | summary ;;
+      tail -40 "$LOGS/bench_rollout.log" | summary
+      timeout 200 python3 bench/rollout.py --device cuda --profile --out "$LOGS/rollout_profile.json" \
+        > "$LOGS/rollout_profile.log" 2>&1
+      grep -v "^USDT\|^STAGE" "$LOGS/rollout_profile.log" | tail -48 | summary ;;
     gputrain)
       with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
       run_tests test_gpu_train tests/trainer/test_gpu_train.py

@@ -27,6 +27,7 @@ GPU (`--device cuda`, one process, about 4-5 minutes on an H200): Qwen2.5-0.5B- 
 256, every sample from the full distribution (T=1, top_k off, top_p 1) on both sides:
   - `engine` / `engine-det`: the engine with determinism off / on (CUDA graphs, device sampling),
   - `engine-n8` / `engine-n8-noshare`: 32 prompts x 8 samples with and without prefix sharing,
+  - `engine-ahead`: `engine` at batch 256 with `lookahead` (step t+1 launched before t is read),
   - `hf` / `hf-topk50`: `generate` on the full distribution / with its default top-k of 50.
 Each engine row also gives `gpu_busy`: the steps' device span over the run's wall time
 (see `Engine._timed_step`). Targets (issue 13): engine >= 40,000 tok/s at batch 256 on
@@ -34,6 +35,13 @@ Each engine row also gives `gpu_busy`: the steps' device span over the run's wal
 `--budget-s` are skipped (listed in the JSON), and the JSON is rewritten after each row.
 
     python bench/rollout.py --device cuda --out bench/results/rollout_cuda.json
+
+`--profile` (with `--device cuda`) runs no table: torch.profiler over 8 decode steps of the
+first model at batch 256 (engine, engine-det, engine-ahead), printing and saving the top kernels by
+CUDA time, their groups (linear, attention, sampling...) in ms a step, and the share of the
+window the GPU runs a kernel.
+
+    python bench/rollout.py --device cuda --profile --out bench/results/rollout_profile.json
 """
 
 from __future__ import annotations
@@ -249,7 +257,118 @@ def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict
     return {"seconds": seconds, "tokens_per_s": len(prompts) * GPU_NEW / seconds, "gpu_busy": busy / seconds,
             "gpu_busy_of_step_time": busy / max(after["step_wall_s"] - before["step_wall_s"], 1e-9),
             "steps": after["steps"] - before["steps"], "graph_steps": after["graph_steps"] - before["graph_steps"],
-            "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"]}
+            "prefix_shared": after["prefix_shared"] - before["prefix_shared"], "graph_error": after["graph_error"],
+            "lookahead_steps": after["lookahead_steps"] - before["lookahead_steps"]}
+
+
+def kernel_group(name: str) -> str:
+    """A kernel's share of a step, by its name: what the profile's groups add up."""
+    n = name.lower()
+    for group, keys in (("sampling", ("_sample_kernel", "softmax", "cumsum", "sort", "argmax", "radix")),
+                        ("attention", ("attention",)),
+                        ("linear", ("gemm", "nvjet", "cutlass", "matmul", "xmma", "sm90", "splitk")),
+                        ("norm/rope/swiglu", ("rms", "rotary", "swiglu", "silu"))):
+        if any(k in n for k in keys):
+            return group
+    return "other"
+
+
+def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip: int = 4, steps: int = 8) -> dict:
+    """torch.profiler over `steps` decode steps of the engine (after the prefill step and
+    `skip` decodes): the top kernels by CUDA time, their groups, and the share of the window
+    the GPU runs a kernel (the union of kernel intervals over the window's wall time: the
+    host's time between steps is in the window)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from reprorl.rollout.sampling import SamplingParams
+
+    async def run(new_tokens):
+        p = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)
+        return await asyncio.gather(*[engine.generate(f"p{i}", x, p, seed=s)
+                                      for i, (x, s) in enumerate(zip(prompts, seeds))])
+
+    cuda = torch.cuda.is_available()  # (on the CPU only for a smoke test: no kernels to list)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    asyncio.run(run(8))  # warm-up, graph capture
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    state = {"n": 0}
+    apply = engine._apply  # once a step on every path (lookahead steps skip _timed_step)
+
+    def hooked(chunks, tokens, log_probs):  # step 0 is the prefill; the window: after step skip .. step skip+steps
+        n = state["n"]
+        state["n"] += 1
+        apply(chunks, tokens, log_probs)
+        if n == skip:  # no sync: a step launched ahead keeps running into the window
+            prof.start()
+            state["t0"] = time.perf_counter()
+        if n == skip + steps:
+            sync()
+            state["wall"] = time.perf_counter() - state["t0"]
+            prof.stop()
+
+    engine._apply = hooked
+    try:
+        asyncio.run(run(skip + steps + 2))
+    finally:
+        del engine._apply  # back to the method
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in intervals:  # the union of the kernels' intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    total = sum(sum(v) for v in by_name.values()) or 1e-9
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    groups: dict[str, float] = {}
+    for name, times in by_name.items():
+        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + sum(times)
+    wall_us = state["wall"] * 1e6
+    return {
+        "decode_steps": steps, "batch": len(prompts), "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
+        "kernel_ms_per_step": round(total / steps / 1e3, 3), "gpu_busy": round(busy / wall_us, 3),
+        "groups_ms_per_step": {g: round(t / steps / 1e3, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": name[:120], "group": kernel_group(name), "calls_per_step": len(t) / steps,
+                         "us_per_step": round(sum(t) / steps, 1), "share": round(sum(t) / total, 4)}
+                        for name, t in top[:25]],
+    }
+
+
+def main_profile(args) -> None:
+    """`--profile`: the decode step of the first --gpu-models model at batch 256: engine,
+    engine-det, and engine with lookahead (step t+1 launched before t is read)."""
+    import transformers
+
+    from reprorl.rollout.engine import Engine
+
+    transformers.logging.set_verbosity_error()
+    name, batch = args.gpu_models[0], max(GPU_BATCHES)
+    _, ours = gpu_models(name)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
+    for label, det, ahead in (("engine", False, False), ("engine-det", True, False), ("engine-ahead", False, True)):
+        engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
+                        max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
+                        gpu_memory_utilization=0.3, lookahead=ahead)
+        r = profile_engine_cuda(engine, gpu_prompts(batch, ours.args.vocab_size), list(range(batch)))
+        out["profiles"][label] = r
+        print(f"\n{name} {label} batch {batch}: {r['wall_ms_per_step']} ms a decode step, kernels "
+              f"{r['kernel_ms_per_step']} ms, GPU busy {r['gpu_busy']:.0%}; by group (ms a step): "
+              + ", ".join(f"{g} {t}" for g, t in r["groups_ms_per_step"].items()))
+        for k in r["top_kernels"][:20]:
+            print(f"  {k['us_per_step']:9.1f} us  {k['share']:6.1%}  x{k['calls_per_step']:<5g} {k['group']:16} "
+                  f"{k['name'][:90]}")
+        engine.shutdown()
+        engine = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"\nwrote {args.out}")
 
 
 def main_cuda(args) -> None:
@@ -283,6 +402,8 @@ def main_cuda(args) -> None:
         rows.append({"model": model, "backend": backend, "batch": batch, **{k: round(v, 4) if isinstance(v, float)
                                                                              else v for k, v in r.items()}})
         extra = f"  gpu busy {r['gpu_busy']:.0%}, {r['graph_steps']}/{r['steps']} steps graphed" if "gpu_busy" in r else ""
+        if r.get("lookahead_steps"):
+            extra += f", {r['lookahead_steps']} launched ahead"
         if r.get("graph_error"):
             extra += f"  GRAPH ERROR {r['graph_error']}"
         print(f"{model:13} {backend:17} batch {batch:4} {r['tokens_per_s']:11.0f} tok/s  ({r['seconds']:.2f} s){extra}",
@@ -305,6 +426,9 @@ def main_cuda(args) -> None:
                 record(name, "engine-n8", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
                 engine.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
+                engine.prefix_sharing, engine.lookahead = True, True  # step t+1 launched from t's device tokens
+                prompts = gpu_prompts(max(GPU_BATCHES), vocab)
+                record(name, "engine-ahead", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()
             engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
             gc.collect()
@@ -347,6 +471,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the CPU table; cuda: the GPU one")
     parser.add_argument("--gpu-models", nargs="*", default=list(QWEN), help="--device cuda: which of " + " ".join(QWEN))
     parser.add_argument("--budget-s", type=float, default=330, help="--device cuda: skip rows started past this")
+    parser.add_argument("--profile", action="store_true",
+                        help="--device cuda: profile decode steps (torch.profiler) instead of the table")
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script works")
     parser.add_argument("--batches", type=int, nargs="*", default=None, help="batch sizes (default 1 16 64)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 128)")
@@ -358,7 +484,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=5, metavar="ARG", help=argparse.SUPPRESS)  # a child of `measure`
     args = parser.parse_args()
     if args.device == "cuda":
-        main_cuda(args)
+        main_profile(args) if args.profile else main_cuda(args)
         return
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -33,7 +33,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
 from reprorl.agent_loop.tools import select_tools
-from reprorl.determinism import check_worker_env
+from reprorl.determinism import check_worker_env, stable_digest
 from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
@@ -196,8 +196,8 @@ class AgentLoopWorker:
     A row's loop is its `agent_name` column ("single_turn" or "tool") if the batch has
     one, else `agent`. The tool loop may call the tools named in `tools` (None = every
     tool in `TOOLS`). Every generate call goes through `generate_balanced` (the shared
-    balancer actor; retry on a dead replica). The samples of one call run concurrently,
-    so the replicas see them all at once and batch them.
+    balancer actor; retry on a dead replica; the prompt's digest as its affinity key). The
+    samples of one call run concurrently, so the replicas see them all at once and batch them.
     """
 
     def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer_path: str,
@@ -232,8 +232,10 @@ class AgentLoopWorker:
     async def _generate(self, request_id, prompt_ids, sampling_params, seed, priority):
         if self.kill_switch is not None:
             self.kill_switch.see(request_id)
+        # The copies of a prompt meet on one replica, which prefills it once (prefix sharing).
+        affinity = stable_digest(np.asarray(prompt_ids, dtype=np.int64).tobytes())
         return await generate_balanced(self.balancer, self.replicas, request_id, prompt_ids,
-                                       sampling_params, seed, priority)
+                                       sampling_params, seed, priority, affinity=affinity)
 
 
 class AgentLoopManager:

@@ -42,7 +42,10 @@ class DecodeGraphs:
         self.pad_slot = cache.num_slots - 1
         # Row b: (token id, slot, position); a bucket's rows are one contiguous block, one copy.
         self.inputs = torch.zeros(max_batch, 3, dtype=torch.long, device=cache.device)
-        self._host = torch.zeros(max_batch, 3, dtype=torch.long).pin_memory()
+        # Two pinned blocks, used in turn: with the engine's lookahead a step's block is filled
+        # while the copy of the step before may still wait in the stream.
+        self._hosts = [torch.zeros(max_batch, 3, dtype=torch.long).pin_memory() for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -54,8 +57,7 @@ class DecodeGraphs:
 
     def capture(self, b: int) -> None:
         """Capture the graph of bucket b (`run` does it on first use)."""
-        self._fill([], [], [], b)
-        self.inputs[:b].copy_(self._host[:b])
+        self.inputs[:b].copy_(self._fill([], [], [], b)[:b])
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():
@@ -67,23 +69,31 @@ class DecodeGraphs:
             self.outputs[b] = self._step(b)
         self.graphs[b] = graph
 
-    def _fill(self, ids: list[int], slots: list[int], positions: list[int], b: int) -> None:
-        pad = b - len(ids)
-        rows = list(zip(ids, slots, positions)) + [(0, self.pad_slot, 0)] * pad
-        self._host[:b] = torch.tensor(rows, dtype=torch.long)
+    def _fill(self, ids: list[int] | None, slots: list[int], positions: list[int], b: int) -> Tensor:
+        """The next pinned block with the step's rows (ids None: zeros, the device fills them)."""
+        block = self._hosts[self._turn]
+        self._turn ^= 1
+        host = block.numpy()  # numpy's view: a list goes in without a tensor per row
+        n = len(slots)
+        host[:n, 0], host[:n, 1], host[:n, 2] = 0 if ids is None else ids, slots, positions
+        host[n:b] = (0, self.pad_slot, 0)
+        return block
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def run(self, ids: list[int], slots: list[int], positions: list[int]) -> Tensor:
-        """One decode step of len(ids) <= max_batch sequences -> logits [len(ids), V] (a view of
-        the graph's output: read it before the next replay). Advances `cache.lengths`."""
-        n = len(ids)
+    def run(self, ids: list[int] | None, slots: list[int], positions: list[int], device_ids: Tensor | None = None
+            ) -> Tensor:
+        """One decode step of len(slots) <= max_batch sequences -> logits [len(slots), V] (a view
+        of the graph's output: read it before the next replay). Advances `cache.lengths`.
+        The token ids come from `ids` or, when it is None, from `device_ids` [n] on the device."""
+        n = len(slots)
         b = self.bucket(n)
         if b not in self.graphs:
             self.capture(b)
-        self._fill(ids, slots, positions, b)
-        self.inputs[:b].copy_(self._host[:b], non_blocking=True)
+        self.inputs[:b].copy_(self._fill(ids, slots, positions, b)[:b], non_blocking=True)
+        if ids is None:
+            self.inputs[:n, 0].copy_(device_ids)
         self.graphs[b].replay()
         for s in slots:
             self.cache.lengths[s] += 1

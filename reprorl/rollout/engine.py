@@ -16,14 +16,26 @@ first token from the leader's last logits with its own uniform. In batch-invaria
 that is the same bits as n prefills (tested), so it changes only the work.
 
 On a GPU, decode-only steps are replayed from CUDA graphs (`cuda_graphs.py`) and sampling
-runs on the device for the whole batch (`sampling.sample_on_device`): the host ships the
-step's uniforms and parameters in one copy and reads the new tokens and log-probs back in
-one copy.
+runs on the device for the whole batch (`sampling.sample_on_device`; one fused Triton launch
+for the rows that sample from the full distribution): the host ships the step's uniforms
+and parameters in one copy and reads the new tokens and log-probs back in one copy.
 
 The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
 op from `reprorl.kernels`): all decode tokens of a step share one batched attention
 call, prefill chunks another, and in batch-invariant mode both give the same bits as the
 trainer's padded forward (tested).
+
+Lookahead (`lookahead=True`, GPU): the host's work between two steps (reading the tokens,
+finishing sequences, planning the next step) leaves the GPU idle. While every running
+sequence decodes and none waits for admission, the engine launches step t+1's graph from
+step t's tokens still on the device, then copies step t's tokens to the host on a side
+stream while the GPU runs t+1. It assumes no sequence stops at step t (one that reaches
+max_tokens or its capacity is known ahead and ends the chain). A sequence that did stop has
+run one extra decode row: its token is dropped when step t+1 is read, its KV write lands past
+its end in a slot it no longer holds (the next holder writes every position before it
+reads it), and the uniform it drew is one of its own generator's, which no one draws again;
+every other sequence's step t+1 is the row it would have had anyway (same graph, same
+inputs, its own next uniform), so the bits do not change.
 
 Determinism (DESIGN.md): a sample is a pure function of (weights, prompt ids, sampling
 params, seed). The engine keeps it by (1) giving each request a private generator seeded
@@ -152,6 +164,18 @@ class _Chunk:
         return self.start >= len(self.seq.prompt_ids)
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A graphed decode step on its way (lookahead): its chunks, its new tokens on the device,
+    tokens and log-prob bits joined for the one copy back, and CUDA events around it."""
+
+    chunks: list[_Chunk]
+    tokens: Tensor
+    joined: Tensor
+    start: torch.cuda.Event
+    end: torch.cuda.Event
+
+
 class _SlotPool:
     """The KV cache of every running sequence (the model's `KVCache`, one slot per sequence)
     and which slots are free. Slots are taken lowest first, so running ones stay dense and
@@ -232,6 +256,9 @@ class Engine:
     sampling runs on the device (`sampling.sample_on_device`). Everywhere:
     `prefix_sharing` prefills a prompt once for the requests that bring it together (the n
     samples of a GRPO prompt) and copies its keys/values into the others' slots.
+    `lookahead` (GPU, with graphs; off by default until measured): while every running
+    sequence decodes and none waits, launch step t+1 from step t's tokens on the device before
+    copying them to the host (see "Lookahead" in the module doc).
     """
 
     def __init__(
@@ -248,6 +275,7 @@ class Engine:
         gpu_memory_utilization: float = 0.5,
         cuda_graphs: bool = True,
         prefix_sharing: bool = True,
+        lookahead: bool = False,
     ):
         if not hasattr(model, "logits") or not hasattr(getattr(model, "model", None), "layers"):
             raise TypeError(f"Engine needs a reprorl.models.transformer.CausalLM, got {type(model).__name__}")
@@ -278,6 +306,10 @@ class Engine:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: expected a share in (0, 1]")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.prefix_sharing = prefix_sharing
+        self.lookahead = lookahead
+        self._ahead: _Launched | None = None  # a decode step launched from the last one's device tokens
+        self._last_end: torch.cuda.Event | None = None  # the end of the last lookahead-path step
+        self._copy_stream: torch.cuda.Stream | None = None
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kernels = select_kernels(self.device, batch_invariant)
@@ -296,7 +328,8 @@ class Engine:
         self._by_id: dict[str, _Sequence] = {}
         self._arrivals = itertools.count()
         self._stats = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "aborted": 0,
-                       "prefix_shared": 0, "graph_steps": 0, "gpu_busy_s": 0.0, "step_wall_s": 0.0}
+                       "prefix_shared": 0, "graph_steps": 0, "lookahead_steps": 0, "gpu_busy_s": 0.0,
+                       "step_wall_s": 0.0}
         self.num_threads = num_threads or torch.get_num_threads()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
@@ -304,10 +337,11 @@ class Engine:
         self._step_lock: asyncio.Lock | None = None
         self._sample_on_device = self.device.type == "cuda"  # else sample_batch: the host path's bits
         if self.device.type == "cuda":
-            from reprorl.kernels.gpu import row_cumsum
             from reprorl.kernels.gpu.attention import batched_attention as triton_attention
+            from reprorl.kernels.gpu.sampling import row_cumsum, sample_rows
 
-            self._cumsum = row_cumsum
+            # In both modes: the fused sampler's log-probs are the Triton log-softmax's bits.
+            self._cumsum, self._full_sampler = row_cumsum, sample_rows
             # Graph replays need an attention that reads nothing on the host: the Triton one.
             self._graph_attention = self.kernels.batched_attention if batch_invariant else triton_attention
             self._make_gpu_pool()
@@ -460,6 +494,7 @@ class Engine:
         # First call, or a new event loop (e.g. a second asyncio.run): requests left from a
         # closed loop can no longer be answered, so they are dropped.
         self._loop = loop
+        self._ahead = None
         for seq in list(self._by_id.values()):
             self._drop(seq)
         self._wakeup = asyncio.Event()
@@ -474,16 +509,26 @@ class Engine:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._by_id:
+            while self._by_id or self._ahead is not None:
                 async with self._step_lock:
                     wall = time.perf_counter()
-                    self._reap_aborted()
                     try:
-                        chunks = self._schedule()
-                        if not chunks:
-                            break
-                        tokens, log_probs = self._timed_step(chunks)
+                        if self._ahead is not None:  # launched last step: read it (the next one may go first)
+                            launched, self._ahead = self._ahead, None
+                            chunks = launched.chunks
+                            tokens, log_probs = self._read_launched(launched, self._launch_ahead(launched))
+                        else:
+                            self._reap_aborted()
+                            chunks = self._schedule()
+                            if not chunks:
+                                break
+                            if self._can_launch(chunks):
+                                launched = self._launch_decode(chunks)
+                                tokens, log_probs = self._read_launched(launched, self._launch_ahead(launched))
+                            else:
+                                tokens, log_probs = self._timed_step(chunks)
                     except Exception as exc:  # an engine or model error fails every request in flight
+                        self._ahead = None
                         for seq in list(self._by_id.values()):
                             self._drop(seq)
                             if not seq.future.done():
@@ -570,6 +615,8 @@ class Engine:
                 self._stats["prefix_shared"] += 1
             c.seq.followers = []
         for seq, tok, lp in zip(samplers, tokens, log_probs):
+            if seq.slot is None:  # it finished (or was aborted) after this lookahead step was launched
+                continue
             seq.output_ids.append(tok)
             seq.log_probs.append(lp)
             self._stats["tokens_generated"] += 1
@@ -646,6 +693,72 @@ class Engine:
             if caller_threads != self.num_threads:
                 torch.set_num_threads(caller_threads)
 
+    # ---- the lookahead path (GPU graphs; module doc, Lookahead) -------------------------------
+
+    def _can_launch(self, chunks: list[_Chunk]) -> bool:
+        """Whether a step goes the lookahead way: decodes only, through a captured graph."""
+        g = self._graphs
+        return (self.lookahead and g is not None and len(chunks) <= g.max_batch and g.bucket(len(chunks)) in g.graphs
+                and all(c.is_decode for c in chunks))
+
+    def _launch_decode(self, chunks: list[_Chunk], device_ids: Tensor | None = None) -> _Launched:
+        """Launch a graphed decode step and its sampling, reading nothing back. `device_ids`:
+        the token ids on the device (the step before's tokens), else the chunks' own."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.inference_mode():
+            ids = None if device_ids is not None else [c.token_ids[0] for c in chunks]
+            logits = self._graphs.run(ids, [c.slot for c in chunks], [c.start for c in chunks], device_ids)
+            self._stats["graph_steps"] += 1
+            params = [c.seq.params for c in chunks]
+            uniforms = [c.seq.next_uniform() for c in chunks]
+            packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
+            tokens, log_probs = sample_on_device(logits, packed, any_filter(params), self.kernels.softmax,
+                                                 self._cumsum, self._full_sampler)
+            joined = torch.cat([tokens.to(torch.int32), log_probs.float().view(torch.int32)])
+        end.record()
+        return _Launched(chunks, tokens, joined, start, end)
+
+    def _launch_ahead(self, cur: _Launched) -> _Launched | None:
+        """Launch the step after `cur` from its device tokens (into `_ahead`) when every
+        sequence of `cur` decodes again whatever its token but a stop token, and none waits."""
+        if self._waiting:  # admissions come first: the chain ends and the next step is planned
+            return None
+        for c in cur.chunks:
+            seq, n = c.seq, len(c.seq.output_ids) + 1  # its output length after cur's token
+            if seq.slot is None or seq.aborted or n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= seq.capacity:
+                return None
+        nxt = [_Chunk(c.seq, c.slot, [-1], c.start + 1, True) for c in cur.chunks]  # ids: on the device
+        self._ahead = self._launch_decode(nxt, cur.tokens)
+        self._stats["lookahead_steps"] += 1
+        return self._ahead
+
+    def _read_launched(self, launched: _Launched, behind: _Launched | None) -> tuple[list[int], list[float]]:
+        """A launched step's tokens and log-probs on the host. With a step launched `behind`
+        it, the copy goes on a side stream, so that step runs meanwhile. Adds the step's
+        device span to `gpu_busy_s`, less any overlap with the step before."""
+        if behind is None:
+            host = launched.joined.cpu()
+        else:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            side = self._copy_stream
+            side.wait_event(launched.end)
+            with torch.cuda.stream(side):
+                host = torch.empty(launched.joined.shape, dtype=torch.int32, pin_memory=True)
+                host.copy_(launched.joined, non_blocking=True)
+                launched.joined.record_stream(side)
+                done = torch.cuda.Event()
+                done.record(side)
+            done.synchronize()
+        span = launched.start.elapsed_time(launched.end)
+        if self._last_end is not None:
+            span = min(span, self._last_end.elapsed_time(launched.end))
+        self._last_end = launched.end
+        self._stats["gpu_busy_s"] += span / 1e3
+        n = launched.tokens.shape[0]
+        return host[:n].tolist(), host[n:].view(torch.float32).tolist()
+
     def _forward_and_sample(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
         sampled = _samplers(chunks)
         with torch.inference_mode():
@@ -660,7 +773,7 @@ class Engine:
                 return tokens.tolist(), log_probs.tolist()
             packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
             tokens, log_probs = sample_on_device(logits, packed, any_filter(params), self.kernels.softmax,
-                                                 self.kernels.log_softmax, self._cumsum)
+                                                 self._cumsum, self._full_sampler)
             return join_tokens_and_log_probs(tokens, log_probs)
 
     def _logits(self, chunks: list[_Chunk]) -> Tensor | None:

@@ -7,7 +7,9 @@ process-dependent: ties and hash routing go through `stable_hash(request_id)` ov
 SORTED replica ids, never Python's `hash()` or dict order, so a run routes the same way
 in every process (useful for replaying load, required by nothing in the contract).
 
-- `LoadBalancer`: the plain logic (sticky by request id, else least in-flight).
+- `LoadBalancer`: the plain logic (sticky by request id, then by affinity key, else least
+  in-flight). The affinity key keeps the n samples of one prompt on one replica while any
+  is in flight, so its engine prefills the prompt once (prefix sharing, engine.py).
 - `LoadBalancerActor`: the same class as a Ray actor, so several agent-loop workers
   share one view of the load.
 - `generate_balanced`: the client path: acquire, call the replica, release in a
@@ -35,8 +37,10 @@ class NoReplicaError(RuntimeError):
 class LoadBalancer:
     """Chooses a replica for each request; replica ids are ints (or strs), compared sorted.
 
-    `acquire(request_id)` returns the replica the request's last turn used while that
-    replica lives (sticky: a multi-turn loop keeps one replica), otherwise
+    `acquire(request_id, affinity)` returns the replica the request's last turn used while
+    that replica lives (sticky: a multi-turn loop keeps one replica), else, when `affinity`
+    is given and another request of that key is in flight, that request's replica (the
+    copies of one prompt meet there, and the engine prefills it once), otherwise
     - `routing="least_loaded"`: the replica with the fewest requests in flight; ties
       broken by `stable_hash(request_id)` over the sorted tied ids;
     - `routing="hash"`: `sorted(ids)[stable_hash(request_id) % len(ids)]`.
@@ -59,6 +63,8 @@ class LoadBalancer:
         self._in_flight: dict[int | str, int] = {}  # replica id -> requests in flight
         self._active: dict[str, int | str] = {}  # request id -> replica, between acquire and release
         self._sticky: OrderedDict[str, int | str] = OrderedDict()  # request id -> last replica
+        self._affinity: dict[str, str] = {}  # request id -> its affinity key, between acquire and release
+        self._groups: dict[str, list] = {}  # affinity key -> [replica, requests in flight]
         for rid in replica_ids:
             self.add_replica(rid)
 
@@ -69,7 +75,7 @@ class LoadBalancer:
         """Requests in flight per replica, by sorted replica id."""
         return {rid: self._in_flight[rid] for rid in sorted(self._in_flight)}
 
-    def acquire(self, request_id: str) -> int | str:
+    def acquire(self, request_id: str, affinity: str | None = None) -> int | str:
         """The replica to send `request_id` to; counts it in flight there until `release`."""
         if request_id in self._active:
             raise RuntimeError(
@@ -79,8 +85,15 @@ class LoadBalancer:
         if not self._in_flight:
             raise NoReplicaError(f"LoadBalancer: no rollout replica left to serve request {request_id!r}")
         rid = self._sticky.get(request_id)
+        if rid is None and affinity in self._groups:
+            rid = self._groups[affinity][0]
         if rid is None:
             rid = self._choose(request_id)
+        if affinity is not None:
+            group = self._groups.setdefault(affinity, [rid, 0])
+            if group[0] == rid:  # (a sticky request elsewhere leaves its key's replica as it is)
+                group[1] += 1
+                self._affinity[request_id] = affinity
         self._sticky[request_id] = rid
         self._sticky.move_to_end(request_id)
         while len(self._sticky) > self.max_sticky:
@@ -94,6 +107,11 @@ class LoadBalancer:
         rid = self._active.pop(request_id, None)
         if rid is not None and rid in self._in_flight:
             self._in_flight[rid] -= 1
+        key = self._affinity.pop(request_id, None)
+        if key is not None and key in self._groups:
+            self._groups[key][1] -= 1
+            if self._groups[key][1] == 0:
+                del self._groups[key]
 
     def add_replica(self, replica_id: int | str) -> None:
         if replica_id in self._in_flight:
@@ -118,6 +136,10 @@ class LoadBalancer:
         self._in_flight.pop(replica_id, None)
         for request_id in [r for r, rid in self._sticky.items() if rid == replica_id]:
             del self._sticky[request_id]
+        for key in [k for k, (rid, _) in self._groups.items() if rid == replica_id]:
+            del self._groups[key]
+        for request_id in [r for r, rid in self._active.items() if rid == replica_id]:
+            self._affinity.pop(request_id, None)  # its release must not count down a later group of its key
 
     def _choose(self, request_id: str) -> int | str:
         ids = sorted(self._in_flight)
@@ -145,9 +167,11 @@ async def generate_balanced(
     request_id: str,
     *args: Any,
     max_attempts: int | None = None,
+    affinity: str | None = None,
     **kwargs: Any,
 ) -> Any:
-    """`replicas[rid].generate.remote(request_id, *args, **kwargs)` on the balancer's choice.
+    """`replicas[rid].generate.remote(request_id, *args, **kwargs)` on the balancer's choice
+    (`affinity`: see `LoadBalancer.acquire`).
 
     The in-flight count is released whatever happens. When the replica's actor is dead
     (`RayActorError`, including `ActorDiedError`) it is removed from the balancer and the
@@ -162,7 +186,7 @@ async def generate_balanced(
     died: list[str] = []
     for _ in range(attempts):
         try:
-            rid = await _ask(balancer, "acquire", request_id)
+            rid = await _ask(balancer, "acquire", request_id, affinity)
         except NoReplicaError as err:
             raise NoReplicaError(f"{err}; replicas that died under it: {died or 'none'}") from None
         try:

@@ -22,11 +22,15 @@ On a GPU the engine samples with `sample_on_device` instead: the same inverse-CD
 the same log-probs, for the whole batch on the logits' device, with the uniforms (still
 drawn on the host from each request's generator) shipped in with the step's parameters as
 one tensor (`pack_step_params`), and one device-to-host copy of the new tokens and their
-log-probs together (`join_tokens_and_log_probs`). Probabilities are float32 there (the
-host path's are float64), so the two paths may pick a different token at a CDF boundary:
-each is deterministic, and the GPU one is batch-invariant when given batch-invariant
-`softmax`/`log_softmax` and a fixed-order running sum (`reprorl.kernels.gpu.row_cumsum`):
-every other op it runs is exact (comparisons, counts, gathers, a stable sort, argmax).
+log-probs together (`join_tokens_and_log_probs`). Rows that sample from the full
+distribution (and greedy rows) take one fused Triton launch that reads the logits twice and
+writes nothing of size V (`reprorl.kernels.gpu.sampling.sample_rows`); rows with top-k or
+top-p are sampled again by a sort, a mask and a running sum (`row_cumsum`) over the batch,
+only in steps that have such rows. Which rule a row gets depends on its own params alone.
+Probabilities are float32 there (the host path's are float64), so the two paths may pick a
+different token at a CDF boundary: each is deterministic and batch-invariant (one program
+per row, or row-wise batch-invariant kernels and exact ops: comparisons, counts, gathers, a
+stable sort, argmax).
 
 Filtering follows vLLM: top-k first, then top-p on the distribution renormalised over the
 top-k set. Ties are broken by token id (lower id ranks first), via a stable sort.
@@ -242,32 +246,43 @@ def any_filter(params: Sequence[SamplingParams]) -> bool:
     return any(not p.greedy and (p.top_k != -1 or p.top_p < 1) for p in params)
 
 
-def sample_on_device(logits: torch.Tensor, packed: torch.Tensor, filtered: bool, softmax, log_softmax,
-                     cumsum) -> tuple[torch.Tensor, torch.Tensor]:
+def filtered_rows(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Which rows of `pack_step_params`' step sample with top-k or top-p: bool [B]."""
+    _, temperature, top_k, top_p = packed
+    return (temperature != 0) & ((top_k < vocab_size) | (top_p < 1))
+
+
+def sample_on_device(logits: torch.Tensor, packed: torch.Tensor, filtered: bool, softmax, cumsum,
+                     full_sampler) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row where the logits are, with no host sync.
 
     logits [B, V]; packed [4, B] float64 from `pack_step_params`, on the logits' device;
-    `filtered`: `any_filter` of the step's params; softmax/log_softmax: the model's kernels;
-    cumsum: a row-wise running sum [B, V] -> [B, V] (`row_cumsum` on CUDA). Returns
-    (tokens int64 [B], log_probs float32 [B]) on the device: log_softmax(logits / T) at the
-    token, T = 1 for greedy, untruncated, as `sample_batch`.
+    `full_sampler`: (logits, packed) -> (tokens, log-probs, log_z), every row from its full
+    distribution (`reprorl.kernels.gpu.sampling.sample_rows`: one launch, its log-probs the
+    Triton log-softmax's bits). `filtered`: `any_filter` of the step's params; then the rows
+    that use top-k or top-p (`filtered_rows`: a property of the row, never of the batch) are
+    sampled again by the sort-based rule with `softmax` and `cumsum` (a row-wise running sum
+    [B, V] -> [B, V], `row_cumsum` on CUDA), and their log-probs are x[token] / T - log_z.
+    Returns (tokens int64 [B], log_probs float32 [B]) on the device: log_softmax(logits / T)
+    at the token, T = 1 for greedy, untruncated, as `sample_batch`.
     """
+    tokens, log_probs, log_z = full_sampler(logits, packed)
+    if not filtered:
+        return tokens, log_probs
     B, V = logits.shape
     u, temperature, top_k, top_p = packed
-    greedy = temperature == 0
-    temps = torch.where(greedy, 1.0, temperature).float()
-    logits = logits.float()
-    scaled = logits / temps[:, None]  # [B, V]; greedy rows unchanged
-    log_probs_all = log_softmax(scaled)  # [B, V]
+    temps = torch.where(temperature == 0, 1.0, temperature).float()
+    scaled = logits.float() / temps[:, None]  # [B, V]; greedy rows unchanged
     probs = softmax(scaled)  # [B, V] float32
-    if filtered:
-        probs = torch.where(_keep_mask_on_device(probs, top_k.long(), top_p, cumsum), probs, 0.0)
+    probs = torch.where(_keep_mask_on_device(probs, top_k.long(), top_p, cumsum), probs, 0.0)
     cdf = cumsum(probs)  # [B, V]
     target = (u * cdf[:, -1].double()).float()  # [B]
     idx = (cdf <= target[:, None]).sum(-1)  # first token whose cumulative mass exceeds the target
     last = V - 1 - torch.argmax((probs > 0).flip(-1).to(torch.int8), dim=-1)  # last token with mass
-    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), torch.minimum(idx, last))  # argmax: lowest id of ties
-    return tokens, log_probs_all.gather(1, tokens[:, None]).squeeze(1)
+    rows = filtered_rows(packed, V)
+    tokens = torch.where(rows, torch.minimum(idx, last), tokens)
+    x = scaled.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, torch.where(rows, x - log_z, log_probs)
 
 
 def _keep_mask_on_device(probs: torch.Tensor, k: torch.Tensor, p: torch.Tensor, cumsum) -> torch.Tensor:

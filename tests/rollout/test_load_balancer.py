@@ -229,3 +229,32 @@ def test_retry_after_a_replica_dies(ray_local):
     with pytest.raises(NoReplicaError, match="died"):
         asyncio.run(call("req-b"))
     assert ray.get(balancer.replica_ids.remote()) == []
+
+
+def test_affinity_keeps_the_copies_of_a_prompt_on_one_replica_while_any_is_in_flight():
+    lb = LoadBalancer([0, 1, 2])
+    first = lb.acquire("p0-0", affinity="prompt-0")
+    copies = [lb.acquire(f"p0-{j}", affinity="prompt-0") for j in range(1, 8)]
+    assert copies == [first] * 7 and lb.in_flight()[first] == 8
+    other = lb.acquire("p1-0", affinity="prompt-1")  # another prompt: least loaded, elsewhere
+    assert other != first
+    for j in range(8):
+        lb.release(f"p0-{j}")
+    # None in flight: the key is forgotten, its next request is routed by load (a tie of the two idle ones).
+    idle = sorted({0, 1, 2} - {other})
+    assert lb.acquire("p0-8", affinity="prompt-0") == idle[stable_hash("p0-8") % 2]
+
+
+def test_affinity_yields_to_stickiness_and_forgets_a_removed_replica():
+    lb = LoadBalancer([0, 1, 2])
+    a = lb.acquire("turn")
+    h = lb.acquire("hold", affinity="k")  # least loaded: not a
+    lb.release("turn")
+    assert h != a and lb.acquire("turn", affinity="k") == a  # a request's later turn keeps its replica
+    lb.release("turn")
+    lb.remove_replica(h)  # k's replica died
+    n = lb.acquire("hold2", affinity="k")  # routed by load again, and k now lives on n
+    lb.release("hold")  # released after the removal: must not count down k's new group
+    other = ({0, 1, 2} - {h, n}).pop()
+    assert lb.in_flight()[n] == 1 and lb.in_flight()[other] == 0
+    assert lb.acquire("hold3", affinity="k") == n  # by load it would have been `other`

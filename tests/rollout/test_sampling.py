@@ -207,9 +207,11 @@ def test_stop_token_ids_become_a_tuple():
     assert SamplingParams(stop_token_ids=[5, 6]).stop_token_ids == (5, 6)
 
 
-# ---- the GPU path, run here on CPU tensors ------------------------------------------------
+# ---- the GPU path, run here on CPU tensors (Triton under its interpreter) -----------------
 
 from reprorl.kernels import TorchKernels  # noqa: E402
+from reprorl.kernels.gpu import softmax as tl_softmax  # noqa: E402
+from reprorl.kernels.gpu.sampling import sample_rows  # noqa: E402
 from reprorl.rollout.sampling import any_filter, join_tokens_and_log_probs, pack_step_params, sample_on_device  # noqa: E402
 
 
@@ -219,7 +221,7 @@ def _torch_cumsum(x):
 
 def _on_device(logits, params, uniforms, cumsum=_torch_cumsum):
     packed = pack_step_params(params, uniforms, logits.shape[1])
-    return sample_on_device(logits, packed, any_filter(params), TorchKernels.softmax, TorchKernels.log_softmax, cumsum)
+    return sample_on_device(logits, packed, any_filter(params), TorchKernels.softmax, cumsum, sample_rows)
 
 
 def test_device_sampler_by_hand():
@@ -228,7 +230,7 @@ def test_device_sampler_by_hand():
     params = [SamplingParams()] * 4 + [SamplingParams(temperature=0)]
     tokens, log_probs = _on_device(logits, params, [0.05, 0.25, 0.5, 0.99, 0.0])
     assert tokens.tolist() == [0, 1, 2, 3, 3]
-    assert torch.equal(log_probs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
+    assert torch.equal(log_probs, tl_softmax.log_softmax(logits).gather(1, tokens[:, None])[:, 0])
     # top-k 2 keeps tokens 3 and 2 (mass 0.7): u = 0.5 -> 0.35 of it, past token 2's 0.3.
     tokens, _ = _on_device(logits[:2], [SamplingParams(top_k=2), SamplingParams(top_p=0.5)], [0.5, 0.1])
     assert tokens.tolist() == [3, 2]  # top-p 0.5: tokens 3 and 2; u = 0.1 of 0.7 falls in token 2
@@ -251,6 +253,7 @@ def test_device_sampler_rows_do_not_depend_on_the_batch():
     assert torch.equal(t_all, tokens)
 
 
+@pytest.mark.slow  # 4000 programs of the fused sampler under the Triton interpreter: about a minute
 def test_device_sampler_empirical_distribution():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().repeat(4000, 1)
@@ -281,3 +284,54 @@ def test_one_copy_back_keeps_the_bits():
     log_probs = torch.tensor([-0.0, -1.2345678, -30.5])
     t, lp = join_tokens_and_log_probs(tokens, log_probs)
     assert t == tokens.tolist() and torch.equal(torch.tensor(lp, dtype=torch.float32), log_probs)
+
+
+def _margin_to_boundary(logits, params, uniforms):
+    """Per row: the target's float64 distance to the nearest CDF entry over the total (the
+    float32 and float64 paths pick the same token while it is well above their rounding)."""
+    out = []
+    for row, p, u in zip(logits.double(), params, uniforms):
+        if p.greedy:
+            out.append(1.0)
+            continue
+        cdf = torch.softmax(row / p.temperature, -1).cumsum(-1)
+        out.append(float((cdf - u * cdf[-1]).abs().min() / cdf[-1]))
+    return out
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 2 * 4096 + 37])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_sampler_is_the_host_rule_with_the_triton_log_softmax(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    B = 6
+    logits = (torch.randn(B, vocab, generator=g) * 3).to(dtype)
+    params = [SamplingParams(temperature=t) for t in (0, 1.0, 0.7, 1.3, 0, 1.0)]
+    uniforms = [draw_uniforms(make_generator(s), 1)[0] for s in range(B)]
+    assert min(_margin_to_boundary(logits, params, uniforms)) > 1e-5  # the premise of comparing tokens
+    tokens, log_probs, log_z = sample_rows(logits, pack_step_params(params, uniforms, vocab))
+    ref_tokens, ref_log_probs = sample_batch(logits, params, uniforms, tl_softmax.log_softmax)
+    assert torch.equal(tokens, ref_tokens)
+    assert torch.equal(log_probs, ref_log_probs)  # the Triton log-softmax's bits, same division by T
+    temps = torch.tensor([p.temperature or 1.0 for p in params])
+    scaled = logits.float() / temps[:, None]
+    assert torch.equal(scaled - log_z[:, None], tl_softmax.log_softmax(scaled))  # its normaliser, for any token
+    # a row alone is the same bits
+    for i in (1, 4):
+        alone = sample_rows(logits[i : i + 1], pack_step_params(params[i : i + 1], uniforms[i : i + 1], vocab))
+        assert all(torch.equal(a, b[i : i + 1]) for a, b in zip(alone, (tokens, log_probs, log_z)))
+
+
+def test_fused_sampler_edges():
+    # A target that rounds up to the total takes the last token with mass, as the host rule.
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0] + [float("-inf")] * 4])
+    params, uniforms = [SamplingParams()], [1 - 2**-40]
+    tokens, log_probs, _ = sample_rows(logits, pack_step_params(params, uniforms, 8))
+    assert tokens.tolist() == [3] == sample_batch(logits, params, uniforms)[0].tolist()
+    assert torch.equal(log_probs, torch.tensor([-2 * math.log(2)], dtype=torch.float32))
+    # Greedy takes the lowest id of tied maxima, across blocks and lanes.
+    logits = torch.zeros(1, 2 * 4096 + 10)
+    logits[0, [5000, 4096 + 17, 17]] = 2.0  # 17 and 4096 + 17: one lane, two blocks
+    tokens, _, _ = sample_rows(logits, pack_step_params([SamplingParams(temperature=0)], [0.5], 8202))
+    assert tokens.tolist() == [17]
+    with pytest.raises(ValueError, match=r"sample_rows: expected logits \[B, V\] and packed \[4, B\] float64"):
+        sample_rows(logits, pack_step_params([SamplingParams()] * 2, [0.5, 0.5], 8202))

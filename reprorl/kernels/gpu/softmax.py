@@ -1,9 +1,14 @@
 """Batch-invariant softmax and log-softmax over the last dim on CUDA, up to any width
 (a 152k vocabulary): one program per row.
 
-The row is read in blocks of a width fixed by V alone; each lane keeps its running max and
-its sum of exps (rescaled when the max grows), and the lanes are combined once at the end.
-The order of every sum is a function of V, never of the batch. Results are float32.
+The row is read in blocks of `stats_block(V)` (a width fixed by V alone); each lane keeps
+its running max and its sum of exps (rescaled when the max grows), and the lanes are
+combined once at the end by a fixed pairwise tree (`_tree_sum`). The order of every sum is
+a function of V alone: never of the batch, nor of how the compiler lays a block out over
+threads (which sets `tl.sum`'s order), so another kernel that loads the same row values
+another way (the engine's sampler reads bf16 logits and divides by the temperature
+itself, `sampling.py`) gets the same row statistics (`row_stats`), bit for bit. Results are
+float32.
 """
 
 from __future__ import annotations
@@ -14,8 +19,45 @@ import triton.language as tl
 from torch import Tensor
 
 
+def stats_block(v: int) -> int:
+    """The block width of a row of v entries (every kernel that needs `row_stats` uses it)."""
+    return min(4096, triton.next_power_of_2(v))
+
+
+def stats_warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
 @triton.jit
-def _softmax_kernel(x_ptr, out_ptr, stride_x, stride_out, V, LOG: tl.constexpr, BLOCK: tl.constexpr):
+def _tree_sum(x, LOG2_N: tl.constexpr):
+    """Sum of x [2**LOG2_N] as a fixed pairwise tree: at each level entry 2i plus entry 2i+1
+    (a sum of two is the same bits either way round), whatever x's layout."""
+    for _ in tl.static_range(LOG2_N):
+        a, b = tl.split(tl.reshape(x, (x.shape[0] // 2, 2)))
+        x = a + b
+    return tl.sum(tl.reshape(x, (1,)), axis=0)  # the one entry left, as a scalar
+
+
+@triton.jit
+def lane_update(m, s, x):
+    """One block into the lanes' running max m and sum of exps s (all [BLOCK] float32)."""
+    m_new = tl.maximum(m, x)
+    seen = m_new > float("-inf")  # a lane that has met only -inf keeps s = 0 (no inf - inf)
+    s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
+    return m_new, s
+
+
+@triton.jit
+def row_stats(m, s, LOG2_BLOCK: tl.constexpr):
+    """The lanes combined: (row max, row sum of exp(x - max)), the sum by `_tree_sum`."""
+    m_row = tl.max(m, axis=0)
+    s_row = _tree_sum(tl.where(m > float("-inf"), s * tl.exp(m - m_row), 0.0), LOG2_BLOCK)
+    return m_row, s_row
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, out_ptr, stride_x, stride_out, V, LOG: tl.constexpr, BLOCK: tl.constexpr,
+                    LOG2_BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * stride_out
@@ -24,12 +66,8 @@ def _softmax_kernel(x_ptr, out_ptr, stride_x, stride_out, V, LOG: tl.constexpr, 
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, x)
-        seen = m_new > float("-inf")  # a lane that has met only -inf keeps s = 0 (no inf - inf)
-        s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
-        m = m_new
-    m_row = tl.max(m, axis=0)
-    s_row = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - m_row), 0.0), axis=0)
+        m, s = lane_update(m, s, x)
+    m_row, s_row = row_stats(m, s, LOG2_BLOCK)
     log_z = m_row + tl.log(s_row)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -48,9 +86,9 @@ def _launch(x: Tensor, log: bool) -> Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0] and v:
-        block = min(4096, triton.next_power_of_2(v))
+        block = stats_block(v)
         _softmax_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), v, LOG=log, BLOCK=block,
-                                          num_warps=8 if block >= 2048 else 4)
+                                          LOG2_BLOCK=block.bit_length() - 1, num_warps=stats_warps(block))
     return out.reshape(x.shape)
 
 
