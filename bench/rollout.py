@@ -25,9 +25,10 @@ the script works (small sizes; its figures mean little).
 GPU (`--device cuda`, one process, about 4-5 minutes on an H200): Qwen2.5-0.5B- and
 1.5B-shaped models with random weights, bf16, prompt 128 + 256 new tokens, batches 64 and
 256, every sample from the full distribution (T=1, top_k off, top_p 1) on both sides:
-  - `engine` / `engine-det`: the engine with determinism off / on (CUDA graphs, device sampling),
+  - `engine` / `engine-det`: the engine with determinism off / on, as a replica runs it (CUDA
+    graphs, device sampling, lookahead: step t+1 launched before step t is read),
   - `engine-n8` / `engine-n8-noshare`: 32 prompts x 8 samples with and without prefix sharing,
-  - `engine-ahead`: `engine` at batch 256 with `lookahead` (step t+1 launched before t is read),
+  - `engine-sync`: `engine` at batch 256 without lookahead (each step read before the next),
   - `hf` / `hf-topk50`: `generate` on the full distribution / with its default top-k of 50.
 Each engine row also gives `gpu_busy`: the steps' device span over the run's wall time
 (see `Engine._timed_step`). Targets (issue 13): engine >= 40,000 tok/s at batch 256 on
@@ -37,7 +38,7 @@ Each engine row also gives `gpu_busy`: the steps' device span over the run's wal
     python bench/rollout.py --device cuda --out bench/results/rollout_cuda.json
 
 `--profile` (with `--device cuda`) runs no table: torch.profiler over 8 decode steps of the
-first model at batch 256 (engine, engine-det, engine-ahead), printing and saving the top kernels by
+first model at batch 256 (engine, engine-det, engine-sync), printing and saving the top kernels by
 CUDA time, their groups (linear, attention, sampling...) in ms a step, and the share of the
 window the GPU runs a kernel.
 
@@ -340,7 +341,7 @@ def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip
 
 def main_profile(args) -> None:
     """`--profile`: the decode step of the first --gpu-models model at batch 256: engine,
-    engine-det, and engine with lookahead (step t+1 launched before t is read)."""
+    engine-det, and engine without lookahead (each step read before the next is launched)."""
     import transformers
 
     from reprorl.rollout.engine import Engine
@@ -349,7 +350,7 @@ def main_profile(args) -> None:
     name, batch = args.gpu_models[0], max(GPU_BATCHES)
     _, ours = gpu_models(name)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
-    for label, det, ahead in (("engine", False, False), ("engine-det", True, False), ("engine-ahead", False, True)):
+    for label, det, ahead in (("engine", False, True), ("engine-det", True, True), ("engine-sync", False, False)):
         engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
                         max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                         gpu_memory_utilization=0.3, lookahead=ahead)
@@ -426,9 +427,9 @@ def main_cuda(args) -> None:
                 record(name, "engine-n8", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
                 engine.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
-                engine.prefix_sharing, engine.lookahead = True, True  # step t+1 launched from t's device tokens
+                engine.prefix_sharing, engine.lookahead = True, False  # each step read before the next
                 prompts = gpu_prompts(max(GPU_BATCHES), vocab)
-                record(name, "engine-ahead", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
+                record(name, "engine-sync", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()
             engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
             gc.collect()

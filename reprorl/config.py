@@ -131,6 +131,10 @@ class RolloutConfig:
     prefix_sharing: bool = _field(
         True, "backend=native: prefill a prompt once for the samples that bring it together (the n of a GRPO group)"
     )
+    lookahead: bool = _field(
+        True, "backend=native on a GPU with cuda_graphs: launch decode step t+1 from step t's tokens on the device "
+        "before reading them back, so the GPU does not wait for the host between steps (same bits either way)"
+    )
     vllm_gpu_memory_utilization: float = _field(
         0.3, "backend=vllm: share of accelerator memory per replica for weights and KV cache (CPU: of host memory, "
         "for the KV cache) when vllm_kv_cache_gib is null", gt=0, le=1

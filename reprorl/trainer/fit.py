@@ -255,7 +255,7 @@ class Trainer:
             backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
             device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
             native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
-                            "prefix_sharing": ro.prefix_sharing},
+                            "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead},
         )
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
         agent = AgentLoopManager(

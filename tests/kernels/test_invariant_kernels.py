@@ -373,3 +373,27 @@ def test_startup_check_names_a_broken_op(backend):
 
 def test_startup_check_skips_backends_without_the_promise():
     verify_batch_invariance(TorchKernels, TINY, torch.float32, "cpu")  # no promise, nothing to check
+
+
+def test_plain_mode_on_cuda_is_stock_torch_with_tritons_element_wise_ops():
+    """Determinism off on CUDA: cuBLAS linears and SDPA attention, Triton's RMSNorm, rotary
+    and SiLU-and-mul (one launch each where stock torch chains several); their arithmetic
+    here under the interpreter, on CUDA when there is one."""
+    pytest.importorskip("triton")
+    from reprorl.kernels import select_kernels
+    from reprorl.kernels.gpu import FastCudaKernels, TritonKernels
+
+    k = select_kernels("cuda", False)
+    assert k is FastCudaKernels and not k.batch_invariant
+    assert (k.linear, k.batched_attention, k.log_softmax) == \
+        (TorchKernels.linear, TorchKernels.batched_attention, TorchKernels.log_softmax)
+    assert (k.rms_norm, k.swiglu, k.apply_rotary) == \
+        (TritonKernels.rms_norm, TritonKernels.swiglu, TritonKernels.apply_rotary)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x, w = rand(g, 9, 96, device=dev), 1 + rand(g, 96, device=dev, scale=0.1)
+    assert rel_err(k.rms_norm(x, w, 1e-6), ReferenceKernels.rms_norm(x, w, 1e-6)) < TOL[torch.float32]
+    assert rel_err(k.swiglu(x, x.flip(-1)), ReferenceKernels.swiglu(x, x.flip(-1))) < TOL[torch.float32]
+    cos, sin = (t.to(dev) for t in rope_tables(64, 10000.0, 9))
+    heads = rand(g, 9, 2, 64, device=dev)
+    assert rel_err(k.apply_rotary(heads, cos, sin), ReferenceKernels.apply_rotary(heads, cos, sin)) < TOL[torch.float32]
