@@ -61,6 +61,8 @@ import time
 
 import torch
 
+from profiling import kernel_summary, print_summary  # bench/profiling.py (the script's folder is on sys.path)
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.json")
 
 
@@ -262,24 +264,11 @@ def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict
             "lookahead_steps": after["lookahead_steps"] - before["lookahead_steps"]}
 
 
-def kernel_group(name: str) -> str:
-    """A kernel's share of a step, by its name: what the profile's groups add up."""
-    n = name.lower()
-    for group, keys in (("sampling", ("_sample_kernel", "softmax", "cumsum", "sort", "argmax", "radix")),
-                        ("attention", ("attention",)),
-                        ("linear", ("gemm", "nvjet", "cutlass", "matmul", "xmma", "sm90", "splitk")),
-                        ("norm/rope/swiglu", ("rms", "rotary", "swiglu", "silu"))):
-        if any(k in n for k in keys):
-            return group
-    return "other"
-
-
 def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip: int = 4, steps: int = 8) -> dict:
     """torch.profiler over `steps` decode steps of the engine (after the prefill step and
     `skip` decodes): the top kernels by CUDA time, their groups, and the share of the window
     the GPU runs a kernel (the union of kernel intervals over the window's wall time: the
     host's time between steps is in the window)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from reprorl.rollout.sampling import SamplingParams
@@ -313,30 +302,8 @@ def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip
         asyncio.run(run(skip + steps + 2))
     finally:
         del engine._apply  # back to the method
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, float("-inf")
-    for a, b in intervals:  # the union of the kernels' intervals
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    total = sum(sum(v) for v in by_name.values()) or 1e-9
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    groups: dict[str, float] = {}
-    for name, times in by_name.items():
-        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + sum(times)
-    wall_us = state["wall"] * 1e6
-    return {
-        "decode_steps": steps, "batch": len(prompts), "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
-        "kernel_ms_per_step": round(total / steps / 1e3, 3), "gpu_busy": round(busy / wall_us, 3),
-        "groups_ms_per_step": {g: round(t / steps / 1e3, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": name[:120], "group": kernel_group(name), "calls_per_step": len(t) / steps,
-                         "us_per_step": round(sum(t) / steps, 1), "share": round(sum(t) / total, 4)}
-                        for name, t in top[:25]],
-    }
+    summary = kernel_summary(prof, state["wall"], per=steps)
+    return {"decode_steps": steps, "batch": len(prompts), **summary}
 
 
 def main_profile(args) -> None:
@@ -356,12 +323,7 @@ def main_profile(args) -> None:
                         gpu_memory_utilization=0.3, lookahead=ahead)
         r = profile_engine_cuda(engine, gpu_prompts(batch, ours.args.vocab_size), list(range(batch)))
         out["profiles"][label] = r
-        print(f"\n{name} {label} batch {batch}: {r['wall_ms_per_step']} ms a decode step, kernels "
-              f"{r['kernel_ms_per_step']} ms, GPU busy {r['gpu_busy']:.0%}; by group (ms a step): "
-              + ", ".join(f"{g} {t}" for g, t in r["groups_ms_per_step"].items()))
-        for k in r["top_kernels"][:20]:
-            print(f"  {k['us_per_step']:9.1f} us  {k['share']:6.1%}  x{k['calls_per_step']:<5g} {k['group']:16} "
-                  f"{k['name'][:90]}")
+        print_summary(f"{name} {label} batch {batch}, a decode step", r)
         engine.shutdown()
         engine = None
         gc.collect()

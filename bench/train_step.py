@@ -26,7 +26,13 @@ an H200's dense bf16). When `import trl` works, TRL's `GRPOTrainer` runs the sam
 otherwise) and its step time is in the JSON; else the JSON says why it did not run.
 
 CUBLAS_WORKSPACE_CONFIG is set before CUDA starts (full determinism needs it then), so
-the "off" mode runs with it too.
+the "off" mode runs with it too. Each step also records the engine's counters for its
+generation (steps, steps replayed from CUDA graphs, launched ahead, KV slots).
+
+`--profile`: after the timed step, each mode's log-prob pass and update run once more on
+the same batch under torch.profiler (bench/profiling.py): kernel time by group, the share
+of the wall time the GPU is busy, the top kernels and the top host-side ops, per
+micro-batch. Those runs are not in the step's timings.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
+    p.add_argument("--profile", action="store_true", help="profile each mode's log-probs and update (module doc)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the GPU's dense bf16 peak, TFLOP/s")
     args = p.parse_args(argv)
     defaults = (2, 2, 8, 4, 2) if args.quick else (64, 8, 128, 256, 16)
@@ -190,11 +197,15 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            before = engine.stats()
             sync(device)
             t0 = time.perf_counter()
             outputs = generate(loop, engine, prompts, args.n, new_tokens, step)
             sync(device)
             t1 = time.perf_counter()
+            after = engine.stats()
+            counters = {k: after[k] - before[k] for k in ("steps", "graph_steps", "lookahead_steps", "prefix_shared")}
+            counters.update(kv_slots=after["kv_slots"], graph_error=after["graph_error"])
             loop.run_until_complete(engine.sleep())
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
@@ -221,10 +232,14 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             }
             print(f"  {'on ' if full_determinism else 'off'} step {step}: " + ", ".join(
                 f"{k} {v:.3g}" for k, v in record[f"step{step}"].items() if v is not None), flush=True)
+            record[f"step{step}"]["engine"] = counters
+            print(f"      engine: {counters}", flush=True)
         timed = record["step2"]
         flops = update_flops(shape, samples, args.prompt_len + args.new_tokens)
         record["update_tflops"] = flops / timed["update_s"] / 1e12
         record["update_mfu"] = record["update_tflops"] / args.peak_tflops
+        if args.profile:
+            record["profile"] = profile_passes(args, worker, batch, samples, new_tokens, full_determinism)
     finally:
         engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0.01))  # let the cancelled step loop finish
@@ -234,6 +249,33 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         if device == "cuda":
             torch.cuda.empty_cache()
     return record
+
+
+def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_determinism: bool) -> dict:
+    """The log-prob pass and the update once more under torch.profiler, per micro-batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profiling import host_summary, kernel_summary, print_summary
+    from reprorl.trainer.policy import PolicyLossArgs
+
+    passes = {
+        "log_probs": lambda: worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch),
+        "update": lambda: worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
+                                        max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0),
+    }
+    micro_batches = math.ceil(samples / args.micro_batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    out = {}
+    for name, run in passes.items():
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            run()
+            sync(args.device)
+            wall = time.perf_counter() - t0
+        out[name] = {**kernel_summary(prof, wall, per=micro_batches), "host": host_summary(prof, per=micro_batches)}
+        print_summary(f"{'on ' if full_determinism else 'off'} {name}, a micro-batch of {args.micro_batch}",
+                      out[name], out[name]["host"])
+    return out
 
 
 def run_trl(args: argparse.Namespace, shape: dict) -> dict:
