@@ -1,5 +1,5 @@
-"""What every kernel backend shares: the rotary tables, argument checks, and the padded
-batch moved into the layout of the engine's attention."""
+"""What every kernel backend shares: the rotary tables, argument checks, the padded
+batch moved into the layout of the engine's attention, and the KV cache's row writes."""
 
 from __future__ import annotations
 
@@ -71,3 +71,15 @@ def padded_as_sequences(batched_attention: Callable[..., Tensor], q: Tensor, k: 
     out = batched_attention(front(q), front(k), front(v), order.new_zeros(b)).transpose(1, 2)
     out = out.masked_fill(~real.gather(1, order)[:, :, None, None], 0.0)  # [B, T, Hq, D]
     return torch.zeros_like(out).scatter(1, order[:, :, None, None].expand_as(out), out)
+
+
+def write_rows(dst: Tensor, rows: Tensor, src: Tensor) -> None:
+    """dst[rows[i]] = src[i] in place: dst [R, C] with contiguous rows, src [n, C]. The rows
+    must be distinct where anyone reads them (duplicates race on CUDA). On CUDA one Triton
+    launch (`reprorl.kernels.gpu.rows` says why not index_put), elsewhere index_put."""
+    if dst.is_cuda:
+        from reprorl.kernels.gpu.rows import write_rows as triton_write_rows
+
+        triton_write_rows(dst, rows, src)
+    else:
+        dst[rows] = src

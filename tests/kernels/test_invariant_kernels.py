@@ -397,3 +397,24 @@ def test_plain_mode_on_cuda_is_stock_torch_with_tritons_element_wise_ops():
     cos, sin = (t.to(dev) for t in rope_tables(64, 10000.0, 9))
     heads = rand(g, 9, 2, 64, device=dev)
     assert rel_err(k.apply_rotary(heads, cos, sin), ReferenceKernels.apply_rotary(heads, cos, sin)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_write_rows_is_index_put(dtype):
+    """The KV cache's row writes (Triton on CUDA, interpreted here): each row copied to its
+    place, every other row untouched; a strided source and a 1-column int64 one included."""
+    pytest.importorskip("triton")
+    from reprorl.kernels.gpu.rows import write_rows
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    for r, c, n in ((40, 64, 7), (9, 1, 9), (300, 1500, 3)):
+        dst = (torch.randn(r, c, generator=g) * 100).to(dtype).to(dev)
+        src = (torch.randn(c, n, generator=g) * 100).to(dtype).to(dev).t()  # [n, C], not contiguous
+        rows = torch.randperm(r, generator=g)[:n].to(dev)
+        expected = dst.clone()
+        expected[rows] = src
+        write_rows(dst, rows, src)
+        assert torch.equal(dst, expected)
+    with pytest.raises(ValueError, match="expected one dtype"):
+        write_rows(dst, rows, src.float() if dtype != torch.float32 else src.double())
