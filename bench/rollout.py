@@ -26,7 +26,8 @@ GPU (`--device cuda`, one process, about 4-5 minutes on an H200): Qwen2.5-0.5B- 
 1.5B-shaped models with random weights, bf16, prompt 128 + 256 new tokens, batches 64 and
 256, every sample from the full distribution (T=1, top_k off, top_p 1) on both sides:
   - `engine` / `engine-det`: the engine with determinism off / on, as a replica runs it (CUDA
-    graphs, device sampling, lookahead: step t+1 launched before step t is read),
+    graphs, device sampling, lookahead: step t+1 launched before step t is read; "on" with
+    torch's deterministic algorithms, as `full_determinism` sets them),
   - `engine-n8` / `engine-n8-noshare`: 32 prompts x 8 samples with and without prefix sharing,
   - `engine-sync`: `engine` at batch 256 without lookahead (each step read before the next),
   - `hf` / `hf-topk50`: `generate` on the full distribution / with its default top-k of 50.
@@ -318,6 +319,7 @@ def main_profile(args) -> None:
     _, ours = gpu_models(name)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
     for label, det, ahead in (("engine", False, True), ("engine-det", True, True), ("engine-sync", False, False)):
+        torch.use_deterministic_algorithms(det)  # as a replica under full determinism runs
         engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
                         max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                         gpu_memory_utilization=0.3, lookahead=ahead)
@@ -378,6 +380,7 @@ def main_cuda(args) -> None:
         vocab = ours.args.vocab_size
         for det in (False, True):
             label = "engine-det" if det else "engine"
+            torch.use_deterministic_algorithms(det)  # as a replica under full determinism runs
             engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=max(GPU_BATCHES),
                             max_num_batched_tokens=max(GPU_BATCHES) * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                             gpu_memory_utilization=0.3)
@@ -396,6 +399,7 @@ def main_cuda(args) -> None:
             engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
             gc.collect()
             torch.cuda.empty_cache()
+        torch.use_deterministic_algorithms(False)  # transformers' generate as its users run it
         for top_k, label in ((0, "hf"), (50, "hf-topk50")):
             for batch in GPU_BATCHES[::-1]:  # 256 first: the headline comparison
                 record(name, label, batch, lambda: time_hf_cuda(hf, batch, top_k))
@@ -447,6 +451,11 @@ def main() -> None:
     parser.add_argument("--one", nargs=5, metavar="ARG", help=argparse.SUPPRESS)  # a child of `measure`
     args = parser.parse_args()
     if args.device == "cuda":
+        # Before CUDA starts: the determinism rows turn on torch's deterministic algorithms,
+        # which need cuBLAS's fixed workspace (as `enable_full_determinism` in a replica).
+        from reprorl.determinism import CUBLAS_WORKSPACE_CONFIG
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
         main_profile(args) if args.profile else main_cuda(args)
         return
     if args.threads:
