@@ -7,7 +7,11 @@
 #   xeon     the kernel benchmarks on the host CPU
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
+#            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
 #   gputrain the one-GPU training tests and bench/train_step.py
+#   gputests the one-GPU training tests alone
+#   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl")
+#   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k y")
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU
 # engine, gputrain and train need Ray there: run ../shared/tools/device-wheels here first
@@ -54,16 +58,30 @@ for step in $steps; do
     engine)
       with_ray || echo "no .whl: the engine tests that need Ray skip" | summary
       run_tests test_engine_gpu tests/rollout/test_engine_gpu.py
-      timeout 400 python3 bench/rollout.py --device cuda --out "$LOGS/rollout_cuda.json" > "$LOGS/bench_rollout.log" 2>&1
+      timeout 400 python3 bench/rollout.py --device cuda ${ROLLOUT_ARGS:-} --out "$LOGS/rollout_cuda.json" \
+        > "$LOGS/bench_rollout.log" 2>&1
       tail -40 "$LOGS/bench_rollout.log" | summary
-      timeout 200 python3 bench/rollout.py --device cuda --profile --out "$LOGS/rollout_profile.json" \
-        > "$LOGS/rollout_profile.log" 2>&1
-      grep -v "^USDT\|^STAGE" "$LOGS/rollout_profile.log" | tail -48 | summary ;;
+      if [ -z "${NO_PROFILE:-}" ]; then
+        timeout 200 python3 bench/rollout.py --device cuda --profile --out "$LOGS/rollout_profile.json" \
+          > "$LOGS/rollout_profile.log" 2>&1
+        grep -v "^USDT\|^STAGE" "$LOGS/rollout_profile.log" | tail -48 | summary
+      fi ;;
     gputrain)
       with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
       run_tests test_gpu_train tests/trainer/test_gpu_train.py
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
+    gputests)
+      with_ray || { echo "no .whl: skipping gputests" | summary; continue; }
+      run_tests test_gpu_train tests/trainer/test_gpu_train.py ;;
+    trainstep)
+      with_ray || { echo "no .whl: skipping trainstep" | summary; continue; }
+      timeout 300 python3 bench/train_step.py ${TRAIN_STEP_ARGS:-} --out "$LOGS/train_step.json" \
+        > "$LOGS/bench_train_step.log" 2>&1
+      grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step.log" | tail -120 | summary ;;
+    pytest)
+      with_ray || echo "no .whl: tests that need Ray skip" | summary
+      run_tests pytest_args ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
     example)
       with_ray || { echo "no .whl: skipping example" | summary; continue; }
       timeout 420 python3 -m reprorl.cli train examples/gpu_arithmetic.yaml > "$LOGS/example.log" 2>&1

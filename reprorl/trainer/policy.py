@@ -96,7 +96,12 @@ def response_logits(logits: torch.Tensor, response_length: int, temperature: flo
     logits: `[B, P+R, V]` of the whole sequence -> `[B, R, V]`: positions P-1 .. P+R-2
     (position t predicts token t+1). temperature <= 0 (greedy) counts as 1, as the engine.
     """
-    scaled = logits[:, -response_length - 1 : -1].float()
+    return scale_logits(logits[:, -response_length - 1 : -1], temperature)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits in float32, divided by `temperature` (<= 0, greedy: as 1, as the engine)."""
+    scaled = logits.float()
     if temperature <= 0:
         return scaled
     # Divided by a tensor on the logits' device, as the engine's sampler divides each row:
@@ -196,8 +201,11 @@ class PolicyWorker:
         """(`[b, R, V]` float32 logits predicting each response token, `[b, R]` log-probs of
         the response tokens), differentiable. The log-softmax is the model's kernel, as in the
         engine, or the rollout's and the trainer's log-probs part in the last bits."""
-        logits = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-        scaled = response_logits(logits, micro["responses"].shape[1], temperature)
+        hidden = self.model.hidden_states(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        # Only the positions that predict a response token go through the LM head (the same
+        # rows' bits as the whole sequence's logits: each row of a linear is its own).
+        r = micro["responses"].shape[1]
+        scaled = scale_logits(self.model.logits(hidden[:, -r - 1 : -1]), temperature)
         return scaled, token_log_probs(scaled, micro["responses"], self.model.kernels.log_softmax)
 
     def compute_log_probs(
