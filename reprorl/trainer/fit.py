@@ -191,10 +191,13 @@ class Trainer:
         caller then stops the others (`_stop_parts`).
         """
         t0 = time.perf_counter()
+        reward_fn = resolve_reward_fn(self.cfg.reward.fn)  # a bad reward.fn fails before any process starts
         reward_cpus, rollout_cpus = self._replica_cpus()
+        # Each part is kept as soon as it exists, so that `_stop_parts` finds it if a later one fails.
         self.actor, self.ref, self.critic = self._make_workers()
-        self.reward_model, self.reward_loop = self._make_reward(reward_cpus)
+        self.reward_model = self._make_reward_model(reward_cpus)
         self.pool = self._make_rollout(rollout_cpus)
+        self.reward_loop = self._make_reward_loop(reward_fn)  # its rule-reward process starts meanwhile
         for part in (self.actor, self.ref, self.critic, self.reward_model, self.pool):
             if part is not None:
                 part.wait_ready()
@@ -282,22 +285,25 @@ class Trainer:
             return algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
         return algos.FixedKLController(kl.kl_coef)
 
-    def _make_reward(self, num_cpus_per_replica: float) -> tuple[Any, RewardLoop]:
-        """(the reward-model pool, started but not waited for, or None; the reward loop)."""
+    def _make_reward_model(self, num_cpus_per_replica: float) -> Any:
+        """The reward-model pool, started but not waited for; None without `reward.model_path`."""
         cfg, rw = self.cfg, self.cfg.reward
-        reward_model = None
-        if rw.model_path is not None:
-            from reprorl.reward.reward_model import RewardModelPool
+        if rw.model_path is None:
+            return None
+        from reprorl.reward.reward_model import RewardModelPool
 
-            reward_model = RewardModelPool(
-                rw.model_path, rw.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
-                max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
-                restarts=self.restarts, num_cpus_per_replica=num_cpus_per_replica, device=self.placement.device,
-                dtype=cfg.model.dtype, num_gpus=self.placement.reward_gpus, wait=False,
-            )
-        loop = RewardLoop(resolve_reward_fn(rw.fn), reward_model, rule_weight=rw.rule_weight,
-                          model_weight=rw.model_weight, timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
-        return reward_model, loop
+        return RewardModelPool(
+            rw.model_path, rw.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
+            max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
+            restarts=self.restarts, num_cpus_per_replica=num_cpus_per_replica, device=self.placement.device,
+            dtype=cfg.model.dtype, num_gpus=self.placement.reward_gpus, wait=False,
+        )
+
+    def _make_reward_loop(self, reward_fn: Any) -> RewardLoop:
+        """The reward loop: the rule function `reward_fn` and the reward-model pool, weighted."""
+        cfg, rw = self.cfg, self.cfg.reward
+        return RewardLoop(reward_fn, self.reward_model, rule_weight=rw.rule_weight, model_weight=rw.model_weight,
+                          timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
 
     def _make_rollout(self, num_cpus_per_replica: float) -> ReplicaPool:
         """The rollout replica pool, started but not waited for."""
