@@ -12,9 +12,11 @@
 #   gputests the one-GPU training tests alone
 #   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl")
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k y")
+#   startup  the reward model on the GPU (its gpu test), and bench/startup.py twice: the time from
+#            Trainer start to the first step with every part on the GPU (parts start together)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU
-# engine, gputrain and train need Ray there: run ../shared/tools/device-wheels here first
+# engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
 set -u
@@ -82,6 +84,17 @@ for step in $steps; do
     pytest)
       with_ray || echo "no .whl: tests that need Ray skip" | summary
       run_tests pytest_args ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
+    startup)
+      with_ray || { echo "no .whl: skipping startup" | summary; continue; }
+      run_tests test_reward_gpu tests/reward/test_reward_model.py -m gpu
+      python3 -m reprorl.cli make-tiny /tmp/startup-policy --kind policy > /dev/null
+      python3 -m reprorl.cli make-tiny /tmp/startup-rm --kind reward > /dev/null
+      for i in 1 2; do  # actor, ref, a reward model and 2 rollout replicas, all on the GPU
+        timeout 280 python3 bench/startup.py resources.device=cuda model.dtype=bfloat16 \
+          model.path=/tmp/startup-policy reward.model_path=/tmp/startup-rm >> "$LOGS/startup.log" 2>&1
+      done
+      grep -E "^\{|started .* in |determinism: |reward replica" "$LOGS/startup.log" | summary
+      cp bench/results/startup.json "$LOGS/" 2>/dev/null ;;
     example)
       with_ray || { echo "no .whl: skipping example" | summary; continue; }
       timeout 420 python3 -m reprorl.cli train examples/gpu_arithmetic.yaml > "$LOGS/example.log" 2>&1

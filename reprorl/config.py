@@ -267,13 +267,14 @@ class TrainerConfig:
 @dataclass
 class ResourcesConfig:
     device: Literal["auto", "cpu", "cuda"] = _field(
-        "auto", "where the actor, reference, critic and built-in rollout replicas run (a reward model stays on the "
-        "CPU for now); auto = cuda when torch sees a GPU, else cpu (resolved when the run starts; the determinism "
-        "report shows it)"
+        "auto", "where the actor, reference, critic, reward model and rollout replicas run; auto = cuda when torch "
+        "sees a GPU, else cpu (resolved when the run starts; the determinism report shows it)"
     )
     gpu_share_rollout: float = _field(
         0.3, "device=cuda, one GPU shared by every part: the share of it (a Ray GPU fraction) that the rollout "
-        "replicas take together, split evenly between them; the trainer's workers share what is left. Ray fractions only place actors: memory is not capped by them", gt=0, lt=1
+        "replicas take together, split evenly between them; the trainer's workers (actor, reference, critic) and the "
+        "reward-model replicas split what is left evenly, one share each. Ray fractions only place actors: memory "
+        "is not capped by them", gt=0, lt=1
     )
 
 

@@ -20,6 +20,11 @@ Every rank gets the run's determinism variables and `WORKER_ENV` through its run
 (NCCL's in-switch reduction off: it sums in the switch's order). A worker that dies or
 fails stops the group: the call raises `WorkerError` naming it, and the group's other
 processes are killed (they would wait for it in a collective).
+
+Start-up: the constructor asks Ray for the processes and waits until every rank is ready
+(loaded, kernels checked, in the process group). With `wait=False` it returns at once and
+`wait_ready()` does the waiting, so a trainer starts all its parts together
+(reprorl/trainer/fit.py).
 """
 
 from __future__ import annotations
@@ -53,9 +58,11 @@ class WorkerGroup:
 
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
-                 device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False) -> None:
+                 device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
+                 wait: bool = True) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
-        reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu."""
+        reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
+        the processes are asked for, before they have started: `wait_ready()` waits."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
@@ -73,7 +80,18 @@ class WorkerGroup:
             for rank in range(num_workers)
         ]
         self.pids: dict[int, int] = {}
-        self._call("ready", what="start-up")
+        self._starting = [w.ready.remote() for w in self.workers]  # answered once each rank has loaded
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every rank has started and joined the group's process group; a rank that
+        failed raises `WorkerError` naming it. Done by the constructor unless `wait=False`
+        (then call this before any other method); a second call returns at once."""
+        if self._starting is None:
+            return
+        self._wait(self._starting, "start-up", ranks=list(range(self.num_workers)))
+        self._starting = None
         address = self._call_one(0, "address")
         self._call("join", address, what="joining the process group")
         self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
