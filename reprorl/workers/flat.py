@@ -9,9 +9,10 @@ parameter vector for its forward passes, rebuilt after each optimizer step by an
 all-gather (exact: it only moves bytes, each shard to its place by rank index).
 
 What keeps the bits independent of N (the rule `config.py` checks for `trainer.num_workers`):
-- Micro-batches are cut from the mini-batch by sample order, whatever N is; rank r takes
-  the contiguous block `[r * M / N, (r + 1) * M / N)` of the M micro-batches, and each
-  micro-batch's gradient is computed alone, so it has the same bits on any rank.
+- Micro-batches are cut from the mini-batch by sample order (or by a token budget),
+  whatever N is; rank r takes the contiguous block `[r * M / N, (r + 1) * M / N)` of the
+  M micro-batches, and each micro-batch's gradient is computed alone, so it has the same
+  bits on any rank.
 - The gradients of the M micro-batches are summed in ONE binary tree over micro-batch
   index (`tree_reduce`: the sum over [lo, hi) is the sum over [lo, mid) plus the sum over
   [mid, hi), mid = (lo + hi) // 2). When N is a power of two that divides M, the first
@@ -25,15 +26,17 @@ What keeps the bits independent of N (the rule `config.py` checks for `trainer.n
   not divide it. The M micro-batches are then laid on the P leaves of the tree, P the
   power of two >= M (`budget_leaves`): leaf s holds one when bit_reverse(s) < M, in
   micro-batch order; the other leaves are empty and add nothing. P and the layout depend
-  on M alone. For N <= P (N divides P), the rank blocks are subtrees as above, and block r
-  holds the micro-batches whose index is rev(r) mod N: M / N of them, rounded up or down,
-  for every N at once (trailing padding would give the first ranks all the work). For
-  N > P, empty leaves are appended up to N: the tree over [0, N) splits first at P, the
-  right part is all empty, so its sum is the sum over [0, P), the same bits. "Adds
-  nothing" is exact: x + (-0.0) == x bit for bit for every float x (+0.0 would turn a
-  -0.0 into +0.0), so an empty subtree is skipped in `tree_reduce` and a rank whose whole
-  block is empty sends -0.0 (`EMPTY_GRADIENT`) to the reduction, which is the same as
-  leaving it out. So the gradient is the P-leaf tree's at every power-of-two N.
+  on M alone. For N <= P (N divides P), the rank blocks are subtrees as above; leaf s is
+  in block r when its top log2(N) bits are r, that is when bit_reverse(s) is congruent to
+  r's (in log2 N bits) modulo N, which M / N of the M values below M are, rounded up or
+  down: the micro-batches are shared evenly for every N at once (empty leaves at the end
+  would give the first ranks all the work). For N > P, empty leaves are appended up to N: every split of the
+  tree over [0, N) above P has an all-empty right part, so the sum is that over [0, P),
+  the same bits. "Adds nothing" is exact: x + (-0.0) == x bit for bit for every float x
+  (+0.0 would turn a -0.0 into +0.0; torch does not flush subnormals unless told to), so
+  an empty subtree is skipped in `tree_reduce`, and a rank whose whole block is empty sends
+  -0.0 (`EMPTY_GRADIENT`) to the reduction, which is the same as leaving it out. So the
+  gradient has the P-leaf tree's bits at every power-of-two N.
 - The gradient norm for clipping is a sum of per-chunk sums of squares, the chunks fixed
   by the flat layout (not by N), added in chunk order (`global_grad_norm`).
 - AdamW (`torch.optim.AdamW`, single-tensor) is elementwise: an element's update does
