@@ -97,6 +97,7 @@ def computed_tokens(batch, micro_batch_size: int, max_token_len: int | None) -> 
 
 
 def run_mode(args: argparse.Namespace, model_dir: Path, batch, full_determinism: bool) -> dict:
+    from reprorl.trainer.micro_batches import in_sample_order
     from reprorl.trainer.optim import OptimArgs
     from reprorl.trainer.policy import PolicyLossArgs
     from reprorl.workers.worker import ShardWorker
@@ -129,8 +130,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, batch, full_determinism:
                 sync(args.device)
                 t0 = time.perf_counter()
                 rows, out = worker.compute_log_probs(b, temperature=1.0, **micro)
-                b["old_log_probs"] = torch.empty_like(out)
-                b["old_log_probs"][rows] = out
+                b["old_log_probs"] = in_sample_order(out, rows)
                 if not timed:  # before any update: the two ways' weights are the same only then
                     log_probs[way] = b["old_log_probs"]
                 sync(args.device)

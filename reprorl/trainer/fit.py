@@ -422,7 +422,8 @@ class Trainer:
         metrics.update(self.actor.update(
             batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
             micro_batch_size=cfg.actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
-            max_token_len=cfg.actor.ppo_max_token_len_per_micro_batch, loss=self.loss_args, temperature=cfg.rollout.temperature,
+            max_token_len=cfg.actor.ppo_max_token_len_per_micro_batch, loss=self.loss_args,
+            temperature=cfg.rollout.temperature,
         ))
         weights = self.actor.named_weights()  # gathered once: for the replicas and the fingerprint
         self.pool.update_weights(weights, version=step)

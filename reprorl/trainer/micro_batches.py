@@ -11,7 +11,8 @@
   rows x (longest prompt + longest response among its rows), so similar lengths share a
   micro-batch, little padding is computed, and no forward sees more than T tokens (the
   memory bound of the logits, `[rows, width, vocab]`). `micro_batch_size` is then unused.
-  Each micro-batch lists its rows in sample order.
+  Each micro-batch lists its rows in sample order; micro-batch indices (in metrics' order
+  of summation, in `NonFiniteError`'s "micro-batch k") count in length order.
 
 A sample that alone is wider than T is an error (naming it), not a micro-batch of its
 own: T is then no bound. The config requires T >= data.max_prompt_length +

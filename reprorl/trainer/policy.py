@@ -26,10 +26,10 @@ still come back in sample order.
 One `update` call is one training step: `ppo_epochs` passes over the batch, each cut into
 consecutive mini-batches of `mini_batch_size` samples (sample order, no shuffling; the last
 may be smaller), one optimizer step per mini-batch. A mini-batch is cut into micro-batches
-(of `micro_batch_size` samples, or by token budget) for gradient accumulation; each micro-batch's loss is its
-share of the mini-batch loss (`agg_loss` with the mini-batch's token and sequence counts),
-so the accumulated gradient equals that of the whole mini-batch at once, whatever the
-micro-batch size. The learning rate is stepped once per `update` (see optim.py).
+(of `micro_batch_size` samples, or by token budget) for gradient accumulation; each
+micro-batch's loss is its share of the mini-batch loss (`agg_loss` with the mini-batch's
+token and sequence counts), so the accumulated gradient equals that of the whole
+mini-batch at once, whatever the micro-batches. The learning rate is stepped once per `update` (see optim.py).
 """
 
 from __future__ import annotations
@@ -119,8 +119,8 @@ def trim_padding(micro: Batch) -> Batch:
 
     A micro-batch then costs its own longest sample, not the batch's width. The columns cut
     are a function of the micro-batch's rows alone (cut without regard to the worker count:
-    micro_batches.py), and a row's logits do not depend on its padding (each row already has its own
-    in a batch), so log-probs keep their bits. Response-width tensors (`[b, R]`, any key)
+    micro_batches.py), and a row's logits do not depend on its padding (each row already has
+    its own in a batch), so log-probs keep their bits. Response-width tensors (`[b, R]`, any key)
     keep their first columns; `[b, P+R]` ones (`FULL_WIDTH_KEYS`) and `prompts` are cut alike.
     """
     response_len = micro["responses"].shape[1]
@@ -257,9 +257,10 @@ class PolicyWorker:
 
         `mini_batch_size` is in SAMPLES (verl's ppo_mini_batch_size in prompts times
         rollout.n); `max_token_len`: micro-batches by token budget (micro_batches.py), else
-        of `micro_batch_size` samples. Metrics: `actor/pg_loss`, `actor/entropy` (the entropy term of the loss),
-        `actor/kl` (the KL-loss term before its coefficient; present when the batch has
-        `ref_log_probs`), `actor/pg_clipfrac`, `actor/ppo_kl` (token means), each exact
+        of `micro_batch_size` samples. Metrics: `actor/pg_loss`, `actor/entropy` (the
+        entropy term of the loss), `actor/kl` (the KL-loss term before its coefficient;
+        present when the batch has `ref_log_probs`), `actor/pg_clipfrac`, `actor/ppo_kl`
+        (token means), each exact
         per mini-batch whatever the micro-batch size, then the mean over the step's
         mini-batches in order; `actor/grad_norm` (before clipping, mean over mini-batches);
         `actor/lr`. A non-finite loss or gradient norm raises `NonFiniteError` naming the

@@ -42,9 +42,9 @@ from reprorl.trainer.policy import PolicyWorker, mini_batch_norms
 from reprorl.workers.flat import (
     EMPTY_GRADIENT,
     FlatLayout,
-    budget_leaves,
     all_gather_shards,
     bind_params,
+    budget_leaves,
     first_failure,
     fixed_order_reduce_scatter,
     flatten,
