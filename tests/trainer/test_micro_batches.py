@@ -108,3 +108,25 @@ def test_in_sample_order_undoes_the_micro_batch_order(rollout_batch):
     assert not torch.equal(rows, torch.arange(11))  # the cut did reorder
     stacked = torch.cat([take(batch, r)["advantages"] for r in micros])
     assert torch.equal(in_sample_order(stacked, rows), batch["advantages"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_log_probs_and_values_by_budget_are_the_bits_by_count(tiny_policy_dir, rollout_batch):
+    """bf16 on the GPU's batch-invariant kernels: length-sorted micro-batches of a token
+    budget give every sample the bits it gets in micro-batches of 4, in sample order."""
+    from reprorl.trainer.critic import CriticWorker
+    from reprorl.trainer.optim import OptimArgs
+    from reprorl.trainer.policy import PolicyWorker
+
+    batch = rollout_batch(24, 12, 16, seed=7).to("cuda")
+    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True, device="cuda", dtype="bfloat16")
+    critic = CriticWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-5), seed=0, batch_invariant=True, device="cuda",
+                          dtype="bfloat16")
+    log_probs = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4)
+    values = critic.compute_values(batch, micro_batch_size=4)
+    for max_token_len in (28, 64, 200):  # 28: the widest sample (12 + 16)
+        assert torch.equal(worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4,
+                                                    max_token_len=max_token_len), log_probs), max_token_len
+        assert torch.equal(critic.compute_values(batch, micro_batch_size=4, max_token_len=max_token_len),
+                           values), max_token_len
