@@ -211,7 +211,8 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             sync(device)
             t3 = time.perf_counter()
             worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
-                          max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0)
+                          max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(),
+                          temperature=1.0)
             weights = worker.named_weights()
             sync(device)
             t4 = time.perf_counter()

@@ -143,9 +143,11 @@ def test_a_token_budget_replaces_the_micro_batch_count_rules():
                              "trainer.num_workers=8"])
     assert cfg.actor.ppo_max_token_len_per_micro_batch == 72
     # The critic's budget defaults to the actor's, and is checked in its place.
-    gae = ["algorithm.adv_estimator=gae", "actor.ppo_max_token_len_per_micro_batch=200", "critic.ppo_micro_batch_size=3"]
+    gae = ["algorithm.adv_estimator=gae", "actor.ppo_max_token_len_per_micro_batch=200",
+           "critic.ppo_micro_batch_size=3"]
     assert load_config(None, gae).critic.ppo_max_token_len_per_micro_batch == 200
-    assert load_config(None, [*gae, "critic.ppo_max_token_len_per_micro_batch=80"]).critic.ppo_max_token_len_per_micro_batch == 80
+    own = load_config(None, [*gae, "critic.ppo_max_token_len_per_micro_batch=80"])
+    assert own.critic.ppo_max_token_len_per_micro_batch == 80
     assert load_config().actor.ppo_max_token_len_per_micro_batch is None  # off by default
     assert load_config().critic.ppo_max_token_len_per_micro_batch is None
 
@@ -251,7 +253,10 @@ OVERRIDE_ERRORS = [
         "trainer.num_workers=3: expected a power of two, so that every allowed count gives the same bits "
         "(reprorl/workers/flat.py)",
     ),
-    (["actor.ppo_max_token_len_per_micro_batch=0"], "actor.ppo_max_token_len_per_micro_batch: expected an integer >= 1 or null, got 0"),
+    (
+        ["actor.ppo_max_token_len_per_micro_batch=0"],
+        "actor.ppo_max_token_len_per_micro_batch: expected an integer >= 1 or null, got 0",
+    ),
     (["rollout.max_tokens=9"], "rollout.max_tokens=9 must be <= data.max_response_length=8"),
     (["data.max_response_length=16", "rollout.max_tokens=32"], "rollout.max_tokens=32 must be <= data.max_response_length=16"),
     (["rollout.n=1"], "algorithm.adv_estimator=grpo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1"),
