@@ -11,7 +11,9 @@ engine (`reprorl.rollout.replica.build_engine`); then the actor's log-probs and 
 on the whole batch (one optimizer step, AdamW on float32 master weights), by the trainer's
 own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process). Between the
 update and the generation the engine sleeps (its KV cache and weights leave the GPU), as
-in `reprorl train` on one GPU.
+in `reprorl train` on one GPU. `--max-token-len T` cuts micro-batches by token budget
+instead of `--micro-batch` samples (reprorl/trainer/micro_batches.py); with every response
+at full length that measures its overhead only (bench/micro_batching.py measures its gain).
 
 Each mode runs a warm-up step first (the same batch, 16 new tokens: compilation, autotuning,
 the allocator) and is timed on its second step. The JSON is rewritten after each part, so
@@ -73,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (128; quick: 8)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per response (256; quick: 4)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (16; quick: 2)")
+    p.add_argument("--max-token-len", type=int, default=None,
+                   help="micro-batches by this token budget instead of --micro-batch samples (every response has "
+                        "full length here, so this measures the budget's overhead; bench/micro_batching.py its gain)")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
@@ -164,6 +169,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     """Two GRPO steps in one mode; the second's timings."""
     from reprorl.determinism import enable_full_determinism
     from reprorl.rollout.replica import build_engine
+    from reprorl.trainer.micro_batches import in_sample_order
     from reprorl.trainer.optim import OptimArgs
     from reprorl.trainer.policy import PolicyLossArgs
     from reprorl.workers.worker import ShardWorker
@@ -210,11 +216,14 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
             t2 = time.perf_counter()
-            batch["old_log_probs"] = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch)
+            rows, log_probs = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch,
+                                                       max_token_len=args.max_token_len)
+            batch["old_log_probs"] = in_sample_order(log_probs, rows)
             sync(device)
             t3 = time.perf_counter()
             worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
-                          max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0)
+                          max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(),
+                          temperature=1.0)
             weights = worker.named_weights()
             sync(device)
             t4 = time.perf_counter()

@@ -436,16 +436,20 @@ class Trainer:
         """Add `old_log_probs`, and `ref_log_probs` and `values` where those workers exist, to `batch`."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        temperature, micro = cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size
-        batch["old_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, micro_batch_size=micro)
+        temperature = cfg.rollout.temperature
+        micro = {"micro_batch_size": cfg.actor.ppo_micro_batch_size,
+                 "max_token_len": cfg.actor.ppo_max_token_len_per_micro_batch}  # the reference's too
+        batch["old_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, **micro)
         if "rollout_log_probs" in batch:
             # 0 when the engine's log-probs equal the trainer's bit for bit (batch-invariant paths).
             gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
         if self.ref is not None:
-            batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, micro_batch_size=micro)
+            batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, **micro)
         if self.critic is not None:
-            batch["values"] = self.critic.compute_values(batch, micro_batch_size=cfg.critic.ppo_micro_batch_size)
+            batch["values"] = self.critic.compute_values(
+                batch, micro_batch_size=cfg.critic.ppo_micro_batch_size,
+                max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch)
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
 
     def _token_rewards(
@@ -476,12 +480,14 @@ class Trainer:
             metrics.update(self.critic.update(
                 batch, ppo_epochs=cfg.critic.ppo_epochs, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
                 micro_batch_size=cfg.critic.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+                max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch,
                 cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode,
             ))
         metrics.update(self.actor.update(
             batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
             micro_batch_size=cfg.actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
-            loss=self.loss_args, temperature=cfg.rollout.temperature,
+            max_token_len=cfg.actor.ppo_max_token_len_per_micro_batch, loss=self.loss_args,
+            temperature=cfg.rollout.temperature,
         ))
         weights = self.actor.named_weights()  # gathered once: for the replicas and the fingerprint
         self.pool.update_weights(weights, version=step)

@@ -11,8 +11,10 @@ same code path as eight (one rank, a process group of one).
                            max_response_length=8, loss=PolicyLossArgs(), temperature=1.0)
 
 The batch goes to Ray's object store once; each rank takes its contiguous block of the
-micro-batches (cut in sample order), and results come back and are joined in micro-batch
-order, so a tensor or metric never depends on how many workers made it. How gradients are
+micro-batches (cut in sample order, or by token budget: trainer/micro_batches.py, never by
+the worker count), and results come back with their rows and are put in sample order, and
+metrics are joined in micro-batch order, so a tensor or metric never depends on how many
+workers made it. How gradients are
 summed: flat.py. Metrics are added up here from every micro-batch's own stats, in
 micro-batch order, as `PolicyWorker.update` adds them.
 
@@ -40,6 +42,7 @@ from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import ReproRLError
 from reprorl.protocol import Batch
 from reprorl.trainer.checkpoint import CheckpointError
+from reprorl.trainer.micro_batches import in_sample_order
 from reprorl.trainer.optim import OptimArgs
 from reprorl.workers.worker import ShardWorker
 
@@ -147,24 +150,31 @@ class WorkerGroup:
     # ---------------------------------------------------------------- forward passes
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
+                          max_token_len: int | None = None,
                           with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies), micro-batches spread over the ranks."""
+        """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies) in sample order,
+        micro-batches spread over the ranks."""
         parts = [p for p in self._call("compute_log_probs", ray.put(batch), temperature=temperature,
-                                       micro_batch_size=micro_batch_size, with_entropy=with_entropy) if p is not None]
+                                       micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                                       with_entropy=with_entropy) if p is not None]
+        rows = torch.cat([r for r, _ in parts])
         if with_entropy:
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return torch.cat(parts)
+            return tuple(in_sample_order(torch.cat([out[i] for _, out in parts]), rows) for i in range(2))
+        return in_sample_order(torch.cat([out for _, out in parts]), rows)
 
-    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
-        """As `CriticWorker.compute_values`: `[B, R]`."""
-        parts = self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size)
-        return torch.cat([p for p in parts if p is not None])
+    def compute_values(self, batch: Batch, *, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
+        """As `CriticWorker.compute_values`: `[B, R]` in sample order."""
+        parts = [p for p in self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size,
+                                       max_token_len=max_token_len) if p is not None]
+        return in_sample_order(torch.cat([out for _, out in parts]), torch.cat([r for r, _ in parts]))
 
     # ---------------------------------------------------------------- training
 
     def update(self, batch: Batch, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
-               max_response_length: int | None = None, **loss: Any) -> dict[str, float]:
+               max_response_length: int | None = None, max_token_len: int | None = None,
+               **loss: Any) -> dict[str, float]:
         """One training step; the metrics `PolicyWorker.update` / `CriticWorker.update` give.
+        `max_token_len`: micro-batches by token budget (trainer/micro_batches.py).
 
         `loss`: the model worker's `micro_batch_loss` arguments (actor: `loss=PolicyLossArgs`,
         `temperature`; critic: `cliprange_value`, `loss_agg_mode`). A non-finite loss or
@@ -172,7 +182,7 @@ class WorkerGroup:
         """
         answers = self._call("update", ray.put(batch), ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
                              micro_batch_size=micro_batch_size, max_response_length=max_response_length,
-                             what="update", **loss)
+                             max_token_len=max_token_len, what="update", **loss)
         records = []
         for i, first in enumerate(answers[0]["steps"]):
             per_micro = sorted(item for answer in answers for item in answer["steps"][i]["stats"])  # by index
