@@ -24,7 +24,6 @@ samples, 128 + 1024 tokens) on the GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
