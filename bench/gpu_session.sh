@@ -30,10 +30,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --form
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
 grep -m1 "model name" /proc/cpuinfo | summary
 
-with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installed once
-  [ -d /tmp/site ] && return 0
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installed once per machine
+  [ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || return 1
+  export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 }
 run_tests() {  # name, pytest args...
   local name=$1; shift
