@@ -32,7 +32,7 @@ the "off" mode runs with it too. Each step also records the engine's counters fo
 generation (steps, steps replayed from CUDA graphs, launched ahead, KV slots).
 
 `--profile`: after the timed step, each mode's log-prob pass and update run once more on
-the same batch under torch.profiler (bench/profiling.py): kernel time by group, the share
+the batch's first 4 micro-batches under torch.profiler (bench/profiling.py): kernel time by group, the share
 of the wall time the GPU is busy, the top kernels and the top host-side ops, per
 micro-batch. Those runs are not in the step's timings.
 """
@@ -260,13 +260,17 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     return record
 
 
-def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_determinism: bool) -> dict:
-    """The log-prob pass and the update once more under torch.profiler, per micro-batch."""
+def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_determinism: bool,
+                   micro_batches: int = 4) -> dict:
+    """The log-prob pass and the update once more under torch.profiler, on the batch's first
+    `micro_batches` micro-batches (a whole step's trace is millions of events), per micro-batch."""
     from torch.profiler import ProfilerActivity, profile
 
     from profiling import host_summary, kernel_summary, print_summary
     from reprorl.trainer.policy import PolicyLossArgs
 
+    samples = min(samples, micro_batches * args.micro_batch)
+    batch = batch.slice(0, samples)
     passes = {
         "log_probs": lambda: worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch),
         "update": lambda: worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
