@@ -402,7 +402,7 @@ def test_plain_mode_on_cuda_is_stock_torch_with_tritons_element_wise_ops():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
 def test_write_rows_is_index_put(dtype):
     """The KV cache's row writes (Triton on CUDA, interpreted here): each row copied to its
-    place, every other row untouched; a strided source and a 1-column int64 one included."""
+    place, every other row untouched; strided rows and source, and a 1-column int64 one."""
     pytest.importorskip("triton")
     from reprorl.kernels.gpu.rows import write_rows
 
@@ -411,7 +411,7 @@ def test_write_rows_is_index_put(dtype):
     for r, c, n in ((40, 64, 7), (9, 1, 9), (300, 1500, 3)):
         dst = (torch.randn(r, c, generator=g) * 100).to(dtype).to(dev)
         src = (torch.randn(c, n, generator=g) * 100).to(dtype).to(dev).t()  # [n, C], not contiguous
-        rows = torch.randperm(r, generator=g)[:n].to(dev)
+        rows = torch.randperm(r, generator=g)[:n].repeat_interleave(3).to(dev)[::3]  # strided, as a graph's slots
         expected = dst.clone()
         expected[rows] = src
         write_rows(dst, rows, src)

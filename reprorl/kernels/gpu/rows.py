@@ -34,7 +34,7 @@ def write_rows(dst: Tensor, rows: Tensor, src: Tensor) -> None:
     if dst.dtype != src.dtype or dst.stride(1) != 1:
         raise ValueError(f"write_rows: dst {dst.dtype} with column stride {dst.stride(1)}, src {src.dtype}; "
                          "expected one dtype and contiguous rows")
-    src = src.contiguous()
+    src, rows = src.contiguous(), rows.contiguous()  # (the engine's slots are a column of its graph inputs)
     n, c = src.shape
     if n and c:
         block = min(1024, triton.next_power_of_2(c))
