@@ -39,7 +39,7 @@ from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.data.rewards import check_ground_truth
 from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, write_report
-from reprorl.errors import ConfigError
+from reprorl.errors import ConfigError, DeterminismError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
@@ -444,6 +444,7 @@ class Trainer:
             # 0 when the engine's log-probs equal the trainer's bit for bit (batch-invariant paths).
             gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
+            self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"])
         if self.ref is not None:
             batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, **micro)
         if self.critic is not None:
@@ -451,6 +452,19 @@ class Trainer:
                 batch, micro_batch_size=cfg.critic.ppo_micro_batch_size,
                 max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch)
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
+
+    def _check_log_prob_gap(self, gap: float) -> None:
+        """Under full determinism the built-in engine's log-probs ARE the trainer's (DESIGN.md,
+        contract point 2): a gap means a kernel or the engine broke that, and every step
+        after it would train on a mismatch, so the run stops here. vLLM's kernels are not
+        ours: its gap is only reported."""
+        if gap != 0.0 and self.cfg.full_determinism and self.cfg.rollout.backend == "native":
+            raise DeterminismError(
+                f"step {self.step}: the engine's log-probs differ from the trainer's by up to {gap:.3g} "
+                "(rollout/log_prob_max_gap) with full_determinism=true and rollout.backend=native, where they are "
+                "equal bit for bit by construction; the run stops (set full_determinism=false to run without the "
+                "promise)"
+            )
 
     def _token_rewards(
         self, batch: Batch, scores: torch.Tensor, mask: torch.Tensor, metrics: dict[str, float]
