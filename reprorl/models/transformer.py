@@ -136,11 +136,17 @@ class KVCache:
 
 
     def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy the first `length` cached tokens of slot `src` into slots `dsts` (a device copy
-        per layer) and set their lengths: the engine's prefix sharing."""
-        index = torch.tensor(dsts, device=self.device)
+        """Copy the first `length` cached tokens of slot `src` into slots `dsts` (a gather and
+        a row write per layer's keys and values, `write_rows`) and set their lengths: the
+        engine's prefix sharing."""
+        _, hkv, cap, _ = self.keys[0].shape
+        pos = torch.arange(length, device=self.device)
+        heads = torch.arange(hkv, device=self.device)[:, None] * cap + pos  # [Hkv, length]: rows in a slot
+        src_rows = (src * hkv * cap + heads).reshape(-1)
+        dst_rows = (torch.tensor(dsts, device=self.device)[:, None, None] * hkv * cap + heads).reshape(-1)
         for buf in self.keys + self.values:
-            buf[index, :, :length] = buf[src, :, :length]
+            rows = buf.view(-1, buf.shape[-1])
+            write_rows(rows, dst_rows, rows.index_select(0, src_rows).repeat(len(dsts), 1))
         for d in dsts:
             self.lengths[d] = length
 

@@ -243,3 +243,18 @@ def test_cache_and_packing_errors():
         fresh = new_cache(model, capacity=300)
         model.forward_packed(torch.arange(3), [3], fresh)
         assert torch.equal(grown, model.forward_packed(torch.tensor([3]), [1], fresh))
+
+
+def test_copy_prefix_copies_the_source_slots_first_tokens_and_nothing_else():
+    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, capacity=8, num_slots=5)
+    g = torch.Generator().manual_seed(0)
+    for buf in cache.keys + cache.values:
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    before = [buf.clone() for buf in cache.keys + cache.values]
+    cache.copy_prefix(1, [0, 3], 5)
+    for buf, old in zip(cache.keys + cache.values, before):
+        expected = old.clone()
+        expected[0, :, :5] = old[1, :, :5]
+        expected[3, :, :5] = old[1, :, :5]
+        assert torch.equal(buf, expected)
+    assert cache.lengths == [5, 0, 0, 5, 0]
