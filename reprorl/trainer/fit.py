@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import time
@@ -457,8 +458,9 @@ class Trainer:
         """Under full determinism the built-in engine's log-probs ARE the trainer's (DESIGN.md,
         contract point 2): a gap means a kernel or the engine broke that, and every step
         after it would train on a mismatch, so the run stops here. vLLM's kernels are not
-        ours: its gap is only reported."""
-        if gap != 0.0 and self.cfg.full_determinism and self.cfg.rollout.backend == "native":
+        ours: its gap is only reported. A gap that is not finite is left to `_require_finite`,
+        which names the non-finite log-probs (diverged weights) right after."""
+        if math.isfinite(gap) and gap != 0.0 and self.cfg.full_determinism and self.cfg.rollout.backend == "native":
             raise DeterminismError(
                 f"step {self.step}: the engine's log-probs differ from the trainer's by up to {gap:.3g} "
                 "(rollout/log_prob_max_gap) with full_determinism=true and rollout.backend=native, where they are "

@@ -224,5 +224,6 @@ def test_a_log_prob_gap_under_full_determinism_stops_the_run():
     with pytest.raises(DeterminismError, match=r"^step 3: the engine's log-probs differ from the trainer's by up to "
                                                r"0\.25 \(rollout/log_prob_max_gap\)"):
         Trainer._check_log_prob_gap(trainer(True, "native"), 0.25)
+    Trainer._check_log_prob_gap(trainer(True, "native"), float("nan"))  # non-finite log-probs: named after
     Trainer._check_log_prob_gap(trainer(True, "vllm"), 0.25)
     Trainer._check_log_prob_gap(trainer(False, "native"), 0.25)
