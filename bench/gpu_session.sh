@@ -7,7 +7,7 @@
 #   xeon     the kernel benchmarks on the host CPU
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
-#   gputrain the one-GPU training tests and bench/train_step.py
+#   gputrain the one-GPU training and weight-sync tests, bench/weight_sync.py and bench/train_step.py
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU
 # engine, gputrain and train need Ray there: run ../shared/tools/device-wheels here first
@@ -61,7 +61,10 @@ for step in $steps; do
       grep -v "^USDT\|^STAGE" "$LOGS/rollout_profile.log" | tail -48 | summary ;;
     gputrain)
       with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
+      run_tests test_weight_sync_gpu tests/trainer/test_weight_sync_gpu.py
       run_tests test_gpu_train tests/trainer/test_gpu_train.py
+      timeout 200 python3 bench/weight_sync.py --out "$LOGS/weight_sync.json" > "$LOGS/bench_weight_sync.log" 2>&1
+      tail -12 "$LOGS/bench_weight_sync.log" | summary
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
     example)

@@ -10,8 +10,10 @@ every response has full length), sampled at T=1 from the full distribution by th
 engine (`reprorl.rollout.replica.build_engine`); then the actor's log-probs and one update
 on the whole batch (one optimizer step, AdamW on float32 master weights), by the trainer's
 own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process). Between the
-update and the generation the engine sleeps (its KV cache and weights leave the GPU), as
-in `reprorl train` on one GPU.
+generation and the weight push the engine sleeps (its KV cache leaves the GPU, its weights
+stay), and it takes the new weights device to device from the rank's parameters, as
+`reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py; the
+handle's cost: bench/weight_sync.py).
 
 Each mode runs a warm-up step first (the same batch, 16 new tokens: compilation, autotuning,
 the allocator) and is timed on its second step. The JSON is rewritten after each part, so
@@ -195,7 +197,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             outputs = generate(loop, engine, prompts, args.n, new_tokens, step)
             sync(device)
             t1 = time.perf_counter()
-            loop.run_until_complete(engine.sleep())
+            loop.run_until_complete(engine.sleep(keep_weights=True))
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
             t2 = time.perf_counter()
@@ -204,9 +206,9 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             t3 = time.perf_counter()
             worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
                           max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0)
-            weights = worker.named_weights()
             sync(device)
             t4 = time.perf_counter()
+            weights = worker.model_worker.model.named_parameters()  # copied in place, device to device
             loop.run_until_complete(engine.update_weights(weights, version=step))
             loop.run_until_complete(engine.wake_up())
             sync(device)

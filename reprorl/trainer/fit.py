@@ -5,7 +5,8 @@ One training step, in the order of DESIGN.md:
     batch of prompts (uid per prompt) -> repeat n, interleaved (ReMax: + one greedy row
     per prompt, same call) -> rollout -> reward -> old log-probs -> ref log-probs ->
     values (gae) -> KL (in reward or as a loss) -> advantages -> critic update -> actor
-    update -> push weights to the replicas (versioned) -> metrics, validation, checkpoint
+    update -> push weights to the replicas (versioned; device to device to the replicas on
+    the actor's GPU: weight_sync.py) -> metrics, validation, checkpoint
 
 Actor, reference and critic are worker groups of `trainer.num_workers` Ray processes each
 (reprorl/workers: the same bits for every allowed count); rollout and reward-model
