@@ -454,9 +454,10 @@ class Engine:
             if self._by_id:
                 raise RuntimeError(f"sleep: {len(self._by_id)} requests in flight; wait for or abort them first")
             self._kv = self._graphs = None  # graphs hold the cache's and the weights' addresses
-            if self.device.type != "cpu" and not keep_weights:
-                self.model.to("cpu")
-                getattr(torch, self.device.type).empty_cache()
+            if self.device.type != "cpu":
+                if not keep_weights:
+                    self.model.to("cpu")
+                getattr(torch, self.device.type).empty_cache()  # the cache's memory back to the device, for the trainer
             self.asleep = True
 
     async def wake_up(self) -> None:

@@ -330,7 +330,7 @@ class ReplicaPool:
         `host_weights()`, which must give this version's weights until the next push (the
         trainer changes them only between `sleep` and the next push, when the pool is idle).
         """
-        names = next(iter(shares.values())).names if shares else None
+        names = next(iter(shares.values())).names if shares else frozenset()
         refs = {i: self.replicas[i].update_weights.remote(share, version)
                 for i, share in shares.items() if i in self.replicas}
         host_ids = [i for i in self.replicas if i not in shares]
@@ -339,8 +339,6 @@ class ReplicaPool:
             packed = PackedWeights.pack((name, t.detach().cpu()) for name, t in host_weights())
             source, names = ray.put(packed), packed.names
             refs.update({i: self.replicas[i].update_weights.remote(source, version) for i in host_ids})
-        if names is None:
-            raise ValueError("update_weights_shared: no replica to push to (no shares, no replica)")
         self._finish_push(refs, names, source, version)
 
     def _finish_push(self, refs: dict[int, Any], names: frozenset[str], source: Any, version: int) -> None:

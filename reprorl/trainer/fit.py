@@ -45,6 +45,7 @@ from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.replica import ReplicaPool, init_ray
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import FaultError, Restarts
+from reprorl.trainer import weight_sync
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.checkpoint import (
     capture_rng_state,
@@ -56,7 +57,6 @@ from reprorl.trainer.checkpoint import (
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs
-from reprorl.trainer import weight_sync
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
 from reprorl.workers.group import WorkerError, WorkerGroup
 

@@ -2,8 +2,8 @@
 
 The fit loop reaches a model only through this class: log-probs, values, update, the
 weights for the rollout replicas (on the host, or shared on the GPU: worker.py) and their
-digests, checkpoints and determinism info. One worker is the
-same code path as eight (one rank, a process group of one).
+digests, checkpoints and determinism info. One worker is the same code path as eight
+(one rank, a process group of one).
 
     actor = WorkerGroup("actor", 2, "models/tiny-policy", optim=OptimArgs(lr=1e-5), seed=42,
                         full_determinism=True)

@@ -5,10 +5,12 @@ The actor loads another tiny policy than the replica (same shapes, other seed), 
 changes every parameter. After a CUDA IPC push the replica serves the actor's bf16 weights
 bit for bit (per-parameter digests: dtype, shape and bytes), at the pushed version, and
 samples exactly what it samples after the same weights come through the host; a push
-while awake keeps the captured CUDA graphs valid (the copy is in place); the fit loop's
-order (sleep keeping the weights, push, wake) works; the actor's GPU memory is the same
-after the pushes as before (every share released, nothing left in torch's IPC limbo); a
-replica replaced after a device push is brought up with the actor's weights from the host.
+while awake keeps the captured CUDA graphs valid (the copy is in place: the sample under
+the old graphs equals the one under graphs captured after); the fit loop's order works
+(sleep keeping the weights but giving back the KV cache's memory, push, wake); the
+actor's GPU memory is the same after the pushes as before (every share released, nothing
+left in torch's IPC limbo); a replica replaced after a device push is brought up with the
+actor's weights from the host.
 Seconds of GPU time. Skipped without CUDA.
 """
 
@@ -62,6 +64,13 @@ def _actor_gpu_bytes(actor) -> int:
     return ray.get(actor.workers[0].__ray_call__.remote(lambda worker: torch.cuda.memory_allocated()))
 
 
+def _replica_gpu_reserved(pool) -> int:
+    import ray
+
+    replica = pool.replicas[pool.replica_ids()[0]]
+    return ray.get(replica.__ray_call__.remote(lambda r: torch.cuda.memory_reserved()))
+
+
 def _assert_same_sample(a, b):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
     assert torch.equal(torch.tensor(a.log_probs), torch.tensor(b.log_probs))
@@ -89,7 +98,9 @@ def test_device_push_serves_the_actors_bf16_weights_bit_for_bit(parts):
     assert pool.stats()[0]["graph_steps"] > graph_steps  # the decode steps replayed the old graphs
 
     # The fit loop's order: sleep keeping the weights, push, wake (graphs captured again).
+    awake = _replica_gpu_reserved(pool)
     pool.sleep(keep_weights=True)
+    assert _replica_gpu_reserved(pool) < awake  # the KV cache and the graphs' memory went back to the GPU
     weight_sync.push_weights(actor, pool, 2, on_device)
     pool.wake_up()
     assert pool.weight_versions() == {0: 2} and pool.weight_digests()[0] == want
