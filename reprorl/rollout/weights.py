@@ -26,6 +26,7 @@ for a colocated vLLM):
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Iterable
@@ -81,17 +82,12 @@ def gpu_uuid(device: torch.device | str) -> str:
     return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
-# `reduce_tensor` gives (rebuild_cuda_tensor, args); this is where args names the device.
-_DEVICE_ARG = None
-
-
+@functools.cache
 def _device_arg() -> int:
-    global _DEVICE_ARG
-    if _DEVICE_ARG is None:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    """Where the args of `reduce_tensor`'s (rebuild_cuda_tensor, args) name the device."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        _DEVICE_ARG = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
-    return _DEVICE_ARG
+    return list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
 
 
 @dataclass(frozen=True)

@@ -45,3 +45,31 @@ def test_open_refuses_a_cpu_device():
     shared = SharedWeights(PackedWeights.pack(_named()).entries, {}, "GPU-test")
     with pytest.raises(ValueError, match="CUDA IPC needs a cuda device"):
         shared.open("cpu")
+
+
+def test_open_checks_the_gpu_and_names_this_process_device(monkeypatch):
+    """A share names the producer's device index; the consumer's may differ (another
+    CUDA_VISIBLE_DEVICES): `open` puts its own in, once the GPU's UUID matches."""
+    import inspect
+
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    from reprorl.rollout import weights
+
+    monkeypatch.setattr(weights, "gpu_uuid", lambda device: "GPU-here")
+    device_arg = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
+    calls = []
+
+    def rebuild(*args):
+        calls.append(args)
+        return torch.arange(6, dtype=torch.float32)
+
+    args = tuple(f"arg{k}" for k in range(15))
+    entries = (("w", "float32", (2, 3), 0),)
+    packed = SharedWeights(entries, {"float32": (rebuild, args)}, "GPU-here").open("cuda:2")
+    (got,) = calls
+    assert got[device_arg] == 2 and got[:device_arg] + got[device_arg + 1:] == args[:device_arg] + args[device_arg + 1:]
+    assert torch.equal(dict(packed.unpack("cpu"))["w"], torch.arange(6, dtype=torch.float32).view(2, 3))
+    with pytest.raises(ValueError, match="the weights are on GPU GPU-there; CUDA IPC reaches only the same GPU"):
+        SharedWeights(entries, {"float32": (rebuild, args)}, "GPU-there").open("cuda:2")
+    assert len(calls) == 1  # refused before opening anything
