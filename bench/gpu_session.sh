@@ -7,10 +7,16 @@
 #   xeon     the kernel benchmarks on the host CPU
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
+#            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
 #   gputrain the one-GPU training and weight-sync tests, bench/weight_sync.py and bench/train_step.py
+#   gputests the one-GPU training tests alone
+#   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl")
+#   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k y")
+#   startup  the reward model on the GPU (its gpu test), and bench/startup.py twice: the time from
+#            Trainer start to the first step with every part on the GPU (parts start together)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU
-# engine, gputrain and train need Ray there: run ../shared/tools/device-wheels here first
+# engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
 set -u
@@ -24,10 +30,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --form
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
 grep -m1 "model name" /proc/cpuinfo | summary
 
-with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installed once
-  [ -d /tmp/site ] && return 0
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installed once per machine
+  [ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || return 1
+  export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 }
 run_tests() {  # name, pytest args...
   local name=$1; shift
@@ -54,11 +60,14 @@ for step in $steps; do
     engine)
       with_ray || echo "no .whl: the engine tests that need Ray skip" | summary
       run_tests test_engine_gpu tests/rollout/test_engine_gpu.py
-      timeout 400 python3 bench/rollout.py --device cuda --out "$LOGS/rollout_cuda.json" > "$LOGS/bench_rollout.log" 2>&1
+      timeout 400 python3 bench/rollout.py --device cuda ${ROLLOUT_ARGS:-} --out "$LOGS/rollout_cuda.json" \
+        > "$LOGS/bench_rollout.log" 2>&1
       tail -40 "$LOGS/bench_rollout.log" | summary
-      timeout 200 python3 bench/rollout.py --device cuda --profile --out "$LOGS/rollout_profile.json" \
-        > "$LOGS/rollout_profile.log" 2>&1
-      grep -v "^USDT\|^STAGE" "$LOGS/rollout_profile.log" | tail -48 | summary ;;
+      if [ -z "${NO_PROFILE:-}" ]; then
+        timeout 200 python3 bench/rollout.py --device cuda --profile --out "$LOGS/rollout_profile.json" \
+          > "$LOGS/rollout_profile.log" 2>&1
+        grep -v "^USDT\|^STAGE" "$LOGS/rollout_profile.log" | tail -48 | summary
+      fi ;;
     gputrain)
       with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
       run_tests test_weight_sync_gpu tests/trainer/test_weight_sync_gpu.py
@@ -67,6 +76,28 @@ for step in $steps; do
       tail -12 "$LOGS/bench_weight_sync.log" | summary
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
+    gputests)
+      with_ray || { echo "no .whl: skipping gputests" | summary; continue; }
+      run_tests test_gpu_train tests/trainer/test_gpu_train.py ;;
+    trainstep)
+      with_ray || { echo "no .whl: skipping trainstep" | summary; continue; }
+      timeout 300 python3 bench/train_step.py ${TRAIN_STEP_ARGS:-} --out "$LOGS/train_step.json" \
+        > "$LOGS/bench_train_step.log" 2>&1
+      grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step.log" | tail -120 | summary ;;
+    pytest)
+      with_ray || echo "no .whl: tests that need Ray skip" | summary
+      run_tests pytest_args ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
+    startup)
+      with_ray || { echo "no .whl: skipping startup" | summary; continue; }
+      run_tests test_reward_gpu tests/reward/test_reward_model.py -m gpu
+      python3 -m reprorl.cli make-tiny /tmp/startup-policy --kind policy > /dev/null
+      python3 -m reprorl.cli make-tiny /tmp/startup-rm --kind reward > /dev/null
+      for i in 1 2; do  # actor, ref, a reward model and 2 rollout replicas, all on the GPU
+        timeout 280 python3 bench/startup.py resources.device=cuda model.dtype=bfloat16 \
+          model.path=/tmp/startup-policy reward.model_path=/tmp/startup-rm >> "$LOGS/startup.log" 2>&1
+      done
+      grep -E "^\{|started .* in |determinism: |reward replica" "$LOGS/startup.log" | summary
+      cp bench/results/startup.json "$LOGS/" 2>/dev/null ;;
     example)
       with_ray || { echo "no .whl: skipping example" | summary; continue; }
       timeout 420 python3 -m reprorl.cli train examples/gpu_arithmetic.yaml > "$LOGS/example.log" 2>&1

@@ -25,9 +25,11 @@ the script works (small sizes; its figures mean little).
 GPU (`--device cuda`, one process, about 4-5 minutes on an H200): Qwen2.5-0.5B- and
 1.5B-shaped models with random weights, bf16, prompt 128 + 256 new tokens, batches 64 and
 256, every sample from the full distribution (T=1, top_k off, top_p 1) on both sides:
-  - `engine` / `engine-det`: the engine with determinism off / on (CUDA graphs, device sampling),
+  - `engine` / `engine-det`: the engine with determinism off / on, as a replica runs it (CUDA
+    graphs, device sampling, lookahead: step t+1 launched before step t is read; "on" with
+    torch's deterministic algorithms, as `full_determinism` sets them),
   - `engine-n8` / `engine-n8-noshare`: 32 prompts x 8 samples with and without prefix sharing,
-  - `engine-ahead`: `engine` at batch 256 with `lookahead` (step t+1 launched before t is read),
+  - `engine-sync`: `engine` at batch 256 without lookahead (each step read before the next),
   - `hf` / `hf-topk50`: `generate` on the full distribution / with its default top-k of 50.
 Each engine row also gives `gpu_busy`: the steps' device span over the run's wall time
 (see `Engine._timed_step`). Targets (issue 13): engine >= 40,000 tok/s at batch 256 on
@@ -37,7 +39,7 @@ Each engine row also gives `gpu_busy`: the steps' device span over the run's wal
     python bench/rollout.py --device cuda --out bench/results/rollout_cuda.json
 
 `--profile` (with `--device cuda`) runs no table: torch.profiler over 8 decode steps of the
-first model at batch 256 (engine, engine-det, engine-ahead), printing and saving the top kernels by
+first model at batch 256 (engine, engine-det, engine-sync), printing and saving the top kernels by
 CUDA time, their groups (linear, attention, sampling...) in ms a step, and the share of the
 window the GPU runs a kernel.
 
@@ -59,6 +61,8 @@ import tempfile
 import time
 
 import torch
+
+from profiling import kernel_summary, print_summary  # bench/profiling.py (the script's folder is on sys.path)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.json")
 
@@ -261,24 +265,11 @@ def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict
             "lookahead_steps": after["lookahead_steps"] - before["lookahead_steps"]}
 
 
-def kernel_group(name: str) -> str:
-    """A kernel's share of a step, by its name: what the profile's groups add up."""
-    n = name.lower()
-    for group, keys in (("sampling", ("_sample_kernel", "softmax", "cumsum", "sort", "argmax", "radix")),
-                        ("attention", ("attention",)),
-                        ("linear", ("gemm", "nvjet", "cutlass", "matmul", "xmma", "sm90", "splitk")),
-                        ("norm/rope/swiglu", ("rms", "rotary", "swiglu", "silu"))):
-        if any(k in n for k in keys):
-            return group
-    return "other"
-
-
 def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip: int = 4, steps: int = 8) -> dict:
     """torch.profiler over `steps` decode steps of the engine (after the prefill step and
     `skip` decodes): the top kernels by CUDA time, their groups, and the share of the window
     the GPU runs a kernel (the union of kernel intervals over the window's wall time: the
     host's time between steps is in the window)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from reprorl.rollout.sampling import SamplingParams
@@ -312,35 +303,13 @@ def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip
         asyncio.run(run(skip + steps + 2))
     finally:
         del engine._apply  # back to the method
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and e.time_range.elapsed_us() > 0]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-    busy, end = 0.0, float("-inf")
-    for a, b in intervals:  # the union of the kernels' intervals
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    total = sum(sum(v) for v in by_name.values()) or 1e-9
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
-    groups: dict[str, float] = {}
-    for name, times in by_name.items():
-        groups[kernel_group(name)] = groups.get(kernel_group(name), 0.0) + sum(times)
-    wall_us = state["wall"] * 1e6
-    return {
-        "decode_steps": steps, "batch": len(prompts), "wall_ms_per_step": round(wall_us / steps / 1e3, 3),
-        "kernel_ms_per_step": round(total / steps / 1e3, 3), "gpu_busy": round(busy / wall_us, 3),
-        "groups_ms_per_step": {g: round(t / steps / 1e3, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": name[:120], "group": kernel_group(name), "calls_per_step": len(t) / steps,
-                         "us_per_step": round(sum(t) / steps, 1), "share": round(sum(t) / total, 4)}
-                        for name, t in top[:25]],
-    }
+    summary = kernel_summary(prof, state["wall"], per=steps)
+    return {"decode_steps": steps, "batch": len(prompts), **summary}
 
 
 def main_profile(args) -> None:
     """`--profile`: the decode step of the first --gpu-models model at batch 256: engine,
-    engine-det, and engine with lookahead (step t+1 launched before t is read)."""
+    engine-det, and engine without lookahead (each step read before the next is launched)."""
     import transformers
 
     from reprorl.rollout.engine import Engine
@@ -349,18 +318,14 @@ def main_profile(args) -> None:
     name, batch = args.gpu_models[0], max(GPU_BATCHES)
     _, ours = gpu_models(name)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
-    for label, det, ahead in (("engine", False, False), ("engine-det", True, False), ("engine-ahead", False, True)):
+    for label, det, ahead in (("engine", False, True), ("engine-det", True, True), ("engine-sync", False, False)):
+        torch.use_deterministic_algorithms(det)  # as a replica under full determinism runs
         engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
                         max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                         gpu_memory_utilization=0.3, lookahead=ahead)
         r = profile_engine_cuda(engine, gpu_prompts(batch, ours.args.vocab_size), list(range(batch)))
         out["profiles"][label] = r
-        print(f"\n{name} {label} batch {batch}: {r['wall_ms_per_step']} ms a decode step, kernels "
-              f"{r['kernel_ms_per_step']} ms, GPU busy {r['gpu_busy']:.0%}; by group (ms a step): "
-              + ", ".join(f"{g} {t}" for g, t in r["groups_ms_per_step"].items()))
-        for k in r["top_kernels"][:20]:
-            print(f"  {k['us_per_step']:9.1f} us  {k['share']:6.1%}  x{k['calls_per_step']:<5g} {k['group']:16} "
-                  f"{k['name'][:90]}")
+        print_summary(f"{name} {label} batch {batch}, a decode step", r)
         engine.shutdown()
         engine = None
         gc.collect()
@@ -415,6 +380,7 @@ def main_cuda(args) -> None:
         vocab = ours.args.vocab_size
         for det in (False, True):
             label = "engine-det" if det else "engine"
+            torch.use_deterministic_algorithms(det)  # as a replica under full determinism runs
             engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=max(GPU_BATCHES),
                             max_num_batched_tokens=max(GPU_BATCHES) * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                             gpu_memory_utilization=0.3)
@@ -426,13 +392,14 @@ def main_cuda(args) -> None:
                 record(name, "engine-n8", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
                 engine.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
-                engine.prefix_sharing, engine.lookahead = True, True  # step t+1 launched from t's device tokens
+                engine.prefix_sharing, engine.lookahead = True, False  # each step read before the next
                 prompts = gpu_prompts(max(GPU_BATCHES), vocab)
-                record(name, "engine-ahead", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
+                record(name, "engine-sync", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()
             engine = None  # frees its KV cache and graphs before the next one (its step task holds a cycle)
             gc.collect()
             torch.cuda.empty_cache()
+        torch.use_deterministic_algorithms(False)  # transformers' generate as its users run it
         for top_k, label in ((0, "hf"), (50, "hf-topk50")):
             for batch in GPU_BATCHES[::-1]:  # 256 first: the headline comparison
                 record(name, label, batch, lambda: time_hf_cuda(hf, batch, top_k))
@@ -484,6 +451,11 @@ def main() -> None:
     parser.add_argument("--one", nargs=5, metavar="ARG", help=argparse.SUPPRESS)  # a child of `measure`
     args = parser.parse_args()
     if args.device == "cuda":
+        # Before CUDA starts: the determinism rows turn on torch's deterministic algorithms,
+        # which need cuBLAS's fixed workspace (as `enable_full_determinism` in a replica).
+        from reprorl.determinism import CUBLAS_WORKSPACE_CONFIG
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
         main_profile(args) if args.profile else main_cuda(args)
         return
     if args.threads:

@@ -14,6 +14,9 @@ generation and the weight push the engine sleeps (its KV cache leaves the GPU, i
 stay), and it takes the new weights device to device from the rank's parameters, as
 `reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py; the
 handle's cost: bench/weight_sync.py).
+`--max-token-len T` cuts micro-batches by token budget
+instead of `--micro-batch` samples (reprorl/trainer/micro_batches.py); with every response
+at full length that measures its overhead only (bench/micro_batching.py measures its gain).
 
 Each mode runs a warm-up step first (the same batch, 16 new tokens: compilation, autotuning,
 the allocator) and is timed on its second step. The JSON is rewritten after each part, so
@@ -28,7 +31,13 @@ an H200's dense bf16). When `import trl` works, TRL's `GRPOTrainer` runs the sam
 otherwise) and its step time is in the JSON; else the JSON says why it did not run.
 
 CUBLAS_WORKSPACE_CONFIG is set before CUDA starts (full determinism needs it then), so
-the "off" mode runs with it too.
+the "off" mode runs with it too. Each step also records the engine's counters for its
+generation (steps, steps replayed from CUDA graphs, launched ahead, KV slots).
+
+`--profile`: after the timed step, each mode's log-prob pass and update run once more on
+the batch's first 4 micro-batches under torch.profiler (bench/profiling.py): kernel time by group, the share
+of the wall time the GPU is busy, the top kernels and the top host-side ops, per
+micro-batch. Those runs are not in the step's timings.
 """
 
 from __future__ import annotations
@@ -69,10 +78,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (128; quick: 8)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per response (256; quick: 4)")
     p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (16; quick: 2)")
+    p.add_argument("--max-token-len", type=int, default=None,
+                   help="micro-batches by this token budget instead of --micro-batch samples (every response has "
+                        "full length here, so this measures the budget's overhead; bench/micro_batching.py its gain)")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
+    p.add_argument("--profile", action="store_true", help="profile each mode's log-probs and update (module doc)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the GPU's dense bf16 peak, TFLOP/s")
     args = p.parse_args(argv)
     defaults = (2, 2, 8, 4, 2) if args.quick else (64, 8, 128, 256, 16)
@@ -159,6 +172,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     """Two GRPO steps in one mode; the second's timings."""
     from reprorl.determinism import enable_full_determinism
     from reprorl.rollout.replica import build_engine
+    from reprorl.trainer.micro_batches import in_sample_order
     from reprorl.trainer.optim import OptimArgs
     from reprorl.trainer.policy import PolicyLossArgs
     from reprorl.workers.worker import ShardWorker
@@ -192,20 +206,27 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            before = engine.stats()
             sync(device)
             t0 = time.perf_counter()
             outputs = generate(loop, engine, prompts, args.n, new_tokens, step)
             sync(device)
             t1 = time.perf_counter()
+            after = engine.stats()
+            counters = {k: after[k] - before[k] for k in ("steps", "graph_steps", "lookahead_steps", "prefix_shared")}
+            counters.update(kv_slots=after["kv_slots"], graph_error=after["graph_error"])
             loop.run_until_complete(engine.sleep(keep_weights=True))
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
             t2 = time.perf_counter()
-            batch["old_log_probs"] = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch)
+            rows, log_probs = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch,
+                                                       max_token_len=args.max_token_len)
+            batch["old_log_probs"] = in_sample_order(log_probs, rows)
             sync(device)
             t3 = time.perf_counter()
             worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
-                          max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0)
+                          max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(),
+                          temperature=1.0)
             sync(device)
             t4 = time.perf_counter()
             weights = worker.model_worker.model.named_parameters()  # copied in place, device to device
@@ -223,10 +244,14 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             }
             print(f"  {'on ' if full_determinism else 'off'} step {step}: " + ", ".join(
                 f"{k} {v:.3g}" for k, v in record[f"step{step}"].items() if v is not None), flush=True)
+            record[f"step{step}"]["engine"] = counters
+            print(f"      engine: {counters}", flush=True)
         timed = record["step2"]
         flops = update_flops(shape, samples, args.prompt_len + args.new_tokens)
         record["update_tflops"] = flops / timed["update_s"] / 1e12
         record["update_mfu"] = record["update_tflops"] / args.peak_tflops
+        if args.profile:
+            record["profile"] = profile_passes(args, worker, batch, samples, new_tokens, full_determinism)
     finally:
         engine.shutdown()
         loop.run_until_complete(asyncio.sleep(0.01))  # let the cancelled step loop finish
@@ -236,6 +261,37 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         if device == "cuda":
             torch.cuda.empty_cache()
     return record
+
+
+def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_determinism: bool,
+                   micro_batches: int = 4) -> dict:
+    """The log-prob pass and the update once more under torch.profiler, on the batch's first
+    `micro_batches` micro-batches (a whole step's trace is millions of events), per micro-batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profiling import host_summary, kernel_summary, print_summary
+    from reprorl.trainer.policy import PolicyLossArgs
+
+    samples = min(samples, micro_batches * args.micro_batch)
+    batch = batch.slice(0, samples)
+    passes = {
+        "log_probs": lambda: worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch),
+        "update": lambda: worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
+                                        max_response_length=new_tokens, loss=PolicyLossArgs(), temperature=1.0),
+    }
+    micro_batches = math.ceil(samples / args.micro_batch)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    out = {}
+    for name, run in passes.items():
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            run()
+            sync(args.device)
+            wall = time.perf_counter() - t0
+        out[name] = {**kernel_summary(prof, wall, per=micro_batches), "host": host_summary(prof, per=micro_batches)}
+        print_summary(f"{'on ' if full_determinism else 'off'} {name}, a micro-batch of {args.micro_batch}",
+                      out[name], out[name]["host"])
+    return out
 
 
 def run_trl(args: argparse.Namespace, shape: dict) -> dict:

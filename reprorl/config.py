@@ -131,6 +131,10 @@ class RolloutConfig:
     prefix_sharing: bool = _field(
         True, "backend=native: prefill a prompt once for the samples that bring it together (the n of a GRPO group)"
     )
+    lookahead: bool = _field(
+        True, "backend=native on a GPU with cuda_graphs: launch decode step t+1 from step t's tokens on the device "
+        "before reading them back, so the GPU does not wait for the host between steps (same bits either way)"
+    )
     vllm_gpu_memory_utilization: float = _field(
         0.3, "backend=vllm: share of accelerator memory per replica for weights and KV cache (CPU: of host memory, "
         "for the KV cache) when vllm_kv_cache_gib is null", gt=0, le=1
@@ -200,6 +204,13 @@ class ActorConfig:
     ppo_epochs: int = _field(1, "passes over each step's batch", ge=1)
     ppo_mini_batch_size: int = _field(16, "prompts per optimizer step (times rollout.n samples), as in verl", ge=1)
     ppo_micro_batch_size: int = _field(32, "samples per forward/backward pass (gradient accumulation)", ge=1)
+    ppo_max_token_len_per_micro_batch: int | None = _field(
+        None, "cut micro-batches by padded tokens instead (rows x longest prompt + longest response after trimming): "
+        "samples sorted by length, ties by index, packed greedily up to this many tokens per forward/backward pass "
+        "of the actor's update and of the actor's and reference's log-probs; ppo_micro_batch_size is then unused. "
+        "At least data.max_prompt_length + data.max_response_length. The bits depend on it as on "
+        "ppo_micro_batch_size, never on trainer.num_workers (any power of two is then allowed); null = off", ge=1
+    )
     clip_ratio_low: float = _field(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
     clip_ratio_high: float = _field(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
     # Dual-clip PPO bounds the loss of negative advantages by clip_ratio_c * |A|; at <= 1
@@ -230,6 +241,10 @@ class CriticConfig:
     ppo_micro_batch_size: int | None = _field(
         None, "samples per forward/backward pass; null = actor.ppo_micro_batch_size", ge=1
     )
+    ppo_max_token_len_per_micro_batch: int | None = _field(
+        None, "the critic's token budget per micro-batch (its values and update), as the actor's; "
+        "null = actor.ppo_max_token_len_per_micro_batch", ge=1
+    )
     loss_agg_mode: LossAggMode = _field("token-mean", "how token losses are reduced to one loss")
     cliprange_value: float = _field(0.5, "clip new values to old values +- this", gt=0)
     grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
@@ -240,8 +255,9 @@ class TrainerConfig:
     total_steps: int = _field(30, "training steps", ge=1)
     num_workers: int = _field(
         1, "processes in each of the actor, reference and critic worker groups (data parallel, gradient and "
-        "optimizer state sharded); a power of two that divides the micro-batches of a mini-batch, so that every "
-        "allowed count gives the same bits", ge=1,
+        "optimizer state sharded); a power of two that divides the micro-batches of a mini-batch (any power of two "
+        "with a token budget, ppo_max_token_len_per_micro_batch), so that every allowed count gives the same bits",
+        ge=1,
     )
     test_freq: int = _field(10, "validate every this many steps; 0 = never", ge=0)
     save_freq: int = _field(10, "checkpoint every this many steps; 0 = never", ge=0)
@@ -263,13 +279,14 @@ class TrainerConfig:
 @dataclass
 class ResourcesConfig:
     device: Literal["auto", "cpu", "cuda"] = _field(
-        "auto", "where the actor, reference, critic and built-in rollout replicas run (a reward model stays on the "
-        "CPU for now); auto = cuda when torch sees a GPU, else cpu (resolved when the run starts; the determinism "
-        "report shows it)"
+        "auto", "where the actor, reference, critic, reward model and rollout replicas run; auto = cuda when torch "
+        "sees a GPU, else cpu (resolved when the run starts; the determinism report shows it)"
     )
     gpu_share_rollout: float = _field(
         0.3, "device=cuda, one GPU shared by every part: the share of it (a Ray GPU fraction) that the rollout "
-        "replicas take together, split evenly between them; the trainer's workers share what is left. Ray fractions only place actors: memory is not capped by them", gt=0, lt=1
+        "replicas take together, split evenly between them; the trainer's workers (actor, reference, critic) and the "
+        "reward-model replicas split what is left evenly, one share each. Ray fractions only place actors: memory "
+        "is not capped by them", gt=0, lt=1
     )
 
 
@@ -537,6 +554,8 @@ def _derive(cfg: Config) -> None:
         cfg.critic.ppo_mini_batch_size = cfg.actor.ppo_mini_batch_size
     if cfg.critic.ppo_micro_batch_size is None:
         cfg.critic.ppo_micro_batch_size = cfg.actor.ppo_micro_batch_size
+    if cfg.critic.ppo_max_token_len_per_micro_batch is None:
+        cfg.critic.ppo_max_token_len_per_micro_batch = cfg.actor.ppo_max_token_len_per_micro_batch
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     # resources.device stays "auto" here, so a config file is portable between machines:
@@ -592,14 +611,19 @@ def _validate(cfg: Config) -> None:
         )
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
-    batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size)]
+    batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,
+                actor.ppo_max_token_len_per_micro_batch)]
     if algo.adv_estimator == "gae":
-        batches.append(("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size))
-    for name, mini, micro in batches:
+        batches.append(("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size,
+                        critic.ppo_max_token_len_per_micro_batch))
+    for name, mini, micro, max_token_len in batches:
         if data.train_batch_size % mini:
             raise ConfigError(
                 f"data.train_batch_size={data.train_batch_size} must be divisible by {name}.ppo_mini_batch_size={mini}"
             )
+        if max_token_len is not None:
+            _check_token_budget(cfg, name, max_token_len)
+            continue
         if (mini * rollout.n) % micro:
             raise ConfigError(
                 f"{name}.ppo_mini_batch_size * rollout.n = {mini} * {rollout.n} = {mini * rollout.n} samples "
@@ -608,6 +632,26 @@ def _validate(cfg: Config) -> None:
         _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
                            f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
                            f"{mini} * {rollout.n} / {micro}")
+
+
+def _check_token_budget(cfg: Config, name: str, max_token_len: int) -> None:
+    """A token budget must hold the widest sample the data allows, and the micro-batches it
+    cuts fit any power-of-two worker count (reprorl/workers/flat.py, `budget_leaves`)."""
+    data = cfg.data
+    widest = data.max_prompt_length + data.max_response_length
+    if max_token_len < widest:
+        # The actor is checked first: a critic that inherits its budget fails under the actor's key.
+        raise ConfigError(
+            f"{name}.ppo_max_token_len_per_micro_batch={max_token_len} must be >= data.max_prompt_length + "
+            f"data.max_response_length = {data.max_prompt_length} + {data.max_response_length} = {widest}: the "
+            "longest sample must fit in one micro-batch"
+        )
+    num_workers = cfg.trainer.num_workers
+    if num_workers & (num_workers - 1):
+        raise ConfigError(
+            f"trainer.num_workers={num_workers}: expected a power of two, so that every allowed count gives the same "
+            "bits (reprorl/workers/flat.py)"
+        )
 
 
 def _check_num_workers(num_workers: int, micro_batches: int, how: str) -> None:

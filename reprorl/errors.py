@@ -16,3 +16,8 @@ class ConfigError(ReproRLError):
 
 class DataError(ReproRLError):
     """A bad dataset file, row or field."""
+
+
+class DeterminismError(ReproRLError, RuntimeError):
+    """Under full determinism, two parts disagree where the contract says their bits are
+    equal (the engine's log-probs and the trainer's); the run stops at that step."""

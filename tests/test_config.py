@@ -136,6 +136,22 @@ def test_critic_batches_are_checked_only_for_gae():
     load_config(None, ["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=false"])
 
 
+def test_a_token_budget_replaces_the_micro_batch_count_rules():
+    # With a budget, ppo_micro_batch_size is unused: neither its divisibility nor N dividing
+    # the micro-batches is checked (any power of two gives the same bits: workers/flat.py).
+    cfg = load_config(None, ["actor.ppo_max_token_len_per_micro_batch=72", "actor.ppo_micro_batch_size=5",
+                             "trainer.num_workers=8"])
+    assert cfg.actor.ppo_max_token_len_per_micro_batch == 72
+    # The critic's budget defaults to the actor's, and is checked in its place.
+    gae = ["algorithm.adv_estimator=gae", "actor.ppo_max_token_len_per_micro_batch=200",
+           "critic.ppo_micro_batch_size=3"]
+    assert load_config(None, gae).critic.ppo_max_token_len_per_micro_batch == 200
+    own = load_config(None, [*gae, "critic.ppo_max_token_len_per_micro_batch=80"])
+    assert own.critic.ppo_max_token_len_per_micro_batch == 80
+    assert load_config().actor.ppo_max_token_len_per_micro_batch is None  # off by default
+    assert load_config().critic.ppo_max_token_len_per_micro_batch is None
+
+
 def test_cli_takes_a_first_override_in_the_file_slot(capsys):
     # argparse puts `rollout.n=8` in the optional file argument; it is an override all the same.
     assert main(["config", "rollout.n=8", "rollout.temperature=0.5"]) == 0
@@ -220,6 +236,26 @@ OVERRIDE_ERRORS = [
         "trainer.num_workers=4: expected a power of two that divides the 2 micro-batches of a mini-batch "
         "(critic.ppo_mini_batch_size * rollout.n / critic.ppo_micro_batch_size = 16 * 8 / 64), so that every allowed "
         "count gives the same bits: one of [1, 2]",
+    ),
+    (
+        ["actor.ppo_max_token_len_per_micro_batch=71"],
+        "actor.ppo_max_token_len_per_micro_batch=71 must be >= data.max_prompt_length + data.max_response_length = "
+        "64 + 8 = 72: the longest sample must fit in one micro-batch",
+    ),
+    (
+        ["algorithm.adv_estimator=gae", "actor.ppo_max_token_len_per_micro_batch=100",
+         "critic.ppo_max_token_len_per_micro_batch=50"],
+        "critic.ppo_max_token_len_per_micro_batch=50 must be >= data.max_prompt_length + data.max_response_length = "
+        "64 + 8 = 72: the longest sample must fit in one micro-batch",
+    ),
+    (
+        ["actor.ppo_max_token_len_per_micro_batch=72", "trainer.num_workers=3"],
+        "trainer.num_workers=3: expected a power of two, so that every allowed count gives the same bits "
+        "(reprorl/workers/flat.py)",
+    ),
+    (
+        ["actor.ppo_max_token_len_per_micro_batch=0"],
+        "actor.ppo_max_token_len_per_micro_batch: expected an integer >= 1 or null, got 0",
     ),
     (["rollout.max_tokens=9"], "rollout.max_tokens=9 must be <= data.max_response_length=8"),
     (["data.max_response_length=16", "rollout.max_tokens=32"], "rollout.max_tokens=32 must be <= data.max_response_length=16"),

@@ -2,7 +2,8 @@
 
 | backend | module | promise |
 |---|---|---|
-| `TorchKernels` | `torch_ops` | stock torch, the fastest; none about batching |
+| `TorchKernels` | `torch_ops` | stock torch; none about batching |
+| `FastCudaKernels` | `gpu` | plain mode on CUDA: stock torch with Triton's element-wise ops; none |
 | `CpuInvariantKernels` | `cpu` | batch-invariant on any CPU (fixed-shape single-threaded tiles) |
 | `TritonKernels` | `gpu` | batch-invariant on CUDA GPUs (Triton kernels, tiles fixed by N and K) |
 | `ReferenceKernels` | `reference` | float64, for tests |
@@ -39,10 +40,15 @@ __all__ = [
 
 
 def select_kernels(device: torch.device | str, batch_invariant: bool):
-    """The backend for a model on `device`: stock torch unless `batch_invariant`, then the
-    CPU tiles or (CUDA) the Triton kernels. Other devices have no invariant backend."""
+    """The backend for a model on `device`: the fastest without `batch_invariant` (stock
+    torch, on CUDA with the Triton element-wise ops), else the CPU tiles or (CUDA) the
+    Triton kernels. Other devices have no invariant backend."""
     device = torch.device(device)
     if not batch_invariant:
+        if device.type == "cuda":
+            from reprorl.kernels.gpu import FastCudaKernels
+
+            return FastCudaKernels
         return TorchKernels
     if device.type == "cpu":
         return CpuInvariantKernels

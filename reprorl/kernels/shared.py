@@ -1,5 +1,5 @@
-"""What every kernel backend shares: the rotary tables, argument checks, and the padded
-batch moved into the layout of the engine's attention."""
+"""What every kernel backend shares: the rotary tables, argument checks, the padded
+batch moved into the layout of the engine's attention, and the KV cache's row writes."""
 
 from __future__ import annotations
 
@@ -58,16 +58,53 @@ def padded_as_sequences(batched_attention: Callable[..., Tensor], q: Tensor, k: 
     padding) -> [B, T, Hq, D], zeros at padding. Each row's real tokens are moved to its
     front, in order (a stable sort puts real before padding), attended as one sequence from
     position 0 (the arithmetic of the engine's prefill and decode), then moved back. This
-    is how the trainer's forward gives the engine's bits. Differentiable (gathers and
-    scatters).
+    is how the trainer's forward gives the engine's bits. Differentiable: both moves are
+    permutations, whose gradient is the inverse permutation (`_Permute`).
     """
     b = q.shape[0]
     real = attention_mask.bool()
     order = torch.argsort((~real).to(torch.uint8), dim=-1, stable=True)  # [B, T]
+    inverse = torch.argsort(order, dim=-1)  # inverse[b, order[b, t]] = t
 
     def front(x: Tensor) -> Tensor:  # [B, T, H, D] -> [B, H, T, D]
-        return x.gather(1, order[:, :, None, None].expand_as(x)).transpose(1, 2)
+        return _Permute.apply(x, order, inverse).transpose(1, 2)
 
     out = batched_attention(front(q), front(k), front(v), order.new_zeros(b)).transpose(1, 2)
     out = out.masked_fill(~real.gather(1, order)[:, :, None, None], 0.0)  # [B, T, Hq, D]
-    return torch.zeros_like(out).scatter(1, order[:, :, None, None].expand_as(out), out)
+    return _Permute.apply(out, inverse, order)
+
+
+def _take_along_rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, T, ...] -> out[b, t] = x[b, index[b, t]] (index [B, T])."""
+    return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand_as(x))
+
+
+class _Permute(torch.autograd.Function):
+    """`x[b, perm[b, t]]` along dim 1, with the inverse permutation as its gradient: a gather
+    both ways, each entry copied once. (Autograd's own gradient of a gather is a scatter-add,
+    which under torch's deterministic algorithms, on by full determinism, sorts its indices
+    and runs an index_put: measured on the H200 as the largest kernel of a bf16 update,
+    66 ms of a micro-batch's 249 in Qwen2.5-0.5B's shape, with the forward's scatter 25 ms of
+    a log-prob pass's 74; bench/train_step.py --profile.)"""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return _take_along_rows(x, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return _take_along_rows(grad, inverse), None, None
+
+
+def write_rows(dst: Tensor, rows: Tensor, src: Tensor) -> None:
+    """dst[rows[i]] = src[i] in place: dst [R, C] with contiguous rows, src [n, C]. The rows
+    must be distinct where anyone reads them (duplicates race on CUDA). On CUDA one Triton
+    launch (`reprorl.kernels.gpu.rows` says why not index_put), elsewhere index_put."""
+    if dst.is_cuda:
+        from reprorl.kernels.gpu.rows import write_rows as triton_write_rows
+
+        triton_write_rows(dst, rows, src)
+    else:
+        dst[rows] = src

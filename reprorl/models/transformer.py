@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reprorl.kernels import KEY_BLOCK, TorchKernels, rope_tables
+from reprorl.kernels.shared import write_rows
 from reprorl.models.arch import ModelArgs
 
 
@@ -205,8 +206,9 @@ class DecoderLayer(nn.Module):
         """
         q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [N, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
-        keys[plan.token_slots, :, plan.token_pos] = k
-        values[plan.token_slots, :, plan.token_pos] = v
+        kv_rows = plan.kv_rows(cache)
+        write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
+        write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         if plan.in_order:  # decode tokens of consecutive slots, in slot order: no gather, no scatter
             out = kern.batched_attention(q[:, :, None], keys[plan.lo : plan.hi], values[plan.lo : plan.hi], plan.q_start)
             attn = out[:, :, 0]  # [N, Hq, D]
@@ -217,23 +219,25 @@ class DecoderLayer(nn.Module):
                 qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
                 kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
                 out = kern.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
-                attn[g.rows] = out.permute(0, 2, 1, 3).reshape(-1, *q.shape[1:])[g.real]
+                real = out.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * q.shape[2])[g.real]
+                write_rows(attn.view(attn.shape[0], -1), g.rows, real)
         x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
         return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
 
-    def forward_decode(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, positions: Tensor,
+    def forward_decode(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor,
                        q_start: Tensor, cache: KVCache, layer: int, attention, kern) -> Tensor:
         """One decode token per row, with no host sync and static shapes (a CUDA graph can
-        replay it): x [B, H], slots/positions [B]; q_start [S] (every slot of the cache; 0
-        for slots not decoding). Attention runs over all S slots as one view (zero queries
-        for the idle ones cost a key block each) and each row takes its slot's output."""
+        replay it): x [B, H], slots [B], kv_rows [B * Hkv] (`cache_rows`); q_start [S] (every
+        slot of the cache; 0 for slots not decoding). Attention runs over all S slots as one
+        view (zero queries for the idle ones cost a key block each) and each row takes its
+        slot's output."""
         q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [B, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [S, Hkv, cap, D]
-        keys[slots, :, positions] = k
-        values[slots, :, positions] = v
+        write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
+        write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         q_all = q.new_zeros(keys.shape[0], *q.shape[1:])  # [S, Hq, D]
-        q_all[slots] = q
+        write_rows(q_all.view(q_all.shape[0], -1), slots, q.reshape(q.shape[0], -1))
         attn = attention(q_all[:, :, None], keys, values, q_start)[slots, :, 0]  # [B, Hq, D]
         x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
         return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
@@ -285,6 +289,7 @@ class _PackPlan:
 
     def __init__(self, seq_lens: list[int], slots: list[int], starts: list[int], device: torch.device) -> None:
         n = sum(seq_lens)
+        self._kv_rows: Tensor | None = None
         self.in_order = 0 < n == len(slots) and slots == list(range(slots[0], slots[0] + n))
         if self.in_order:
             self.lo, self.hi = slots[0], slots[0] + n
@@ -303,6 +308,21 @@ class _PackPlan:
         decode = [m for m in members if m[1] == 1]
         longer = [m for m in members if m[1] > 1]
         self.groups = [_Group(g, n, device) for g in (decode, longer) if g]
+
+    def kv_rows(self, cache: KVCache) -> Tensor:
+        """`cache_rows` of the plan's tokens (made on the first layer's call, then reused)."""
+        if self._kv_rows is None:
+            self._kv_rows = cache_rows(cache, self.token_slots, self.token_pos)
+        return self._kv_rows
+
+
+def cache_rows(cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
+    """Where token b's keys go for each KV head h, as rows of a layer's cache viewed as
+    [S * Hkv * cap, D]: (slots[b] * Hkv + h) * cap + positions[b], in (b, h) order [B * Hkv]
+    (the order of k [B, Hkv, D] flattened to rows). Every layer's cache has one shape."""
+    _, hkv, cap, _ = cache.keys[0].shape
+    heads = torch.arange(hkv, device=slots.device)
+    return ((slots[:, None] * hkv + heads) * cap + positions[:, None]).reshape(-1)
 
 
 class Transformer(nn.Module):
@@ -403,11 +423,13 @@ class Transformer(nn.Module):
         Unlike `forward_packed` it checks nothing and leaves `cache.lengths` to the caller.
         -> hidden [B, H]. With batch-invariant kernels a row's bits equal `forward_packed`'s."""
         attention = attention or self.kernels.batched_attention
-        q_start = positions.new_zeros(cache.num_slots).scatter(0, slots, positions)  # [S]
+        q_start = positions.new_zeros(cache.num_slots, 1)  # [S, 1]
+        write_rows(q_start, slots, positions[:, None])  # the padding rows' duplicates: the spare slot's
+        kv_rows = cache_rows(cache, slots, positions)
         cos, sin = self._rope(positions)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_decode(x, cos, sin, slots, positions, q_start, cache, i, attention, self.kernels)
+            x = layer.forward_decode(x, cos, sin, slots, kv_rows, q_start[:, 0], cache, i, attention, self.kernels)
         return self.norm(x, self.kernels)
 
 

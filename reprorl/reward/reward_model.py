@@ -68,6 +68,7 @@ class RewardModelScorer(ChatScorer):
         batch_invariant: run under the op layer's batch-invariant mode (on with
             full determinism), so a score does not depend on the batch around it.
         dtype: load the weights in this dtype (None: as saved).
+        device: where the model runs ("cpu" or "cuda"); scores come back on the CPU.
     """
 
     def __init__(
@@ -78,12 +79,14 @@ class RewardModelScorer(ChatScorer):
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         batch_invariant: bool = True,
         dtype: torch.dtype | None = None,
+        device: str = "cpu",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_num_batched_tokens={max_num_batched_tokens}; "
                              "expected both >= 1")
         self.model_path = str(model_path)
-        self.model, self.args = load_model(self.model_path, kind="reward", dtype=dtype)
+        model, self.args = load_model(self.model_path, kind="reward", dtype=dtype)
+        self.model = model.to(device)
         if self.args.num_labels != 1:
             raise ReproRLError(f"reward model {self.model_path}: num_labels={self.args.num_labels}; "
                                "a reward model gives one score (num_labels 1)")
@@ -96,9 +99,10 @@ class RewardModelScorer(ChatScorer):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.batch_invariant = batch_invariant
-        self.dtype = next(self.model.parameters()).dtype
-        self.model.kernels = select_kernels(next(self.model.parameters()).device, batch_invariant)
-        verify_batch_invariance(self.model.kernels, self.args, self.dtype)
+        param = next(self.model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+        self.model.kernels = select_kernels(self.device, batch_invariant)
+        verify_batch_invariance(self.model.kernels, self.args, self.dtype, self.device)
         self._cache: KVCache | None = None  # made by the first forward
 
     def score_ids(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -119,18 +123,19 @@ class RewardModelScorer(ChatScorer):
     def _forward(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """One packed forward: [b] float32 scores of b <= max_num_seqs non-empty sequences."""
         lens = [len(s) for s in sequences]
-        ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long)  # [N]
-        last = torch.tensor(list(itertools.accumulate(lens))) - 1  # [b] each sequence's last token
+        ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.long,
+                           device=self.device)  # [N]
+        last = torch.tensor(list(itertools.accumulate(lens)), device=self.device) - 1  # [b] each sequence's last token
         # One cache for every forward (allocating it costs more than a tiny model's forward):
         # slots 0..b-1 start empty; what earlier forwards left past them is masked out.
         if self._cache is None:
-            self._cache = KVCache.for_model(self.args, max(lens), self.max_num_seqs, self.dtype)
+            self._cache = KVCache.for_model(self.args, max(lens), self.max_num_seqs, self.dtype, self.device)
         self._cache.grow(max(lens))
         self._cache.lengths = [0] * self.max_num_seqs
         with torch.inference_mode():
             hidden = self.model.forward_packed(ids, lens, self._cache)  # [N, H]
             scores = self.model.scores(hidden[last])  # [b, 1]
-        return scores[:, 0].float()
+        return scores[:, 0].float().cpu()
 
 
 def forward_chunks(lengths: Sequence[int], max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
@@ -156,7 +161,7 @@ class RewardReplica:
     """One reward-model scorer; create with `ray.remote(RewardReplica)` (as the pool does).
 
     `scorer_options` go to `RewardModelScorer` (max_num_seqs, max_num_batched_tokens,
-    batch_invariant, dtype);
+    batch_invariant, dtype name, device);
     `expected_env` is the run's `determinism_env(...)`, checked before anything else.
     """
 
@@ -173,7 +178,10 @@ class RewardReplica:
             self.scorer = VllmRewardScorer(model_path, expected_env=expected_env,
                                            where=f"reward replica {replica_id}", **options)
         else:
-            self.scorer = RewardModelScorer(model_path, **scorer_options)
+            from reprorl.trainer.policy import dtype_from_name
+
+            options = dict(scorer_options, dtype=dtype_from_name(scorer_options.get("dtype")))
+            self.scorer = RewardModelScorer(model_path, **options)
         self.kill_switch = KillSwitch.from_env(f"reward replica {replica_id}")  # fault tests only
 
     def ready(self) -> int:
@@ -190,7 +198,8 @@ class RewardReplica:
         if hasattr(self.scorer, "determinism_info"):  # vLLM's, measured in its worker
             return self.scorer.determinism_info()
         return model_part_info(backend="reprorl", batch_invariant=self.scorer.batch_invariant,
-                               dtype=self.scorer.dtype, kernels=self.scorer.model.kernels.name, device="cpu")
+                               dtype=self.scorer.dtype, kernels=self.scorer.model.kernels.name,
+                               device=self.scorer.device)
 
 
 class RewardModelPool:
@@ -201,6 +210,14 @@ class RewardModelPool:
     with full determinism) the result does not depend on `num_replicas`. CPUs per
     replica default as for rollout replicas: together at most half the cluster's CPUs,
     at most one each. `runtime_env` is the user's, merged with the determinism variables.
+
+    Placement, as `ReplicaPool`'s: `device="cuda"` builds each scorer on the GPU Ray gives
+    its replica (`num_gpus` each, a fraction when the run shares one GPU:
+    reprorl/trainer/placement.py; None = 1 on cuda, 0 on cpu), weights in `dtype` (None:
+    the checkpoint's).
+
+    The constructor starts every replica at once and waits until all are ready;
+    `wait=False` returns as soon as they are asked for, and `wait_ready()` waits.
 
     A replica found dead by a call is replaced within `restarts` (the run's budget; None:
     no replacement, the call raises `FaultError`) by a new actor with the next unused id,
@@ -223,6 +240,10 @@ class RewardModelPool:
         backend: str = "native",
         vllm_options: Mapping[str, Any] | None = None,
         restarts: Restarts | None = None,
+        device: str = "cpu",
+        dtype: str | None = None,
+        num_gpus: float | None = None,
+        wait: bool = True,
     ) -> None:
         if num_replicas < 1:
             raise ValueError(f"RewardModelPool: num_replicas={num_replicas}; expected >= 1")
@@ -239,26 +260,40 @@ class RewardModelPool:
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
+            "device": device, "dtype": dtype,
         }
-        num_gpus = 0
+        if num_gpus is None:
+            num_gpus = 1 if device == "cuda" else 0
         if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
             from reprorl.rollout.vllm_replica import replica_gpus
 
+            options = {k: v for k, v in options.items() if k not in ("device", "dtype")}
             options.update(backend="vllm", **(vllm_options or {}))
-            num_gpus = replica_gpus()
+            num_gpus = replica_gpus(num_gpus if device == "cuda" else None)
         self.model_path = str(model_path)
         self.num_cpus_per_replica = num_cpus_per_replica
         self._actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
                                                         runtime_env=self.runtime_env)
         self._options = options
+        self.backend, self.max_num_seqs = backend, max_num_seqs
         self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
         self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
-        wait_ready(list(self.replicas.values()), "reward model replicas", num_cpus_per_replica)
-        self.first_info = ray.get(self.replicas[0].determinism_info.remote())  # what a replacement must equal
-        if backend == "vllm":
+        self.first_info: dict[str, Any] | None = None  # what a replacement must equal; set by wait_ready
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every replica has started (its error if one failed; a RuntimeError naming
+        the CPUs when Ray cannot place them). Done by the constructor unless `wait=False` (then
+        call this before any other method); a second call returns at once."""
+        if self.first_info is not None:
+            return
+        wait_ready(list(self.replicas.values()), "reward model replicas", self.num_cpus_per_replica)
+        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
+        if self.backend == "vllm":
             from reprorl.rollout.vllm_replica import warn_if_serialized
 
-            warn_if_serialized(self.first_info, max_num_seqs, "reward model")
+            warn_if_serialized(self.first_info, self.max_num_seqs, "reward model")
 
     def _start(self, replica_id: int) -> Any:
         return self._actor.remote(replica_id, self.model_path, self._options, self.env)

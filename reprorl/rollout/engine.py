@@ -256,7 +256,7 @@ class Engine:
     sampling runs on the device (`sampling.sample_on_device`). Everywhere:
     `prefix_sharing` prefills a prompt once for the requests that bring it together (the n
     samples of a GRPO prompt) and copies its keys/values into the others' slots.
-    `lookahead` (GPU, with graphs; off by default until measured): while every running
+    `lookahead` (GPU, with graphs): while every running
     sequence decodes and none waits, launch step t+1 from step t's tokens on the device before
     copying them to the host (see "Lookahead" in the module doc).
     """
@@ -275,7 +275,7 @@ class Engine:
         gpu_memory_utilization: float = 0.5,
         cuda_graphs: bool = True,
         prefix_sharing: bool = True,
-        lookahead: bool = False,
+        lookahead: bool = True,
     ):
         if not hasattr(model, "logits") or not hasattr(getattr(model, "model", None), "layers"):
             raise TypeError(f"Engine needs a reprorl.models.transformer.CausalLM, got {type(model).__name__}")

@@ -76,13 +76,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
         ray.init(num_cpus=num_cpus, include_dashboard=False)
 
 
-def replica_cpus(num_replicas: int) -> float:
+def replica_cpus(num_replicas: int, free: float | None = None) -> float:
     """Ray CPUs to ask for each of `num_replicas` new replicas: half of what is free, at most 1 each.
 
     A scheduling hint only (engine threads are set apart from it); counting FREE CPUs means a
     second pool (reward model, another run's) is still schedulable next to the first.
+    `free`: the CPUs to count as free (None: what Ray says is free now). Ray counts an
+    actor's CPUs only once it is placed, so pools started together pass what the pools
+    before them left (reprorl/trainer/fit.py).
     """
-    free = ray.available_resources().get("CPU", 0.0)
+    if free is None:
+        free = ray.available_resources().get("CPU", 0.0)
     return min(1.0, free / (2 * num_replicas))
 
 
@@ -229,6 +233,10 @@ class ReplicaPool:
     next unused id, loaded with the current weight version and checked to serve it and
     to run in the first replica's determinism mode before it joins `replicas`. The
     agent-loop manager routes to whatever `replicas` holds at each rollout.
+
+    The constructor starts every replica at once and waits until all are ready;
+    `wait=False` returns as soon as they are asked for, and `wait_ready()` waits (so a
+    trainer starts its pools and worker groups together).
     """
 
     def __init__(
@@ -252,6 +260,7 @@ class ReplicaPool:
         dtype: str | None = None,
         num_gpus: float | None = None,
         native_options: Mapping[str, Any] | None = None,
+        wait: bool = True,
     ):
         if num_replicas < 1:
             raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
@@ -279,7 +288,7 @@ class ReplicaPool:
         if num_gpus is None:
             num_gpus = 1 if device == "cuda" else 0
         if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
-            from reprorl.rollout.vllm_replica import VllmReplica, replica_gpus, warn_if_serialized
+            from reprorl.rollout.vllm_replica import VllmReplica, replica_gpus
 
             replica_cls, num_gpus = VllmReplica, replica_gpus(num_gpus if device == "cuda" else None)
             engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -287,16 +296,29 @@ class ReplicaPool:
         self._actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
                                                       runtime_env=self.runtime_env)
         self._engine_options = engine_options
+        self.backend, self.max_num_seqs = backend, max_num_seqs
         self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
         self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
-        wait_ready(list(self.replicas.values()), "rollout replicas", num_cpus_per_replica)
-        # What a replacement must equal (`replace_dead`), and what it must be brought up to:
-        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
         self.version = 0  # the engine's initial weight_version
         self.asleep = False
         self._pushes: list[tuple[Any, frozenset[str], int]] = []  # (object ref, names, version), oldest first
-        if backend == "vllm":
-            warn_if_serialized(self.first_info, max_num_seqs, "rollout")
+        self.first_info: dict[str, Any] | None = None  # set by wait_ready
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every replica has started (its error if one failed; a RuntimeError naming
+        the CPUs when Ray cannot place them). Done by the constructor unless `wait=False` (then
+        call this before any other method); a second call returns at once."""
+        if self.first_info is not None:
+            return
+        wait_ready(list(self.replicas.values()), "rollout replicas", self.num_cpus_per_replica)
+        # What a replacement must equal (`replace_dead`), and what it must be brought up to:
+        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
+        if self.backend == "vllm":
+            from reprorl.rollout.vllm_replica import warn_if_serialized
+
+            warn_if_serialized(self.first_info, self.max_num_seqs, "rollout")
 
     def _start(self, replica_id: int) -> Any:
         return self._actor.remote(replica_id, self.model_path, self._engine_options, self.env)

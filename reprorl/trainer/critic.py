@@ -7,15 +7,16 @@ The value of response token j is the value of the state BEFORE it: the critic's 
 position P-1+j (the last prompt token for j = 0), as verl's `values[:, -R-1:-1]`. It is
 what GAE pairs with the reward of token j.
 
-Mini-batches, micro-batches, gradient accumulation with the mini-batch's normalisers, the
-guarded optimizer step and the once-per-update learning-rate schedule are as in the
-policy worker.
+Mini-batches, micro-batches (by samples or by token budget), gradient accumulation with
+the mini-batch's normalisers, the guarded optimizer step and the once-per-update
+learning-rate schedule are as in the policy worker.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from reprorl.determinism_report import model_part_info
 from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
+from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
 from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms, pad_responses, trim_padding
 
@@ -100,13 +102,23 @@ class CriticWorker:
         values = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])  # [b, P+R]
         return response_values(values, micro["responses"].shape[1])
 
-    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
-        """`[B, R]` float32 values, 0 where `response_mask` is 0; micro-batches in sample order."""
+    def compute_values(self, batch: Batch, *, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
+        """`[B, R]` float32 values in sample order, 0 where `response_mask` is 0; micro-batches
+        of `micro_batch_size` in sample order, or by token budget with `max_token_len`."""
         check_positive(micro_batch_size=micro_batch_size)
+        micros = micro_batch_rows(batch, micro_batch_size, max_token_len)
+        parts = self.micro_batch_values(take(batch, rows) for rows in micros)
+        return in_sample_order(torch.cat(parts), rows_tensor(micros))
+
+    def micro_batch_values(self, micros: Iterable[Batch]) -> list[torch.Tensor]:
+        """Per micro-batch, its `[b, R]` values as `compute_values` gives them (trimmed first). No grad."""
+        out = []
         with torch.no_grad():
-            out = [pad_responses(torch.where(m["response_mask"] > 0, self._values(m), 0.0), batch["responses"].shape[1])
-                   for m in map(trim_padding, batch.split(micro_batch_size))]
-        return torch.cat(out)
+            for micro in micros:
+                width = micro["responses"].shape[1]
+                m = trim_padding(micro)
+                out.append(pad_responses(torch.where(m["response_mask"] > 0, self._values(m), 0.0), width))
+        return out
 
     def update(
         self,
@@ -118,11 +130,13 @@ class CriticWorker:
         cliprange_value: float,
         loss_agg_mode: str,
         max_response_length: int | None = None,
+        max_token_len: int | None = None,
     ) -> dict[str, float]:
         """One training step of the clipped value loss (`algos.value_loss`).
 
         `mini_batch_size` in samples; `max_response_length`: the divisor of
-        "seq-mean-token-sum-norm" (None = the batch's R). Returns `critic/vf_loss`,
+        "seq-mean-token-sum-norm" (None = the batch's R); `max_token_len`: micro-batches by
+        token budget (micro_batches.py), else of `micro_batch_size` samples. Returns `critic/vf_loss`,
         `critic/vf_clipfrac` (token mean), each exact per mini-batch whatever the
         micro-batch size, then averaged over the step's mini-batches; `critic/grad_norm`
         (before clipping) and `critic/lr`."""
@@ -135,7 +149,8 @@ class CriticWorker:
                 where = f"critic update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"  # from 1, as steps
                 stats = self.accumulate_gradients(
                     mini, micro_batch_size=micro_batch_size, cliprange_value=cliprange_value,
-                    loss_agg_mode=loss_agg_mode, max_response_length=max_response_length, where=where,
+                    loss_agg_mode=loss_agg_mode, max_response_length=max_response_length,
+                    max_token_len=max_token_len, where=where,
                 )
                 stats["critic/grad_norm"] = guarded_step(self.optimizer, self.params, self.optim_args.grad_clip, where)
                 records.append(stats)
@@ -152,15 +167,16 @@ class CriticWorker:
         cliprange_value: float,
         loss_agg_mode: str,
         max_response_length: int | None = None,
+        max_token_len: int | None = None,
         where: str = "",
     ) -> dict[str, float]:
-        """Forward and backward over one mini-batch into `.grad`; returns its
-        `critic/vf_loss` and `critic/vf_clipfrac`."""
+        """Forward and backward over one mini-batch into `.grad`, micro-batch by micro-batch
+        (`micro_batch_rows` order); returns its `critic/vf_loss` and `critic/vf_clipfrac`."""
         check_positive(micro_batch_size=micro_batch_size)
         norms = mini_batch_norms(mini, max_response_length)
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
-        for k, micro in enumerate(mini.split(micro_batch_size)):
-            vf_loss, stats = self.micro_batch_loss(micro, norms, cliprange_value=cliprange_value,
+        for k, rows in enumerate(micro_batch_rows(mini, micro_batch_size, max_token_len)):
+            vf_loss, stats = self.micro_batch_loss(take(mini, rows), norms, cliprange_value=cliprange_value,
                                                    loss_agg_mode=loss_agg_mode)
             check_finite_loss(vf_loss, self.optimizer, f"{where}, micro-batch {k}")
             vf_loss.backward()

@@ -12,6 +12,10 @@ Actor, reference and critic are worker groups of `trainer.num_workers` Ray proce
 (reprorl/workers: the same bits for every allowed count); rollout and reward-model
 replicas are Ray actors too. Every reduction over the batch runs in sample order, and every random draw
 comes from a seed named by its origin, so a run is a pure function of its config.
+
+Start-up: the Trainer starts the processes of all those parts at once and then waits for
+each (`Trainer._start_parts`); if one fails, it stops the others before the error
+propagates.
 """
 
 from __future__ import annotations
@@ -36,13 +40,13 @@ from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.data.rewards import check_ground_truth
 from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, write_report
-from reprorl.errors import ConfigError
+from reprorl.errors import ConfigError, DeterminismError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
-from reprorl.rollout.replica import ReplicaPool, init_ray
+from reprorl.rollout.replica import ReplicaPool, init_ray, replica_cpus
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import FaultError, Restarts
 from reprorl.trainer import weight_sync
@@ -159,20 +163,71 @@ class Trainer:
         self.placement = self._plan_placement()
         check_train_set_size(cfg, len(self.train_set))
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.seed, shuffle=cfg.data.shuffle)
-        self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
-        init_ray()
-        self.actor, self.ref, self.critic = self._make_workers()
         self.loss_args = self._policy_loss_args()
         self.kl_ctrl = self._make_kl_controller()
         self.restarts = Restarts(cfg.trainer.max_restarts)  # shared by both pools and the agent loop
-        self.reward_model, self.reward_loop = self._make_reward()
-        self.pool, self.agent = self._make_rollout()
         # The run's records are opened in `fit`, after `resume` has cut them to its step.
         self.tracker: Tracker | None = None
         self.fingerprints: FingerprintWriter | None = None
         self.step = 0
+        self.actor: WorkerGroup | None = None
+        self.ref = self.critic = None
+        self.reward_model, self.reward_loop, self.pool, self.agent = None, None, None, None
+        self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
+        init_ray()
+        try:
+            self._start_parts()
+        except BaseException:
+            self._stop_parts()  # a part that failed to start stops the others, not only itself
+            raise
 
     # ------------------------------------------------------------------ parts
+
+    def _start_parts(self) -> None:
+        """Start the processes of every model part at once, then wait for each in turn.
+
+        Each process imports torch (and Triton) and checks its kernels before it answers:
+        one part after another, that was most of a short run. The waits go in the order the
+        parts used to start (actor, ref, critic, reward model, rollout), so a part that fails
+        raises the error it raised alone, naming the part and its rank or replica; the
+        caller then stops the others (`_stop_parts`).
+        """
+        t0 = time.perf_counter()
+        reward_fn = resolve_reward_fn(self.cfg.reward.fn)  # a bad reward.fn fails before any process starts
+        reward_cpus, rollout_cpus = self._replica_cpus()
+        # Each part is kept as soon as it exists, so that `_stop_parts` finds it if a later one fails.
+        self.actor, self.ref, self.critic = self._make_workers()
+        self.reward_model = self._make_reward_model(reward_cpus)
+        self.pool = self._make_rollout(rollout_cpus)
+        self.reward_loop = self._make_reward_loop(reward_fn)  # its rule-reward process starts meanwhile
+        for part in (self.actor, self.ref, self.critic, self.reward_model, self.pool):
+            if part is not None:
+                part.wait_ready()
+        self.agent = self._make_agent()  # after the waits: a failing part's error comes first, as it did
+        logger.info("started %s in %.1f s", self._parts_summary(), time.perf_counter() - t0)
+
+    def _replica_cpus(self) -> tuple[float, float]:
+        """Ray CPUs per (reward-model replica, rollout replica), counted as if the reward pool
+        started first and the rollout pool took its share of what was left (`replica_cpus`):
+        Ray counts a replica's CPUs only once it is placed, so pools that start together
+        cannot ask Ray what the other one took. The worker groups ask for none."""
+        cfg = self.cfg
+        free = ray.available_resources().get("CPU", 0.0)
+        reward_cpus = 0.0
+        if cfg.reward.model_path is not None:
+            reward_cpus = replica_cpus(cfg.reward.num_replicas, free)
+            free -= cfg.reward.num_replicas * reward_cpus
+        return reward_cpus, replica_cpus(cfg.rollout.num_replicas, free)
+
+    def _parts_summary(self) -> str:
+        """What started, e.g. "actor, ref, 1 reward replica(s), 2 rollout replica(s)"."""
+        workers = self.cfg.trainer.num_workers
+        names = [f"{g.role}" + (f" ({workers} workers)" if workers > 1 else "")
+                 for g in (self.actor, self.ref, self.critic) if g is not None]
+        if self.reward_model is not None:
+            names.append(f"{len(self.reward_model.replicas)} reward replica(s)")
+        names.append(f"{len(self.pool.replicas)} rollout replica(s)")
+        return ", ".join(names)
 
     def _plan_placement(self) -> Placement:
         cfg = self.cfg
@@ -182,6 +237,7 @@ class Trainer:
             ref_workers=workers if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) else 0,
             critic_workers=workers if cfg.algorithm.adv_estimator == "gae" else 0,
             rollout_replicas=cfg.rollout.num_replicas, rollout_share=cfg.resources.gpu_share_rollout,
+            reward_replicas=cfg.reward.num_replicas if cfg.reward.model_path is not None else 0,
         )
 
     def _make_datasets(self) -> tuple[PromptDataset, PromptDataset | None]:
@@ -199,12 +255,12 @@ class Trainer:
 
     def _make_workers(self) -> tuple[WorkerGroup, WorkerGroup | None, WorkerGroup | None]:
         """(actor, reference or None, critic or None), each a group of `trainer.num_workers`
-        processes: a reference only for a KL term, a critic only for GAE."""
+        processes: a reference only for a KL term, a critic only for GAE. Started, not waited for."""
         cfg = self.cfg
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
-                  "gradient_checkpointing": cfg.model.gradient_checkpointing}
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False}
         actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         ref = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
@@ -231,44 +287,52 @@ class Trainer:
             return algos.AdaptiveKLController(kl.kl_coef, kl.target_kl, kl.horizon)
         return algos.FixedKLController(kl.kl_coef)
 
-    def _make_reward(self) -> tuple[Any, RewardLoop]:
-        """(the reward-model pool or None, the reward loop)."""
+    def _make_reward_model(self, num_cpus_per_replica: float) -> Any:
+        """The reward-model pool, started but not waited for; None without `reward.model_path`."""
         cfg, rw = self.cfg, self.cfg.reward
-        reward_model = None
-        if rw.model_path is not None:
-            from reprorl.reward.reward_model import RewardModelPool
+        if rw.model_path is None:
+            return None
+        from reprorl.reward.reward_model import RewardModelPool
 
-            reward_model = RewardModelPool(
-                rw.model_path, rw.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
-                max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
-                restarts=self.restarts,
-            )
-        loop = RewardLoop(resolve_reward_fn(rw.fn), reward_model, rule_weight=rw.rule_weight,
-                          model_weight=rw.model_weight, timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
-        return reward_model, loop
+        return RewardModelPool(
+            rw.model_path, rw.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
+            max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
+            restarts=self.restarts, num_cpus_per_replica=num_cpus_per_replica, device=self.placement.device,
+            dtype=cfg.model.dtype, num_gpus=self.placement.reward_gpus, wait=False,
+        )
 
-    def _make_rollout(self) -> tuple[ReplicaPool, AgentLoopManager]:
-        """(the rollout replica pool, the agent-loop manager that sends it requests)."""
+    def _make_reward_loop(self, reward_fn: Any) -> RewardLoop:
+        """The reward loop: the rule function `reward_fn` and the reward-model pool, weighted."""
+        cfg, rw = self.cfg, self.cfg.reward
+        return RewardLoop(reward_fn, self.reward_model, rule_weight=rw.rule_weight, model_weight=rw.model_weight,
+                          timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
+
+    def _make_rollout(self, num_cpus_per_replica: float) -> ReplicaPool:
+        """The rollout replica pool, started but not waited for."""
         cfg, ro, data = self.cfg, self.cfg.rollout, self.cfg.data
-        pool = ReplicaPool(
+        return ReplicaPool(
             cfg.model.path, ro.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
             backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
+            num_cpus_per_replica=num_cpus_per_replica, wait=False,
             device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
             native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
-                            "prefix_sharing": ro.prefix_sharing},
+                            "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead},
         )
+
+    def _make_agent(self) -> AgentLoopManager:
+        """The agent-loop manager that sends the rollout pool its requests."""
+        cfg, ro, data = self.cfg, self.cfg.rollout, self.cfg.data
         val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
-        agent = AgentLoopManager(
-            pool, ro.num_agent_workers, cfg.model.path,
+        return AgentLoopManager(
+            self.pool, ro.num_agent_workers, cfg.model.path,
             max_response_length=data.max_response_length,
             max_prompt_length=data.max_prompt_length,
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
         )
-        return pool, agent
 
     # ------------------------------------------------------------------ batches
 
@@ -374,17 +438,35 @@ class Trainer:
         """Add `old_log_probs`, and `ref_log_probs` and `values` where those workers exist, to `batch`."""
         cfg = self.cfg
         t0 = time.perf_counter()
-        temperature, micro = cfg.rollout.temperature, cfg.actor.ppo_micro_batch_size
-        batch["old_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, micro_batch_size=micro)
+        temperature = cfg.rollout.temperature
+        micro = {"micro_batch_size": cfg.actor.ppo_micro_batch_size,
+                 "max_token_len": cfg.actor.ppo_max_token_len_per_micro_batch}  # the reference's too
+        batch["old_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, **micro)
         if "rollout_log_probs" in batch:
             # 0 when the engine's log-probs equal the trainer's bit for bit (batch-invariant paths).
             gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
+            self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"])
         if self.ref is not None:
-            batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, micro_batch_size=micro)
+            batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, **micro)
         if self.critic is not None:
-            batch["values"] = self.critic.compute_values(batch, micro_batch_size=cfg.critic.ppo_micro_batch_size)
+            batch["values"] = self.critic.compute_values(
+                batch, micro_batch_size=cfg.critic.ppo_micro_batch_size,
+                max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch)
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
+
+    def _check_log_prob_gap(self, gap: float) -> None:
+        """Under full determinism the built-in engine's log-probs ARE the trainer's (DESIGN.md,
+        contract point 2): a gap means a kernel or the engine broke that, and every step
+        after it would train on a mismatch, so the run stops here. vLLM's kernels are not
+        ours: its gap is only reported."""
+        if gap != 0.0 and self.cfg.full_determinism and self.cfg.rollout.backend == "native":
+            raise DeterminismError(
+                f"step {self.step}: the engine's log-probs differ from the trainer's by up to {gap:.3g} "
+                "(rollout/log_prob_max_gap) with full_determinism=true and rollout.backend=native, where they are "
+                "equal bit for bit by construction; the run stops (set full_determinism=false to run without the "
+                "promise)"
+            )
 
     def _token_rewards(
         self, batch: Batch, scores: torch.Tensor, mask: torch.Tensor, metrics: dict[str, float]
@@ -416,12 +498,14 @@ class Trainer:
             metrics.update(self.critic.update(
                 batch, ppo_epochs=cfg.critic.ppo_epochs, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
                 micro_batch_size=cfg.critic.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
+                max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch,
                 cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode,
             ))
         metrics.update(self.actor.update(
             batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
             micro_batch_size=cfg.actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
-            loss=self.loss_args, temperature=cfg.rollout.temperature,
+            max_token_len=cfg.actor.ppo_max_token_len_per_micro_batch, loss=self.loss_args,
+            temperature=cfg.rollout.temperature,
         ))
         t_sync = time.perf_counter()
         weight_sync.push_weights(self.actor, self.pool, step, on_device)
@@ -661,14 +745,18 @@ class Trainer:
         metrics_path = self.run_dir / METRICS_FILE
         if metrics_path.exists():
             plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
-        self.reward_loop.close()
-        self.agent.shutdown()
-        self.pool.shutdown()
-        for group in (self.actor, self.ref, self.critic):
-            if group is not None:
-                group.shutdown()
-        if self.reward_model is not None:
-            self.reward_model.shutdown()
+        self._stop_parts()
+
+    def _stop_parts(self) -> None:
+        """Stop every part that was started (all of them after `__init__`; fewer when a start
+        failed), then Ray if this trainer started it."""
+        if self.reward_loop is not None:
+            self.reward_loop.close()
+        if self.agent is not None:
+            self.agent.shutdown()
+        for part in (self.pool, self.actor, self.ref, self.critic, self.reward_model):
+            if part is not None:
+                part.shutdown()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -3,14 +3,18 @@
 On one GPU every part shares it through Ray GPU fractions (Ray places an actor that asks
 for 0.25 GPU on a GPU with 0.25 free and sets its `CUDA_VISIBLE_DEVICES`; it does not cap
 its memory). The rollout replicas take `resources.gpu_share_rollout` together, split
-evenly; the trainer's workers (actor, reference, critic) split the rest evenly (a reward
-model stays on the CPU: its pool takes no device yet). Every share is rounded DOWN to Ray's resolution (1e-4), so the
-shares never add up to more than one GPU and every part fits on it.
+evenly; every other process that holds a model splits the rest evenly: the trainer's
+workers (actor, reference, critic) and the reward-model replicas, each one share (the
+reward model counts with the trainer's side: like the reference, it is a frozen model
+that runs between rollouts, not an engine). Every share is rounded DOWN to Ray's
+resolution (1e-4), so the shares never add up to more than one GPU and every part fits.
 
     plan = plan_placement("auto", actor_workers=1, ref_workers=1, critic_workers=0,
-                          rollout_replicas=2, rollout_share=0.3)
+                          reward_replicas=1, rollout_replicas=2, rollout_share=0.3)
     plan.device          # "cuda" on a machine with a GPU, else "cpu" (all shares 0)
     plan.rollout_gpus    # 0.15 each on a GPU
+    plan.worker_gpus     # 0.2333 each (0.7 over actor, reference, reward replica)
+    plan.reward_gpus     # the same as worker_gpus
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Placement:
     """Each process of the actor, reference and critic groups."""
     rollout_gpus: float
     """Each rollout replica."""
+    reward_gpus: float = 0.0
+    """Each reward-model replica (built-in backend or vLLM)."""
 
 
 def _floor_share(total: float, parts: int) -> float:
@@ -55,15 +61,16 @@ def _floor_share(total: float, parts: int) -> float:
 
 
 def plan_placement(device: str, *, actor_workers: int, ref_workers: int, critic_workers: int,
-                   rollout_replicas: int, rollout_share: float) -> Placement:
-    """Every part on `device` (resolved); on CUDA, the GPU shares of the module doc."""
+                   rollout_replicas: int, rollout_share: float, reward_replicas: int = 0) -> Placement:
+    """Every part on `device` (resolved); on CUDA, the GPU shares of the module doc.
+    `reward_replicas`: the reward-model pool's size (0: no reward model)."""
     device = resolve_device(device)
     if device == "cpu":
-        return Placement("cpu", 0.0, 0.0)
+        return Placement("cpu", 0.0, 0.0, 0.0)
     if actor_workers > 1:
         # Two NCCL ranks of one group cannot share one GPU; the data-parallel issue spreads them.
         raise ConfigError(f"trainer.num_workers={actor_workers} with resources.device=cuda: one GPU holds one "
                           "worker of each group here; set trainer.num_workers=1")
-    workers = actor_workers + ref_workers + critic_workers
-    return Placement("cuda", worker_gpus=_floor_share(1.0 - rollout_share, workers),
-                     rollout_gpus=_floor_share(rollout_share, rollout_replicas))
+    trainer_side = _floor_share(1.0 - rollout_share, actor_workers + ref_workers + critic_workers + reward_replicas)
+    return Placement("cuda", worker_gpus=trainer_side, rollout_gpus=_floor_share(rollout_share, rollout_replicas),
+                     reward_gpus=trainer_side if reward_replicas else 0.0)

@@ -18,15 +18,18 @@ device's batch-invariant kernels (`reprorl.kernels`), so a sample's log-probs do
 micro-batch it sits in.
 
 Each micro-batch drops the columns that are padding in all of its rows (`trim_padding`), so
-it costs its own longest sample, not the batch's width.
+it costs its own longest sample, not the batch's width. With a token budget
+(`max_token_len`, micro_batches.py) the micro-batches are cut by padded tokens from
+samples in length order instead of `micro_batch_size` samples in sample order; outputs
+still come back in sample order.
 
 One `update` call is one training step: `ppo_epochs` passes over the batch, each cut into
 consecutive mini-batches of `mini_batch_size` samples (sample order, no shuffling; the last
 may be smaller), one optimizer step per mini-batch. A mini-batch is cut into micro-batches
-of `micro_batch_size` samples for gradient accumulation; each micro-batch's loss is its
-share of the mini-batch loss (`agg_loss` with the mini-batch's token and sequence counts),
-so the accumulated gradient equals that of the whole mini-batch at once, whatever the
-micro-batch size. The learning rate is stepped once per `update` (see optim.py).
+(of `micro_batch_size` samples, or by token budget) for gradient accumulation; each
+micro-batch's loss is its share of the mini-batch loss (`agg_loss` with the mini-batch's
+token and sequence counts), so the accumulated gradient equals that of the whole
+mini-batch at once, whatever the micro-batches. The learning rate is stepped once per `update` (see optim.py).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ from reprorl.determinism_report import model_part_info
 from reprorl.kernels import TorchKernels, select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.protocol import Batch
+from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import (
     LRSchedule,
     OptimArgs,
@@ -96,7 +100,12 @@ def response_logits(logits: torch.Tensor, response_length: int, temperature: flo
     logits: `[B, P+R, V]` of the whole sequence -> `[B, R, V]`: positions P-1 .. P+R-2
     (position t predicts token t+1). temperature <= 0 (greedy) counts as 1, as the engine.
     """
-    scaled = logits[:, -response_length - 1 : -1].float()
+    return scale_logits(logits[:, -response_length - 1 : -1], temperature)
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits in float32, divided by `temperature` (<= 0, greedy: as 1, as the engine)."""
+    scaled = logits.float()
     if temperature <= 0:
         return scaled
     # Divided by a tensor on the logits' device, as the engine's sampler divides each row:
@@ -114,9 +123,9 @@ def trim_padding(micro: Batch) -> Batch:
     (one prompt and one response column always stay).
 
     A micro-batch then costs its own longest sample, not the batch's width. The columns cut
-    are a function of the micro-batch's rows alone (cut in sample order, whatever the worker
-    count), and a row's logits do not depend on its padding (each row already has its own
-    in a batch), so log-probs keep their bits. Response-width tensors (`[b, R]`, any key)
+    are a function of the micro-batch's rows alone (cut without regard to the worker count:
+    micro_batches.py), and a row's logits do not depend on its padding (each row already has
+    its own in a batch), so log-probs keep their bits. Response-width tensors (`[b, R]`, any key)
     keep their first columns; `[b, P+R]` ones (`FULL_WIDTH_KEYS`) and `prompts` are cut alike.
     """
     response_len = micro["responses"].shape[1]
@@ -196,30 +205,48 @@ class PolicyWorker:
         """(`[b, R, V]` float32 logits predicting each response token, `[b, R]` log-probs of
         the response tokens), differentiable. The log-softmax is the model's kernel, as in the
         engine, or the rollout's and the trainer's log-probs part in the last bits."""
-        logits = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
-        scaled = response_logits(logits, micro["responses"].shape[1], temperature)
+        hidden = self.model.hidden_states(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        # Only the positions that predict a response token go through the LM head (the same
+        # rows' bits as the whole sequence's logits: each row of a linear is its own).
+        r = micro["responses"].shape[1]
+        scaled = scale_logits(self.model.logits(hidden[:, -r - 1 : -1]), temperature)
         return scaled, token_log_probs(scaled, micro["responses"], self.model.kernels.log_softmax)
 
     def compute_log_probs(
-        self, batch: Batch, *, temperature: float, micro_batch_size: int, with_entropy: bool = False
+        self, batch: Batch, *, temperature: float, micro_batch_size: int, max_token_len: int | None = None,
+        with_entropy: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob of every response token under this policy: `[B, R]` float32, 0 where
-        `response_mask` is 0; with `with_entropy`, also the entropy of each token's
-        distribution `[B, R]`. Micro-batches of `micro_batch_size` in sample order, no grad."""
+        """Log-prob of every response token under this policy: `[B, R]` float32 in sample
+        order, 0 where `response_mask` is 0; with `with_entropy`, also the entropy of each
+        token's distribution `[B, R]`. Micro-batches of `micro_batch_size` in sample order,
+        or by token budget with `max_token_len` (micro_batches.py); no grad."""
         check_positive(micro_batch_size=micro_batch_size)
-        log_probs, entropies = [], []
+        micros = micro_batch_rows(batch, micro_batch_size, max_token_len)
+        parts = self.micro_batch_log_probs((take(batch, rows) for rows in micros), temperature=temperature,
+                                           with_entropy=with_entropy)
+        rows = rows_tensor(micros)
+        if with_entropy:
+            return tuple(in_sample_order(torch.cat([p[i] for p in parts]), rows) for i in range(2))
+        return in_sample_order(torch.cat(parts), rows)
+
+    def micro_batch_log_probs(
+        self, micros: Iterable[Batch], *, temperature: float, with_entropy: bool = False
+    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per micro-batch, its `[b, R]` log-probs (and entropies) as `compute_log_probs`
+        gives them; each micro-batch is trimmed first (`trim_padding`). No grad."""
+        out = []
         with torch.no_grad():
-            width = batch["responses"].shape[1]
-            for micro in batch.split(micro_batch_size):
+            for micro in micros:
+                width = micro["responses"].shape[1]
                 micro = trim_padding(micro)
                 scaled, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R', V], [b, R']
                 mask = micro["response_mask"] > 0
-                log_probs.append(pad_responses(torch.where(mask, micro_log_probs, 0.0), width))
+                log_probs = pad_responses(torch.where(mask, micro_log_probs, 0.0), width)
                 if with_entropy:
-                    entropies.append(pad_responses(torch.where(mask, entropy_from_logits(scaled), 0.0), width))
-        if with_entropy:
-            return torch.cat(log_probs), torch.cat(entropies)
-        return torch.cat(log_probs)
+                    out.append((log_probs, pad_responses(torch.where(mask, entropy_from_logits(scaled), 0.0), width)))
+                else:
+                    out.append(log_probs)
+        return out
 
     # ---------------------------------------------------------------- training
 
@@ -232,13 +259,16 @@ class PolicyWorker:
         ppo_epochs: int,
         mini_batch_size: int,
         micro_batch_size: int,
+        max_token_len: int | None = None,
     ) -> dict[str, float]:
         """One training step of PPO on `batch`; returns its metrics.
 
         `mini_batch_size` is in SAMPLES (verl's ppo_mini_batch_size in prompts times
-        rollout.n). Metrics: `actor/pg_loss`, `actor/entropy` (the entropy term of the loss),
-        `actor/kl` (the KL-loss term before its coefficient; present when the batch has
-        `ref_log_probs`), `actor/pg_clipfrac`, `actor/ppo_kl` (token means), each exact
+        rollout.n); `max_token_len`: micro-batches by token budget (micro_batches.py), else
+        of `micro_batch_size` samples. Metrics: `actor/pg_loss`, `actor/entropy` (the
+        entropy term of the loss), `actor/kl` (the KL-loss term before its coefficient;
+        present when the batch has `ref_log_probs`), `actor/pg_clipfrac`, `actor/ppo_kl`
+        (token means), each exact
         per mini-batch whatever the micro-batch size, then the mean over the step's
         mini-batches in order; `actor/grad_norm` (before clipping, mean over mini-batches);
         `actor/lr`. A non-finite loss or gradient norm raises `NonFiniteError` naming the
@@ -257,9 +287,9 @@ class PolicyWorker:
             for m, mini in enumerate(batch.split(mini_batch_size)):
                 # Updates count from 1, as the trainer's steps.
                 where = f"{self.name} update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"
-                stats = self.accumulate_gradients(
-                    mini, loss, temperature=temperature, micro_batch_size=micro_batch_size, where=where
-                )
+                stats = self.accumulate_gradients(mini, loss, temperature=temperature,
+                                                  micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                                                  where=where)
                 stats[f"{self.name}/grad_norm"] = guarded_step(
                     self.optimizer, self.params, self.optim_args.grad_clip, where
                 )
@@ -270,16 +300,17 @@ class PolicyWorker:
         return metrics
 
     def accumulate_gradients(
-        self, mini: Batch, loss: PolicyLossArgs, *, temperature: float, micro_batch_size: int, where: str = ""
+        self, mini: Batch, loss: PolicyLossArgs, *, temperature: float, micro_batch_size: int,
+        max_token_len: int | None = None, where: str = "",
     ) -> dict[str, float]:
-        """Forward and backward over one mini-batch, micro-batch by micro-batch, adding
-        into the parameters' `.grad` (the optimizer step is the caller's). Returns the
-        mini-batch's loss terms and token-mean stats (see `update`)."""
+        """Forward and backward over one mini-batch, micro-batch by micro-batch (in
+        `micro_batch_rows` order), adding into the parameters' `.grad` (the optimizer step
+        is the caller's). Returns the mini-batch's loss terms and token-mean stats (see `update`)."""
         check_positive(micro_batch_size=micro_batch_size)
         norms = mini_batch_norms(mini, loss.max_response_length)
         totals: dict[str, float] = {}
-        for k, micro in enumerate(mini.split(micro_batch_size)):
-            total, stats = self.micro_batch_loss(micro, norms, loss=loss, temperature=temperature)
+        for k, rows in enumerate(micro_batch_rows(mini, micro_batch_size, max_token_len)):
+            total, stats = self.micro_batch_loss(take(mini, rows), norms, loss=loss, temperature=temperature)
             check_finite_loss(total, self.optimizer, f"{where}, micro-batch {k}")
             total.backward()
             for key, value in stats.items():

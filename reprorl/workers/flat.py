@@ -9,9 +9,10 @@ parameter vector for its forward passes, rebuilt after each optimizer step by an
 all-gather (exact: it only moves bytes, each shard to its place by rank index).
 
 What keeps the bits independent of N (the rule `config.py` checks for `trainer.num_workers`):
-- Micro-batches are cut from the mini-batch by sample order, whatever N is; rank r takes
-  the contiguous block `[r * M / N, (r + 1) * M / N)` of the M micro-batches, and each
-  micro-batch's gradient is computed alone, so it has the same bits on any rank.
+- Micro-batches are cut from the mini-batch by sample order (or by a token budget),
+  whatever N is; rank r takes the contiguous block `[r * M / N, (r + 1) * M / N)` of the
+  M micro-batches, and each micro-batch's gradient is computed alone, so it has the same
+  bits on any rank.
 - The gradients of the M micro-batches are summed in ONE binary tree over micro-batch
   index (`tree_reduce`: the sum over [lo, hi) is the sum over [lo, mid) plus the sum over
   [mid, hi), mid = (lo + hi) // 2). When N is a power of two that divides M, the first
@@ -20,6 +21,22 @@ What keeps the bits independent of N (the rule `config.py` checks for `trainer.n
   block sums with the same tree over rank index. A collective's own reduction (ring,
   tree, gloo's or NCCL's choice) sums in an order that changes with N, so it is never used
   to add gradients.
+- With a token budget (`actor.ppo_max_token_len_per_micro_batch`), a mini-batch's
+  micro-batch count M is whatever its lengths make it (trainer/micro_batches.py), so N may
+  not divide it. The M micro-batches are then laid on the P leaves of the tree, P the
+  power of two >= M (`budget_leaves`): leaf s holds one when bit_reverse(s) < M, in
+  micro-batch order; the other leaves are empty and add nothing. P and the layout depend
+  on M alone. For N <= P (N divides P), the rank blocks are subtrees as above; leaf s is
+  in block r when its top log2(N) bits are r, that is when bit_reverse(s) is congruent to
+  r's (in log2 N bits) modulo N, which M / N of the M values below M are, rounded up or
+  down: the micro-batches are shared evenly for every N at once (empty leaves at the end
+  would give the first ranks all the work). For N > P, empty leaves are appended up to N: every split of the
+  tree over [0, N) above P has an all-empty right part, so the sum is that over [0, P),
+  the same bits. "Adds nothing" is exact: x + (-0.0) == x bit for bit for every float x
+  (+0.0 would turn a -0.0 into +0.0; torch does not flush subnormals unless told to), so
+  an empty subtree is skipped in `tree_reduce`, and a rank whose whole block is empty sends
+  -0.0 (`EMPTY_GRADIENT`) to the reduction, which is the same as leaving it out. So the
+  gradient has the P-leaf tree's bits at every power-of-two N.
 - The gradient norm for clipping is a sum of per-chunk sums of squares, the chunks fixed
   by the flat layout (not by N), added in chunk order (`global_grad_norm`).
 - AdamW (`torch.optim.AdamW`, single-tensor) is elementwise: an element's update does
@@ -124,17 +141,21 @@ def bind_params(params: Sequence[torch.nn.Parameter], layout: FlatLayout) -> tor
 # ------------------------------------------------------------------------------ reductions
 
 
-def tree_reduce(lo: int, hi: int, leaf: Callable[[int], torch.Tensor]) -> torch.Tensor:
+def tree_reduce(lo: int, hi: int, leaf: Callable[[int], torch.Tensor | None]) -> torch.Tensor | None:
     """The sum of `leaf(i)` for i in [lo, hi) in the fixed binary tree of the module doc.
 
     Leaves are computed in index order and at most one partial sum per tree level is
-    alive. `leaf` must return a tensor the caller may overwrite (sums are in place).
+    alive. `leaf` must return a tensor the caller may overwrite (sums are in place), or
+    None for an empty leaf, which adds nothing (exactly: the module doc); None when all are.
     """
     if hi - lo == 1:
         return leaf(lo)
     mid = (lo + hi) // 2
     left = tree_reduce(lo, mid, leaf)
-    return left.add_(tree_reduce(mid, hi, leaf))
+    right = tree_reduce(mid, hi, leaf)
+    if left is None or right is None:
+        return right if left is None else left
+    return left.add_(right)
 
 
 def tree_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -181,6 +202,32 @@ def first_failure(failure: tuple[int, float] | None, group: dist.ProcessGroup,
     dist.all_gather(gathered, mine, group=group)
     index, value = min((float(t[0]), float(t[1])) for t in gathered)
     return None if math.isinf(index) else (int(index), value)
+
+
+EMPTY_GRADIENT = -0.0
+"""What a rank whose leaves are all empty sends to the reduction: x + (-0.0) == x for every
+float x, so it changes no bit of the sum (+0.0 would turn a -0.0 into +0.0)."""
+
+
+def budget_leaves(count: int, world_size: int) -> list[int | None]:
+    """The leaves of a mini-batch's gradient tree for `count` micro-batches cut by a token
+    budget: micro-batch index or None (empty), max(P, world_size) of them, P the power of
+    two >= count; leaf s < P holds one when bit_reverse(s) < count (log2 P bits), in
+    micro-batch order. The sum over them has the same bits for every power-of-two
+    `world_size` (module doc), and each rank's block holds count / world_size micro-batches,
+    rounded up or down.
+    """
+    if count < 1 or world_size < 1 or world_size & (world_size - 1):
+        raise ValueError(f"budget_leaves: count={count}, world_size={world_size}; expected count >= 1 and a "
+                         "power-of-two world_size")
+    bits = (count - 1).bit_length()  # P = 2 ** bits
+    leaves: list[int | None] = []
+    taken = 0
+    for s in range(1 << bits):
+        reversed_s = int(f"{s:0{bits}b}"[::-1], 2) if bits else 0
+        leaves.append(taken if reversed_s < count else None)
+        taken += reversed_s < count
+    return leaves + [None] * (world_size - len(leaves))
 
 
 def rank_block(count: int, rank: int, world_size: int) -> tuple[int, int]:

@@ -12,8 +12,10 @@ digests, checkpoints and determinism info. One worker is the same code path as e
                            max_response_length=8, loss=PolicyLossArgs(), temperature=1.0)
 
 The batch goes to Ray's object store once; each rank takes its contiguous block of the
-micro-batches (cut in sample order), and results come back and are joined in micro-batch
-order, so a tensor or metric never depends on how many workers made it. How gradients are
+micro-batches (cut in sample order, or by token budget: trainer/micro_batches.py, never by
+the worker count), and results come back with their rows and are put in sample order, and
+metrics are joined in micro-batch order, so a tensor or metric never depends on how many
+workers made it. How gradients are
 summed: flat.py. Metrics are added up here from every micro-batch's own stats, in
 micro-batch order, as `PolicyWorker.update` adds them.
 
@@ -21,6 +23,11 @@ Every rank gets the run's determinism variables and `WORKER_ENV` through its run
 (NCCL's in-switch reduction off: it sums in the switch's order). A worker that dies or
 fails stops the group: the call raises `WorkerError` naming it, and the group's other
 processes are killed (they would wait for it in a collective).
+
+Start-up: the constructor asks Ray for the processes and waits until every rank is ready
+(loaded, kernels checked, in the process group). With `wait=False` it returns at once and
+`wait_ready()` does the waiting, so a trainer starts all its parts together
+(reprorl/trainer/fit.py).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from reprorl.errors import ReproRLError
 from reprorl.protocol import Batch
 from reprorl.rollout.weights import SharedWeights
 from reprorl.trainer.checkpoint import CheckpointError
+from reprorl.trainer.micro_batches import in_sample_order
 from reprorl.trainer.optim import OptimArgs
 from reprorl.workers.worker import ShardWorker
 
@@ -55,9 +63,11 @@ class WorkerGroup:
 
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
-                 device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False) -> None:
+                 device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
+                 wait: bool = True) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
-        reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu."""
+        reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
+        the processes are asked for, before they have started: `wait_ready()` waits."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
@@ -75,7 +85,18 @@ class WorkerGroup:
             for rank in range(num_workers)
         ]
         self.pids: dict[int, int] = {}
-        self._call("ready", what="start-up")
+        self._starting = [w.ready.remote() for w in self.workers]  # answered once each rank has loaded
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until every rank has started and joined the group's process group; a rank that
+        failed raises `WorkerError` naming it. Done by the constructor unless `wait=False`
+        (then call this before any other method); a second call returns at once."""
+        if self._starting is None:
+            return
+        self._wait(self._starting, "start-up", ranks=list(range(self.num_workers)))
+        self._starting = None
         address = self._call_one(0, "address")
         self._call("join", address, what="joining the process group")
         self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
@@ -131,24 +152,31 @@ class WorkerGroup:
     # ---------------------------------------------------------------- forward passes
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
+                          max_token_len: int | None = None,
                           with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies), micro-batches spread over the ranks."""
+        """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies) in sample order,
+        micro-batches spread over the ranks."""
         parts = [p for p in self._call("compute_log_probs", ray.put(batch), temperature=temperature,
-                                       micro_batch_size=micro_batch_size, with_entropy=with_entropy) if p is not None]
+                                       micro_batch_size=micro_batch_size, max_token_len=max_token_len,
+                                       with_entropy=with_entropy) if p is not None]
+        rows = torch.cat([r for r, _ in parts])
         if with_entropy:
-            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        return torch.cat(parts)
+            return tuple(in_sample_order(torch.cat([out[i] for _, out in parts]), rows) for i in range(2))
+        return in_sample_order(torch.cat([out for _, out in parts]), rows)
 
-    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
-        """As `CriticWorker.compute_values`: `[B, R]`."""
-        parts = self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size)
-        return torch.cat([p for p in parts if p is not None])
+    def compute_values(self, batch: Batch, *, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
+        """As `CriticWorker.compute_values`: `[B, R]` in sample order."""
+        parts = [p for p in self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size,
+                                       max_token_len=max_token_len) if p is not None]
+        return in_sample_order(torch.cat([out for _, out in parts]), torch.cat([r for r, _ in parts]))
 
     # ---------------------------------------------------------------- training
 
     def update(self, batch: Batch, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
-               max_response_length: int | None = None, **loss: Any) -> dict[str, float]:
+               max_response_length: int | None = None, max_token_len: int | None = None,
+               **loss: Any) -> dict[str, float]:
         """One training step; the metrics `PolicyWorker.update` / `CriticWorker.update` give.
+        `max_token_len`: micro-batches by token budget (trainer/micro_batches.py).
 
         `loss`: the model worker's `micro_batch_loss` arguments (actor: `loss=PolicyLossArgs`,
         `temperature`; critic: `cliprange_value`, `loss_agg_mode`). A non-finite loss or
@@ -156,7 +184,7 @@ class WorkerGroup:
         """
         answers = self._call("update", ray.put(batch), ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
                              micro_batch_size=micro_batch_size, max_response_length=max_response_length,
-                             what="update", **loss)
+                             max_token_len=max_token_len, what="update", **loss)
         records = []
         for i, first in enumerate(answers[0]["steps"]):
             per_micro = sorted(item for answer in answers for item in answer["steps"][i]["stats"])  # by index

@@ -43,12 +43,15 @@ from reprorl.io import atomic_write
 from reprorl.protocol import Batch
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
 from reprorl.trainer.critic import CriticWorker
+from reprorl.trainer.micro_batches import Rows, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
 from reprorl.trainer.policy import PolicyWorker, mini_batch_norms
 from reprorl.workers.flat import (
+    EMPTY_GRADIENT,
     FlatLayout,
     all_gather_shards,
     bind_params,
+    budget_leaves,
     first_failure,
     fixed_order_reduce_scatter,
     flatten,
@@ -140,35 +143,45 @@ class ShardWorker:
 
     # ---------------------------------------------------------------- forward passes
 
-    def _my_rows(self, batch: Batch, micro_batch_size: int) -> Batch:
-        """This rank's contiguous block of the batch's micro-batches (cut in sample order)."""
-        start, end = rank_block(math.ceil(len(batch) / micro_batch_size), self.rank, self.world_size)
-        return batch.slice(min(start * micro_batch_size, len(batch)), min(end * micro_batch_size, len(batch)))
+    def _my_micro_batches(self, batch: Batch, micro_batch_size: int, max_token_len: int | None) -> list[Rows]:
+        """This rank's contiguous block of the batch's micro-batches (`micro_batch_rows`: cut
+        without regard to the worker count)."""
+        micros = micro_batch_rows(batch, micro_batch_size, max_token_len)
+        start, end = rank_block(len(micros), self.rank, self.world_size)
+        return micros[start:end]
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
-                          with_entropy: bool = False) -> Any:
-        """`PolicyWorker.compute_log_probs` of this rank's micro-batches (None: it has none)."""
-        rows = self._my_rows(batch, micro_batch_size)
-        if len(rows) == 0:
+                          max_token_len: int | None = None, with_entropy: bool = False) -> Any:
+        """(rows, `PolicyWorker.micro_batch_log_probs` of this rank's micro-batches, joined):
+        the outputs' row k is sample rows[k]'s. None: it has none."""
+        mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
+        if not mine:
             return None
-        out = self.model_worker.compute_log_probs(rows.to(self.device), temperature=temperature,
-                                                  micro_batch_size=micro_batch_size, with_entropy=with_entropy)
-        return tuple(t.cpu() for t in out) if with_entropy else out.cpu()
+        parts = self.model_worker.micro_batch_log_probs(
+            (take(batch, rows).to(self.device) for rows in mine), temperature=temperature, with_entropy=with_entropy)
+        if with_entropy:
+            return rows_tensor(mine), (torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts]).cpu())
+        return rows_tensor(mine), torch.cat(parts).cpu()
 
-    def compute_values(self, batch: Batch, *, micro_batch_size: int) -> torch.Tensor | None:
-        """`CriticWorker.compute_values` of this rank's micro-batches (None: it has none)."""
-        rows = self._my_rows(batch, micro_batch_size)
-        if len(rows) == 0:
+    def compute_values(self, batch: Batch, *, micro_batch_size: int,
+                       max_token_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, `CriticWorker.micro_batch_values` of this rank's micro-batches, joined), as
+        `compute_log_probs`. None: it has none."""
+        mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
+        if not mine:
             return None
-        return self.model_worker.compute_values(rows.to(self.device), micro_batch_size=micro_batch_size).cpu()
+        parts = self.model_worker.micro_batch_values(take(batch, rows).to(self.device) for rows in mine)
+        return rows_tensor(mine), torch.cat(parts).cpu()
 
     # ---------------------------------------------------------------- training
 
     def update(self, batch: Batch, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
-               max_response_length: int | None = None, **loss: Any) -> dict[str, Any]:
+               max_response_length: int | None = None, max_token_len: int | None = None,
+               **loss: Any) -> dict[str, Any]:
         """One training step: per mini-batch (sample order), this rank's micro-batches'
         stats by micro-batch index and the (global) gradient norm; and the step's lr.
-        `loss` goes to the model worker's `micro_batch_loss`."""
+        `max_token_len`: micro-batches by token budget (trainer/micro_batches.py), else of
+        `micro_batch_size` samples. `loss` goes to the model worker's `micro_batch_loss`."""
         if not self.trainable:
             raise RuntimeError(f"update: the {self.role} group is frozen (built without optim)")
         lr = self.schedule.lr()
@@ -178,25 +191,34 @@ class ShardWorker:
             for m, mini in enumerate(batch.split(mini_batch_size)):
                 # Updates count from 1, as the trainer's steps.
                 where = f"{self.role} update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"
-                steps.append(self._step(mini.to(self.device), micro_batch_size, max_response_length, loss, where))
+                micros = micro_batch_rows(mini, micro_batch_size, max_token_len)
+                # Cut by samples, the leaves are the micro-batches (N must divide them); by a
+                # token budget, their count is the lengths', laid out to fit any N (flat.py).
+                leaves = list(range(len(micros))) if max_token_len is None else budget_leaves(
+                    len(micros), self.world_size)
+                steps.append(self._step(mini.to(self.device), micros, leaves, max_response_length, loss, where))
         self.schedule.step += 1
         return {"lr": lr, "steps": steps}
 
-    def _step(self, mini: Batch, micro_batch_size: int, max_response_length: int | None, loss: dict[str, Any],
-              where: str) -> dict[str, Any]:
-        """One optimizer step on one mini-batch (see flat.py for why it gives N-invariant bits)."""
-        micros = mini.split(micro_batch_size)
-        if len(micros) % self.world_size:
-            raise ValueError(f"{where}: {len(micros)} micro-batches cannot be shared by {self.world_size} workers")
-        per_rank = len(micros) // self.world_size
+    def _step(self, mini: Batch, micros: list[Rows], leaves: list[int | None], max_response_length: int | None,
+              loss: dict[str, Any], where: str) -> dict[str, Any]:
+        """One optimizer step on one mini-batch: `micros` its micro-batches' rows, `leaves`
+        the gradient tree's leaves (micro-batch index, None: empty). flat.py says why the
+        bits do not depend on N."""
+        if len(leaves) % self.world_size:
+            raise ValueError(f"{where}: {len(leaves)} micro-batches cannot be shared by {self.world_size} workers")
+        per_rank = len(leaves) // self.world_size
         norms = mini_batch_norms(mini, max_response_length)
         stats: dict[int, dict[str, float]] = {}
 
-        def micro_grad(k: int) -> torch.Tensor:
-            """Micro-batch k's gradient alone, as a new `[padded]` vector."""
+        def micro_grad(leaf: int) -> torch.Tensor | None:
+            """The gradient of the leaf's micro-batch alone, as a new `[padded]` vector (None: empty leaf)."""
+            k = leaves[leaf]
+            if k is None:
+                return None
             for p in self.params:
                 p.grad = None
-            total, stats[k] = self.model_worker.micro_batch_loss(micros[k], norms, **loss)
+            total, stats[k] = self.model_worker.micro_batch_loss(take(mini, micros[k]), norms, **loss)
             if not bool(torch.isfinite(total)):
                 raise _LossNotFinite(k, float(total.detach()))
             total.backward()
@@ -214,6 +236,8 @@ class ShardWorker:
         if failure is not None:
             raise NonFiniteError(f"{where}, micro-batch {failure[0]}: loss is {failure[1]}; optimizer not stepped")
 
+        if block_sum is None:  # every leaf of this rank's block is empty
+            block_sum = torch.full((self.layout.padded,), EMPTY_GRADIENT, dtype=MASTER_DTYPE, device=self.flat.device)
         grad = fixed_order_reduce_scatter(block_sum, self.layout, self.group)  # [shard_size]
         del block_sum
         grad_norm = global_grad_norm(grad, self.layout, self.group)

@@ -373,3 +373,48 @@ def test_startup_check_names_a_broken_op(backend):
 
 def test_startup_check_skips_backends_without_the_promise():
     verify_batch_invariance(TorchKernels, TINY, torch.float32, "cpu")  # no promise, nothing to check
+
+
+def test_plain_mode_on_cuda_is_stock_torch_with_tritons_element_wise_ops():
+    """Determinism off on CUDA: cuBLAS linears and SDPA attention, Triton's RMSNorm, rotary
+    and SiLU-and-mul (one launch each where stock torch chains several); their arithmetic
+    here under the interpreter, on CUDA when there is one."""
+    pytest.importorskip("triton")
+    from reprorl.kernels import select_kernels
+    from reprorl.kernels.gpu import FastCudaKernels, TritonKernels
+
+    k = select_kernels("cuda", False)
+    assert k is FastCudaKernels and not k.batch_invariant
+    assert (k.linear, k.batched_attention, k.log_softmax) == \
+        (TorchKernels.linear, TorchKernels.batched_attention, TorchKernels.log_softmax)
+    assert (k.rms_norm, k.swiglu, k.apply_rotary) == \
+        (TritonKernels.rms_norm, TritonKernels.swiglu, TritonKernels.apply_rotary)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x, w = rand(g, 9, 96, device=dev), 1 + rand(g, 96, device=dev, scale=0.1)
+    assert rel_err(k.rms_norm(x, w, 1e-6), ReferenceKernels.rms_norm(x, w, 1e-6)) < TOL[torch.float32]
+    assert rel_err(k.swiglu(x, x.flip(-1)), ReferenceKernels.swiglu(x, x.flip(-1))) < TOL[torch.float32]
+    cos, sin = (t.to(dev) for t in rope_tables(64, 10000.0, 9))
+    heads = rand(g, 9, 2, 64, device=dev)
+    assert rel_err(k.apply_rotary(heads, cos, sin), ReferenceKernels.apply_rotary(heads, cos, sin)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_write_rows_is_index_put(dtype):
+    """The KV cache's row writes (Triton on CUDA, interpreted here): each row copied to its
+    place, every other row untouched; strided rows and source, and a 1-column int64 one."""
+    pytest.importorskip("triton")
+    from reprorl.kernels.gpu.rows import write_rows
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(4)
+    for r, c, n in ((40, 64, 7), (9, 1, 9), (300, 1500, 3)):
+        dst = (torch.randn(r, c, generator=g) * 100).to(dtype).to(dev)
+        src = (torch.randn(c, n, generator=g) * 100).to(dtype).to(dev).t()  # [n, C], not contiguous
+        rows = torch.randperm(r, generator=g)[:n].repeat_interleave(3).to(dev)[::3]  # strided, as a graph's slots
+        expected = dst.clone()
+        expected[rows] = src
+        write_rows(dst, rows, src)
+        assert torch.equal(dst, expected)
+    with pytest.raises(ValueError, match="expected one dtype"):
+        write_rows(dst, rows, src.float() if dtype != torch.float32 else src.double())

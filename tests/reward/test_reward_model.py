@@ -223,3 +223,56 @@ def test_the_two_scorer_backends_do_not_import_each_other():
     code = ("import sys, reprorl.reward.vllm_reward; "
             "assert 'reprorl.reward.reward_model' not in sys.modules, 'vllm_reward imports reward_model'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow  # one replica actor starts (torch + model): 10-20 s on 2 shared cores
+def test_the_pool_passes_its_device_and_dtype_to_its_replicas(ray_instance, rm_path):
+    """Started with wait=False (as the trainer starts its parts together), the replica runs
+    on the pool's device in its dtype and scores as an in-process scorer in that dtype does."""
+    from reprorl.reward.reward_model import RewardModelPool, RewardModelScorer
+
+    prompts, responses = _pairs(6, seed=7)
+    pool = RewardModelPool(rm_path, 1, seed=0, full_determinism=True, max_num_seqs=4, device="cpu",
+                           dtype="bfloat16", wait=False)
+    try:
+        pool.wait_ready()
+        pool.wait_ready()  # a second call returns at once
+        info = pool.determinism_info()[0]
+        scores = pool.score(prompts, responses)
+    finally:
+        pool.shutdown()
+    assert (info["device"], info["dtype"]) == ("cpu", "bfloat16")
+    local = RewardModelScorer(rm_path, max_num_seqs=4, batch_invariant=True, dtype=torch.bfloat16)
+    assert torch.equal(scores, local.score(prompts, responses))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_reward_pool_on_the_gpu_scores_the_same_bits_every_call(rm_path):
+    """Issue 14: the reward model on the GPU, on a Ray GPU share as the trainer places it.
+    Its replica reports the GPU (the determinism report's `device`, `gpu`, `cuda`); a call
+    repeated, and the same pairs in another order, give the same bits (batch invariance)."""
+    import ray
+
+    from reprorl.reward.reward_model import RewardModelPool
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(include_dashboard=False)
+    prompts, responses = _pairs(13, seed=5)
+    pool = RewardModelPool(rm_path, 1, seed=0, full_determinism=True, max_num_seqs=4, device="cuda",
+                           dtype="bfloat16", num_gpus=0.25)
+    try:
+        info = pool.determinism_info()[0]
+        first = pool.score(prompts, responses)
+        again = pool.score(prompts, responses)
+        backwards = pool.score(prompts[::-1], responses[::-1])
+    finally:
+        pool.shutdown()
+        if started:
+            ray.shutdown()
+    assert info["device"].startswith("cuda") and info["dtype"] == "bfloat16" and "gpu" in info, info
+    assert info["kernels"] == "triton" and info["batch_invariant"], info
+    assert first.shape == (13,) and first.dtype == torch.float32 and first.device.type == "cpu"
+    assert torch.equal(first, again)
+    assert torch.equal(first, backwards.flip(0))

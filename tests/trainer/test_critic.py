@@ -43,8 +43,11 @@ def test_values_are_those_of_the_state_before_each_token(tiny_policy_dir, rollou
     other["responses"][:] = torch.randint(3, 128, other["responses"].shape, generator=torch.Generator().manual_seed(9))
     other["input_ids"] = torch.cat([other["prompts"], other["responses"]], dim=1)
     assert torch.equal(critic.compute_values(other, micro_batch_size=2)[:, 0], values[:, 0])
-    # Micro-batch size does not matter (batch-invariant mode).
+    # Micro-batch size does not matter (batch-invariant mode), nor a token budget (length-sorted
+    # micro-batches; the values come back in sample order).
     assert torch.equal(critic.compute_values(batch, micro_batch_size=5), values)
+    for max_token_len in (10, 16, 100):  # 10: the widest sample (6 + 4)
+        assert torch.equal(critic.compute_values(batch, micro_batch_size=2, max_token_len=max_token_len), values)
 
 
 def test_value_head_init_is_seeded(tiny_policy_dir):
@@ -96,16 +99,16 @@ def test_gradient_accumulation_equals_one_micro_batch(tiny_policy_dir, rollout_b
     batch["values"] = batch["values"] + 0.3 * torch.sign(batch["returns"])  # some tokens clip
     loss = dict(cliprange_value=0.2, loss_agg_mode=mode, max_response_length=7)
 
-    def grads(micro):
-        stats = critic.accumulate_gradients(batch, micro_batch_size=micro, **loss)
+    def grads(micro, max_token_len=None):
+        stats = critic.accumulate_gradients(batch, micro_batch_size=micro, max_token_len=max_token_len, **loss)
         out = [p.grad.clone() for p in critic.params]
         critic.optimizer.zero_grad(set_to_none=True)
         return out, stats
 
     full, full_stats = grads(8)
     assert 0 < full_stats["critic/vf_clipfrac"] < 1
-    for micro in (1, 3):
-        got, stats = grads(micro)
+    for micro, max_token_len in ((1, None), (3, None), (8, 11), (8, 24)):  # token budgets: length-sorted
+        got, stats = grads(micro, max_token_len)
         for g, f in zip(got, full):
             assert_grads_close(g, f)
         for key in stats:

@@ -146,3 +146,43 @@ def test_max_restarts_exceeded_stops_naming_the_part_and_resumes_bitwise(assets,
 
     assert cli.main(["train", *overrides]) == 0  # trainer.resume=auto: from step 2, nobody killed
     assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+
+
+def test_a_part_that_fails_to_start_stops_the_parts_started_with_it(assets, tmp_path, monkeypatch):
+    """The trainer starts every part at once: when the rollout replicas fail to start, the
+    error is theirs, and the actor and reference processes (ready by then) are stopped too."""
+    import time
+
+    import ray
+
+    from reprorl.config import load_config
+    from reprorl.trainer import fit
+
+    groups = []
+
+    class RecordedGroup(fit.WorkerGroup):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            groups.append(self)
+
+    monkeypatch.setattr(fit, "WorkerGroup", RecordedGroup)
+    # A rule no part can parse: each rollout replica raises it in its constructor.
+    monkeypatch.setenv(KILL_ENV, "rollout replica 0@x#0")
+    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON))
+    with pytest.raises(ray.exceptions.RayActorError, match=r"RolloutReplica[\s\S]*REPRORL_TEST_KILL: rule"):
+        fit.Trainer(cfg)
+    assert [g.role for g in groups] == ["actor", "ref"]
+    pids = [pid for g in groups for pid in g.pids.values()]
+    assert len(pids) == 2 and all(g.workers == [] for g in groups)
+    deadline = time.monotonic() + 30
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive == [], f"worker processes {alive} still run after the failed start"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

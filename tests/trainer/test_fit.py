@@ -207,3 +207,22 @@ def test_no_validation_files_means_no_validation(assets, tmp_path):
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]
     assert not any(k.startswith("val/") for r in records for k in r)
+
+
+def test_a_log_prob_gap_under_full_determinism_stops_the_run():
+    """The engine's log-probs equal the trainer's by construction with the built-in engine
+    under full determinism; a gap stops the run naming the step. vLLM's gap is reported only."""
+    from types import SimpleNamespace
+
+    from reprorl.errors import DeterminismError
+
+    def trainer(full_determinism, backend):
+        return SimpleNamespace(cfg=SimpleNamespace(full_determinism=full_determinism,
+                                                   rollout=SimpleNamespace(backend=backend)), step=3)
+
+    Trainer._check_log_prob_gap(trainer(True, "native"), 0.0)
+    with pytest.raises(DeterminismError, match=r"^step 3: the engine's log-probs differ from the trainer's by up to "
+                                               r"0\.25 \(rollout/log_prob_max_gap\)"):
+        Trainer._check_log_prob_gap(trainer(True, "native"), 0.25)
+    Trainer._check_log_prob_gap(trainer(True, "vllm"), 0.25)
+    Trainer._check_log_prob_gap(trainer(False, "native"), 0.25)

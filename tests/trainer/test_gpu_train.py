@@ -2,13 +2,15 @@
 
 Every run is a `reprorl train` process (its own Ray, which finds the GPU) of a short GRPO
 run shaped like examples/gpu_arithmetic.yaml (bf16 mixed precision, full determinism, all
-parts on the GPU) but on a tiny random policy and 4 steps of 4 prompts x 4 samples, so the
-module's five runs fit in about three minutes of GPU time:
+parts on the GPU) but on a tiny random policy and 4 steps of 4 prompts x 4 samples:
 - run A (2 replicas, checkpoint every step) and its rerun B: `reprorl compare` bitwise;
 - run C with 1 replica: identical to A;
 - every step's `rollout/log_prob_max_gap` (trainer vs engine log-probs) is exactly 0.0;
 - a run SIGKILLed after step 2 (TEST_KILL_AT_STEP_ENV) and resumed: identical to A;
 - A's determinism report lists every part on cuda, with its CUDA settings, verdict "all agree".
+A, B, C and the run to be killed start together and share the GPU (each process's start-up
+is most of its time), so the module takes two runs' time, not five; that they agree while
+sharing it is part of what is tested.
 """
 
 import contextlib
@@ -53,15 +55,22 @@ def assets(tmp_path_factory):
 
 def _start(assets, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
     args = small_run_overrides(assets, run_dir, *GPU_RUN, *extra)
-    # Its own session: a SIGKILL to the group takes down whatever the driver started.
-    return subprocess.Popen([sys.executable, "-m", "reprorl.cli", "train", *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    # stderr to a file, not a pipe: four runs at once, one waited on while the others write.
+    log = run_dir.with_name(f"{run_dir.name}.{'resumed' if 'trainer.resume=auto' in extra else 'first'}.stderr")
+    with open(log, "w") as err:
+        # Its own session: a SIGKILL to the group takes down whatever the driver started.
+        proc = subprocess.Popen([sys.executable, "-m", "reprorl.cli", "train", *args], start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **env})
+    proc.log = log
+    return proc
 
 
-def _train(assets, run_dir: Path, *extra: str) -> Path:
-    proc = _start(assets, run_dir, *extra)
-    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-4000:]
-    return run_dir
+def _wait(proc: subprocess.Popen, what: str) -> int:
+    returncode = proc.wait(timeout=300)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # what the driver started and left behind, if anything
+    assert returncode in (0, -signal.SIGKILL), f"{what}: exit {returncode}\n{proc.log.read_text()[-4000:]}"
+    return returncode
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -69,8 +78,27 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run_a(assets):
-    return _train(assets, assets["root"] / "a")
+def runs(assets):
+    """{name: (run dir, exit code)} of the four runs started together (module doc)."""
+    root = assets["root"]
+    started = {
+        "a": _start(assets, root / "a"),
+        "b": _start(assets, root / "b"),
+        "c": _start(assets, root / "c", "rollout.num_replicas=1"),
+        "killed": _start(assets, root / "killed", **{TEST_KILL_AT_STEP_ENV: "2"}),
+    }
+    return {name: (root / name, _wait(proc, f"run {name}")) for name, proc in started.items()}
+
+
+def _finished(runs, name: str) -> Path:
+    run_dir, returncode = runs[name]
+    assert returncode == 0, f"run {name} was killed"
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def run_a(runs):
+    return _finished(runs, "a")
 
 
 def _assert_identical(a: Path, b: Path) -> None:
@@ -78,8 +106,8 @@ def _assert_identical(a: Path, b: Path) -> None:
     assert result.identical and result.common_steps == list(range(1, STEPS + 1)), result
 
 
-def test_rerun_is_bitwise_identical(assets, run_a):
-    _assert_identical(run_a, _train(assets, assets["root"] / "b"))
+def test_rerun_is_bitwise_identical(runs, run_a):
+    _assert_identical(run_a, _finished(runs, "b"))
 
 
 def test_trainer_log_probs_equal_the_engines(run_a):
@@ -87,19 +115,16 @@ def test_trainer_log_probs_equal_the_engines(run_a):
     assert len(gaps) == STEPS and all(g == 0.0 for g in gaps), gaps
 
 
-def test_one_replica_equals_two(assets, run_a):
-    _assert_identical(run_a, _train(assets, assets["root"] / "c", "rollout.num_replicas=1"))
+def test_one_replica_equals_two(runs, run_a):
+    _assert_identical(run_a, _finished(runs, "c"))
 
 
-def test_killed_and_resumed_equals_a_run_never_stopped(assets, run_a):
-    run_dir = assets["root"] / "killed"
-    killed = _start(assets, run_dir, **{TEST_KILL_AT_STEP_ENV: "2"})
-    returncode = killed.wait(timeout=300)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(killed.pid, signal.SIGKILL)  # what the driver started and left behind, if anything
-    assert returncode == -signal.SIGKILL, killed.stderr.read()[-4000:]
+def test_killed_and_resumed_equals_a_run_never_stopped(assets, runs, run_a):
+    run_dir, returncode = runs["killed"]
+    assert returncode == -signal.SIGKILL, "the run to be killed at step 2 finished"
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
-    _train(assets, run_dir, "trainer.resume=auto")
+    resumed = _start(assets, run_dir, "trainer.resume=auto")
+    assert _wait(resumed, "resumed run") == 0, "the resumed run was killed"
     _assert_identical(run_a, run_dir)
 
 

@@ -26,7 +26,7 @@ def test_the_default_config_resolves_to_the_cpu_here():
         pytest.skip("this machine has a GPU: auto resolves to cuda")
     cfg = load_config(None, [])
     assert cfg.resources.device == "auto"  # resolved at run start, so config files stay portable
-    assert plan_placement(cfg.resources.device, **PARTS) == placement.Placement("cpu", 0.0, 0.0)
+    assert plan_placement(cfg.resources.device, **PARTS) == placement.Placement("cpu", 0.0, 0.0, 0.0)
 
 
 def test_auto_is_cuda_when_torch_sees_a_gpu(has_cuda):
@@ -46,6 +46,26 @@ def test_gpu_shares_add_up_to_at_most_one_gpu(has_cuda):
     assert 3 * plan.worker_gpus + 3 * plan.rollout_gpus <= 1.0
     for share in (plan.worker_gpus, plan.rollout_gpus):  # whole multiples of Ray's resolution
         assert round(share / RAY_GPU_RESOLUTION, 6).is_integer()
+
+
+def test_reward_replicas_take_a_trainer_side_share_each(has_cuda):
+    plan = plan_placement("cuda", **PARTS, reward_replicas=2)
+    assert plan.rollout_gpus == 0.1  # the engines' share does not change
+    assert plan.worker_gpus == plan.reward_gpus == 0.14  # 0.7 over 3 workers + 2 reward replicas
+    assert 3 * plan.worker_gpus + 2 * plan.reward_gpus + 3 * plan.rollout_gpus <= 1.0
+    assert plan_placement("cuda", **PARTS).reward_gpus == 0.0  # no reward model: no share
+
+
+def test_reward_shares_round_down(has_cuda):
+    # 0.7 over 1 worker + 2 reward replicas = 0.2333...: floored, so the sum stays under one GPU.
+    plan = plan_placement("cuda", **{**PARTS, "ref_workers": 0, "critic_workers": 0}, reward_replicas=2)
+    assert plan.worker_gpus == plan.reward_gpus == 0.2333
+    assert plan.worker_gpus + 2 * plan.reward_gpus + 3 * plan.rollout_gpus <= 1.0
+
+
+def test_on_the_cpu_a_reward_model_takes_no_gpu():
+    plan = plan_placement("cpu", **PARTS, reward_replicas=2)
+    assert (plan.worker_gpus, plan.rollout_gpus, plan.reward_gpus) == (0.0, 0.0, 0.0)
 
 
 def test_two_workers_of_a_group_on_one_gpu_are_refused(has_cuda):

@@ -74,6 +74,20 @@ def test_log_probs_do_not_depend_on_the_micro_batch_or_threads(tiny_policy_dir, 
         torch.set_num_threads(threads)
 
 
+def test_log_probs_by_token_budget_are_the_bits_of_those_by_sample_count(tiny_policy_dir, rollout_batch):
+    """Batch-invariant kernels compute each row alone, so reordering the samples and cutting
+    them by a token budget changes no bit, and the outputs come back in sample order."""
+    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    batch = rollout_batch(11, 7, 5, seed=5)
+    log_probs, entropy = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4, with_entropy=True)
+    for max_token_len in (12, 20, 45, 1000):  # 12: the widest sample (7 + 5); 1000: one micro-batch
+        got = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4, max_token_len=max_token_len,
+                                       with_entropy=True)
+        assert torch.equal(got[0], log_probs) and torch.equal(got[1], entropy), max_token_len
+        assert torch.equal(worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4,
+                                                    max_token_len=max_token_len), log_probs)
+
+
 def test_update_changes_every_parameter_and_not_the_reference(tiny_policy_dir, rollout_batch):
     actor = _actor(tiny_policy_dir, batch_invariant=True)
     ref = PolicyWorker(tiny_policy_dir, batch_invariant=True)
@@ -99,9 +113,10 @@ def test_update_changes_every_parameter_and_not_the_reference(tiny_policy_dir, r
         ref.update(batch, LOSS, **STEP)
 
 
-def _grads(worker, mini, loss, micro_batch_size):
+def _grads(worker, mini, loss, micro_batch_size, max_token_len=None):
     worker.optimizer.zero_grad(set_to_none=True)
-    stats = worker.accumulate_gradients(mini, loss, temperature=0.7, micro_batch_size=micro_batch_size)
+    stats = worker.accumulate_gradients(mini, loss, temperature=0.7, micro_batch_size=micro_batch_size,
+                                        max_token_len=max_token_len)
     grads = [p.grad.clone() for p in worker.params]
     worker.optimizer.zero_grad(set_to_none=True)
     return grads, stats
@@ -119,8 +134,10 @@ def test_gradient_accumulation_equals_one_micro_batch(tiny_policy_dir, rollout_b
     loss = PolicyLossArgs(**{**LOSS.__dict__, "loss_agg_mode": mode, "max_response_length": 7})
     full_grads, full_stats = _grads(actor, batch, loss, micro_batch_size=8)
     assert 0 < full_stats["actor/pg_clipfrac"] < 1 and full_stats["actor/kl"] > 0
-    for micro in (1, 3):  # 3: uneven micro-batches (3, 3, 2)
-        grads, stats = _grads(actor, batch, loss, micro_batch_size=micro)
+    # 3: uneven micro-batches (3, 3, 2); token budgets 11 (the widest sample: 6 + 5) and 24:
+    # micro-batches of length-sorted samples, the mini-batch's normalisers all the same.
+    for micro, max_token_len in ((1, None), (3, None), (8, 11), (8, 24)):
+        grads, stats = _grads(actor, batch, loss, micro_batch_size=micro, max_token_len=max_token_len)
         for g, f in zip(grads, full_grads):
             assert_grads_close(g, f)
         assert stats.keys() == full_stats.keys()

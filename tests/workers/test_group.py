@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from reprorl.trainer.optim import NonFiniteError, OptimArgs, make_adamw
+from reprorl.trainer.micro_batches import token_budget_micro_batches
 from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_sum
 from reprorl.workers.group import WorkerError, WorkerGroup
@@ -27,16 +28,23 @@ def batch():
     return _rollout_batch(16, 6, 5, seed=0)
 
 
-def run_actor(num_workers, policy_dir, batch, save_to=None):
+# A token budget of 30 cuts the batch's two mini-batches into 4 and 3 micro-batches (length
+# order): 3 fits no N by itself, so at N = 4 one rank holds an empty leaf only
+# (flat.budget_leaves); the log-prob pass's 6 micro-batches leave rank 3 of 4 without any.
+BUDGET = 30
+
+
+def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None):
     """Log-probs, then the metrics and weights after each of 2 updates of a fresh actor
     group; with `save_to`, its shards are saved there after update 1."""
     group = WorkerGroup("actor", num_workers, policy_dir, optim=OPTIM, seed=1, full_determinism=True)
     try:
         b = batch.slice(0, len(batch))
-        b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2)
+        b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2,
+                                                     max_token_len=max_token_len)
         metrics, weights = [], []
         for update in range(2):
-            metrics.append(group.update(b, **STEP, loss=LOSS, temperature=1.0))
+            metrics.append(group.update(b, **STEP, loss=LOSS, temperature=1.0, max_token_len=max_token_len))
             weights.append(dict(group.named_weights()))
             if update == 0 and save_to is not None:
                 group.save(save_to)
@@ -64,6 +72,32 @@ def test_log_probs_metrics_and_weights_equal_one_workers(runs, num_workers):
     for update in range(2):
         assert weights[update].keys() == got_weights[update].keys()
         assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
+
+
+@pytest.fixture(scope="module")
+def budget_runs(tiny_policy_dir, batch, ray_local):
+    return {n: run_actor(n, tiny_policy_dir, batch, max_token_len=BUDGET) for n in (1, 2, 4)}
+
+
+def test_the_budget_cuts_micro_batch_counts_no_worker_count_divides(batch):
+    counts = [len(token_budget_micro_batches(mini, BUDGET)) for mini in batch.split(STEP["mini_batch_size"])]
+    assert counts == [4, 3] and len(token_budget_micro_batches(batch, BUDGET)) == 6
+
+
+@pytest.mark.parametrize("num_workers", [2, 4])
+def test_a_token_budget_gives_the_same_bits_at_every_worker_count(budget_runs, num_workers):
+    log_probs, metrics, weights = budget_runs[1]
+    got_log_probs, got_metrics, got_weights = budget_runs[num_workers]
+    assert torch.equal(got_log_probs, log_probs)
+    assert got_metrics == metrics  # every float, exactly
+    for update in range(2):
+        assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
+
+
+def test_log_probs_by_token_budget_are_those_by_sample_count(budget_runs, tiny_policy_dir, batch):
+    # Batch-invariant kernels: the rows' bits whatever micro-batch they sit in, back in sample order.
+    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    assert torch.equal(budget_runs[1][0], worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=2))
 
 
 def test_the_update_moved_every_weight(runs, tiny_policy_dir):

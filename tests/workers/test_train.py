@@ -83,6 +83,18 @@ def test_one_two_and_four_workers_train_the_same_bits(assets, capsys, algo):
         assert all(f"{group} worker {rank}" in report for rank in range(4)), report
 
 
+def test_a_token_budget_trains_the_same_bits_on_one_and_two_workers(assets, capsys):
+    """PPO with micro-batches by token budget (72: the widest sample, 64 + 8) for the actor,
+    the reference and the critic: whatever count of micro-batches the lengths make, 1 and 2
+    workers give the same bits."""
+    runs = {}
+    for n in (1, 2):
+        runs[n] = assets["root"] / f"ppo-budget-{n}"
+        assert cli.main(["train", *overrides(assets, runs[n], "ppo", n,
+                                             "actor.ppo_max_token_len_per_micro_batch=72")]) == 0
+    assert_bitwise_identical(capsys, runs[1], runs[2], steps=3)
+
+
 @pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 1), (1, 2)])
 def test_a_checkpoint_resumes_bitwise_with_another_worker_count(assets, saved_with, resumed_with):
     """Step 1's checkpoint of the PPO run with `saved_with` workers, resumed in a new run

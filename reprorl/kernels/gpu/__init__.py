@@ -8,6 +8,12 @@
 | SiLU-and-mul, rotary | `elementwise` |
 | causal GQA attention | `attention` |
 
+`FastCudaKernels` is the plain (not batch-invariant) backend on CUDA: stock torch's
+cuBLAS linears, SDPA attention and softmaxes, with these Triton kernels for RMSNorm,
+rotary and SiLU-and-mul, where stock torch launches a chain of small element-wise kernels
+(on the H200: 0.1-0.2x stock's time for RMSNorm, 0.1-0.8x for rotary, 0.4-0.6x for
+SiLU-and-mul; bench/kernels.py).
+
 Forward passes are these kernels; backward passes are stock torch's (deterministic, see
 `reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
 (slowly), which is how CI checks their arithmetic without a GPU.
@@ -43,4 +49,17 @@ class TritonKernels:
     @classmethod
     def padded_attention(cls, q, k, v, attention_mask):
         return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)
+
+
+class FastCudaKernels(TorchKernels):
+    """Plain mode on CUDA (module doc): no promise about batching, as `TorchKernels`."""
+
+    name = "torch+triton"
+    batch_invariant = False
+
+    rms_norm = staticmethod(TritonKernels.rms_norm)
+    swiglu = staticmethod(TritonKernels.swiglu)
+    apply_rotary = staticmethod(TritonKernels.apply_rotary)
+
+
 from reprorl.kernels.gpu.sampling import row_cumsum  # noqa: E402  (the engine's GPU sampler)
