@@ -8,7 +8,7 @@
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
 #            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
-#   gputrain the one-GPU training tests and bench/train_step.py
+#   gputrain the one-GPU training and weight-sync tests, bench/weight_sync.py and bench/train_step.py
 #   gputests the one-GPU training tests alone
 #   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl")
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k y")
@@ -70,7 +70,10 @@ for step in $steps; do
       fi ;;
     gputrain)
       with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
+      run_tests test_weight_sync_gpu tests/trainer/test_weight_sync_gpu.py
       run_tests test_gpu_train tests/trainer/test_gpu_train.py
+      timeout 200 python3 bench/weight_sync.py --out "$LOGS/weight_sync.json" > "$LOGS/bench_weight_sync.log" 2>&1
+      tail -12 "$LOGS/bench_weight_sync.log" | summary
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
     gputests)

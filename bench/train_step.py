@@ -10,8 +10,11 @@ every response has full length), sampled at T=1 from the full distribution by th
 engine (`reprorl.rollout.replica.build_engine`); then the actor's log-probs and one update
 on the whole batch (one optimizer step, AdamW on float32 master weights), by the trainer's
 own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process). Between the
-update and the generation the engine sleeps (its KV cache and weights leave the GPU), as
-in `reprorl train` on one GPU. `--max-token-len T` cuts micro-batches by token budget
+generation and the weight push the engine sleeps (its KV cache leaves the GPU, its weights
+stay), and it takes the new weights device to device from the rank's parameters, as
+`reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py; the
+handle's cost: bench/weight_sync.py).
+`--max-token-len T` cuts micro-batches by token budget
 instead of `--micro-batch` samples (reprorl/trainer/micro_batches.py); with every response
 at full length that measures its overhead only (bench/micro_batching.py measures its gain).
 
@@ -212,7 +215,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             after = engine.stats()
             counters = {k: after[k] - before[k] for k in ("steps", "graph_steps", "lookahead_steps", "prefix_shared")}
             counters.update(kv_slots=after["kv_slots"], graph_error=after["graph_error"])
-            loop.run_until_complete(engine.sleep())
+            loop.run_until_complete(engine.sleep(keep_weights=True))
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
             t2 = time.perf_counter()
@@ -224,9 +227,9 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
                           max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(),
                           temperature=1.0)
-            weights = worker.named_weights()
             sync(device)
             t4 = time.perf_counter()
+            weights = worker.model_worker.model.named_parameters()  # copied in place, device to device
             loop.run_until_complete(engine.update_weights(weights, version=step))
             loop.run_until_complete(engine.wake_up())
             sync(device)

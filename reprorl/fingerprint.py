@@ -28,6 +28,7 @@ The fit loop uses it like this:
     ...
     writer.write(step, {"prompts": ..., "responses": ..., "rewards": ...},
                  params=actor.named_parameters())  # after the step's update
+    # or, without moving the weights: param_digests=tensor_digests(...) made where they are
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ def field_digest(value: FieldValue) -> str:
 def _digest(value: Any) -> str:
     """The digest of a value `_normalize` returned."""
     return tensor_digest(value) if isinstance(value, torch.Tensor) else stable_digest(value)
+
+
+DIGEST_THREADS = min(8, os.cpu_count() or 1)
+"""Threads that hash a model's parameters (hashlib lets go of the GIL on large buffers)."""
+
+
+def tensor_digests(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """{name: `tensor_digest`} of (name, tensor) pairs: a record's "params", computed where
+    the tensors are (the trainer's rank 0, a replica) so that only the digests travel."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    named = list(named_tensors)
+    with ThreadPoolExecutor(DIGEST_THREADS) as pool:
+        digests = list(pool.map(lambda item: tensor_digest(item[1]), named))
+    return {name: digest for (name, _), digest in zip(named, digests)}
 
 
 def params_digest(digests: Mapping[str, str]) -> str:
@@ -146,12 +162,20 @@ class FingerprintWriter:
         step: int,
         fields: Mapping[str, FieldValue],
         params: Iterable[tuple[str, torch.Tensor]] | None = None,
+        param_digests: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """Record step `step`: a digest of each field and of each parameter; returns the record.
 
         `params` are the (name, tensor) pairs of the weights after this step's update
-        (`model.named_parameters()`); None records no parameters.
+        (`model.named_parameters()`); or, instead, `param_digests` their `tensor_digests`
+        made where the weights are (the record is the same bits). Neither records no
+        parameters. `keep_tensors` needs the tensors themselves.
         """
+        if params is not None and param_digests is not None:
+            raise ValueError(f"fingerprint of step {step}: give params or param_digests, not both")
+        if param_digests is not None and self.keep_tensors:
+            raise ValueError(f"fingerprint of step {step}: keep_tensors saves the parameters themselves; "
+                             "give params, not param_digests")
         if self._file is None:
             raise ValueError("FingerprintWriter.write after close()")
         if isinstance(step, bool) or not isinstance(step, int):
@@ -175,12 +199,13 @@ class FingerprintWriter:
                 raise ValueError(f"fingerprint of step {step}: parameter {name!r} given twice")
             param_values[name] = tensor
 
-        param_digests = {name: tensor_digest(t) for name, t in param_values.items()}
+        has_params = params is not None or param_digests is not None
+        digests = dict(param_digests) if param_digests is not None else tensor_digests(param_values.items())
         record = {
             "step": step,
             "fields": field_digests,
-            "params": param_digests,
-            "params_digest": params_digest(param_digests) if params is not None else None,
+            "params": digests,
+            "params_digest": params_digest(digests) if has_params else None,
         }
         if self.keep_tensors:
             # The raw file goes first: a record in the jsonl then always has its raw file.

@@ -17,6 +17,7 @@ from reprorl.fingerprint import (
     params_digest,
     raw_path,
     read_fingerprints,
+    tensor_digests,
     truncate_fingerprints,
 )
 
@@ -105,6 +106,37 @@ def test_write_records_a_digest_of_every_field_and_parameter(tmp_path):
     assert json.loads(lines[1]) == {"step": 2, "fields": {"rewards": tensor_digest(torch.zeros(2))},
                                     "params": {}, "params_digest": None}
     assert read_fingerprints(tmp_path) == {1: record, 2: json.loads(lines[1])}
+
+
+def test_tensor_digests_are_each_tensors_digest_in_order():
+    g = torch.Generator().manual_seed(0)
+    named = [(f"p{i}", torch.randn(64, i + 1, generator=g).to(torch.bfloat16)) for i in range(20)]
+    digests = tensor_digests(named)
+    assert list(digests) == [n for n, _ in named]  # the record keeps the model's order
+    assert digests == {n: tensor_digest(t) for n, t in named}
+
+
+def test_record_from_digests_is_the_record_from_tensors(tmp_path):
+    """A record made from digests computed where the weights are (the trainer's rank 0) is
+    the same line, byte for byte, as one made from the tensors shipped to the driver."""
+    fields, params = step_values(1)
+    with FingerprintWriter(tmp_path / "tensors") as writer:
+        writer.write(1, fields, params=params)
+    with FingerprintWriter(tmp_path / "digests") as writer:
+        writer.write(1, fields, param_digests=tensor_digests(params))
+    line = (tmp_path / "tensors" / FINGERPRINTS_FILE).read_bytes()
+    assert line == (tmp_path / "digests" / FINGERPRINTS_FILE).read_bytes()
+    assert json.loads(line)["params_digest"] is not None
+
+
+def test_params_and_param_digests_together_or_with_keep_tensors_are_refused(tmp_path):
+    fields, params = step_values(1)
+    with FingerprintWriter(tmp_path / "a") as writer:
+        with pytest.raises(ValueError, match="give params or param_digests, not both"):
+            writer.write(1, fields, params=params, param_digests=tensor_digests(params))
+    with FingerprintWriter(tmp_path / "b", keep_tensors=True) as writer:
+        with pytest.raises(ValueError, match="keep_tensors saves the parameters themselves"):
+            writer.write(1, fields, param_digests=tensor_digests(params))
 
 
 def test_same_steps_give_the_same_bytes(tmp_path):

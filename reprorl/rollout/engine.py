@@ -447,15 +447,17 @@ class Engine:
                     params[name].copy_(tensor)
             self.weight_version = version
 
-    async def sleep(self) -> None:
-        """Free the KV store while idle (and, on an accelerator, move weights to the host)."""
+    async def sleep(self, keep_weights: bool = False) -> None:
+        """Free the KV store while idle and, on an accelerator, move the weights to the host
+        unless `keep_weights` (they then stay where a device-to-device push can reach them)."""
         async with self._lock():
             if self._by_id:
                 raise RuntimeError(f"sleep: {len(self._by_id)} requests in flight; wait for or abort them first")
             self._kv = self._graphs = None  # graphs hold the cache's and the weights' addresses
             if self.device.type != "cpu":
-                self.model.to("cpu")
-                getattr(torch, self.device.type).empty_cache()
+                if not keep_weights:
+                    self.model.to("cpu")
+                getattr(torch, self.device.type).empty_cache()  # the cache's memory back to the device, for the trainer
             self.asleep = True
 
     async def wake_up(self) -> None:

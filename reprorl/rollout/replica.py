@@ -27,15 +27,18 @@ add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id
 
 Placement: `device="cuda"` builds each built-in engine on the GPU Ray gives the replica
 (`num_gpus`, a fraction when the trainer shares the GPU: reprorl/trainer/placement.py).
+
+Weight pushes (reprorl/rollout/weights.py): `update_weights` packs the tensors into one
+host buffer per dtype in Ray's object store (every backend, any device);
+`update_weights_shared` lets each built-in replica on the trainer's GPU copy device to
+device from the trainer's own buffer (CUDA IPC), the others still from the host.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import os
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import ray
@@ -53,6 +56,7 @@ from reprorl.determinism_report import model_part_info
 from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import KillSwitch, Restarts, gather, kill_switch_env, replace_dead
+from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -106,42 +110,6 @@ def wait_ready(actors: list[Any], what: str, num_cpus_each: float, timeout_s: fl
     ray.get(done)  # raises the replica's own error if its start failed
 
 
-@dataclass(frozen=True)
-class PackedWeights:
-    """A weight push as one flat buffer per dtype instead of a list of tensors: one object
-    in Ray's store and, in the replica, one host-to-device copy per dtype per sync.
-
-    `entries[i] = (name, dtype name, shape, offset)` into `buffers[dtype name]` (1-D)."""
-
-    entries: tuple[tuple[str, str, tuple[int, ...], int], ...]
-    buffers: dict[str, torch.Tensor]
-
-    @classmethod
-    def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PackedWeights:
-        tensors = [(name, t.detach()) for name, t in named_tensors]
-        sizes: dict[str, int] = {}
-        entries = []
-        for name, t in tensors:
-            key = str(t.dtype).removeprefix("torch.")
-            entries.append((name, key, tuple(t.shape), sizes.get(key, 0)))
-            sizes[key] = sizes.get(key, 0) + t.numel()
-        dtypes = {str(t.dtype).removeprefix("torch."): t.dtype for _, t in tensors}
-        buffers = {key: torch.empty(size, dtype=dtypes[key]) for key, size in sizes.items()}
-        for (_, key, shape, offset), (_, t) in zip(entries, tensors):
-            buffers[key][offset : offset + t.numel()].copy_(t.reshape(-1))
-        return cls(tuple(entries), buffers)
-
-    def unpack(self, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
-        """(name, view of the buffer moved to `device`) per tensor, in push order."""
-        moved = {key: buf.to(device) for key, buf in self.buffers.items()}
-        return [(name, moved[key][offset : offset + math.prod(shape)].view(shape))
-                for name, key, shape, offset in self.entries]
-
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(name for name, *_ in self.entries)
-
-
 def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, **options: Any) -> Engine:
     """The built-in engine for `model_path` on `device` ("cpu" or "cuda"), weights in `dtype`
     (None: the checkpoint's). The engine runs where its model's parameters are."""
@@ -179,15 +147,44 @@ class RolloutReplica:
             self.kill_switch.see(request_id)
         return await self.engine.generate(request_id, prompt_ids, sampling_params, seed, priority)
 
-    async def update_weights(self, named_tensors: PackedWeights | Iterable[tuple[str, torch.Tensor]],
+    async def update_weights(self, named_tensors: SharedWeights | PackedWeights | Iterable[tuple[str, torch.Tensor]],
                              version: int) -> int:
-        if isinstance(named_tensors, PackedWeights):  # one copy to where the weights live now
-            named_tensors = named_tensors.unpack("cpu" if self.engine.asleep else self.engine.device)
-        await self.engine.update_weights(named_tensors, version)
+        """Copy the weights in as `version`: a `SharedWeights` device to device from the
+        trainer's buffer on this GPU (CUDA IPC), a `PackedWeights` in one copy per dtype."""
+        if isinstance(named_tensors, SharedWeights):
+            await self._update_from_ipc(named_tensors, version)
+        else:
+            if isinstance(named_tensors, PackedWeights):  # one copy to where the weights live now
+                named_tensors = named_tensors.unpack(self._weights_device())
+            await self.engine.update_weights(named_tensors, version)
         return self.engine.weight_version
 
-    async def sleep(self) -> None:
-        await self.engine.sleep()
+    async def _update_from_ipc(self, shared: SharedWeights, version: int) -> None:
+        """Open the share, copy in place (the parameters keep their addresses, so the CUDA
+        graphs stay valid), wait for the copies, drop the share: the trainer may then free it."""
+        packed = shared.open(self.engine.device)
+        try:
+            await self.engine.update_weights(packed.unpack(self.engine.device), version)
+        finally:
+            torch.cuda.synchronize(self.engine.device)  # the copies read the trainer's memory
+            del packed  # the last reference to the mapped buffers: the trainer's count drops
+
+    def _weights_device(self) -> torch.device:
+        """Where the engine's parameters are now (the host while asleep, unless it kept them)."""
+        return next(self.engine.model.parameters()).device
+
+    async def gpu_uuid(self) -> str | None:
+        """The UUID of this replica's GPU (None on the CPU): who can take weights over CUDA IPC."""
+        return gpu_uuid(self.engine.device) if self.engine.device.type == "cuda" else None
+
+    async def weight_digests(self) -> dict[str, str]:
+        """`tensor_digest` of every parameter the engine serves (the fingerprint's per-parameter digests)."""
+        from reprorl.fingerprint import tensor_digests
+
+        return tensor_digests(self.engine.model.named_parameters())
+
+    async def sleep(self, keep_weights: bool = False) -> None:
+        await self.engine.sleep(keep_weights=keep_weights)
 
     async def wake_up(self) -> None:
         await self.engine.wake_up()
@@ -341,12 +338,50 @@ class ReplicaPool:
         packed = named_tensors if isinstance(named_tensors, PackedWeights) else PackedWeights.pack(
             (name, t.detach().cpu()) for name, t in named_tensors)
         ref = ray.put(packed)
-        _, dead = gather({i: r.update_weights.remote(ref, version) for i, r in self.replicas.items()})
-        names = packed.names
-        self._pushes = [p for p in self._pushes if not p[1] <= names] + [(ref, names, version)]
+        refs = {i: r.update_weights.remote(ref, version) for i, r in self.replicas.items()}
+        self._finish_push(refs, packed.names, ref, version)
+
+    def update_weights_shared(self, shares: Mapping[int, SharedWeights], version: int,
+                              host_weights: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """Push `version` to every replica: replica i of `shares` copies device to device from
+        the trainer's buffer on its GPU (CUDA IPC, `shares[i]` its own share), any other one
+        takes `host_weights()` packed as in `update_weights`. Returns once every replica
+        answered (the trainer may then free the buffer), after the version check.
+
+        No copy of the weights is kept: a replica replaced later is brought up from
+        `host_weights()`, which must give this version's weights until the next push (the
+        trainer changes them only between `sleep` and the next push, when the pool is idle).
+        """
+        names = next(iter(shares.values())).names if shares else frozenset()
+        refs = {i: self.replicas[i].update_weights.remote(share, version)
+                for i, share in shares.items() if i in self.replicas}
+        host_ids = [i for i in self.replicas if i not in shares]
+        source: Any = host_weights
+        if host_ids:
+            packed = PackedWeights.pack((name, t.detach().cpu()) for name, t in host_weights())
+            source, names = ray.put(packed), packed.names
+            refs.update({i: self.replicas[i].update_weights.remote(source, version) for i in host_ids})
+        self._finish_push(refs, names, source, version)
+
+    def _finish_push(self, refs: dict[int, Any], names: frozenset[str], source: Any, version: int) -> None:
+        """Wait for a push's answers; keep its source for replacements (`_bring_up`: an object
+        ref of `PackedWeights`, or a device push's `host_weights`); check the version."""
+        _, dead = gather(refs)
+        self._pushes = [p for p in self._pushes if not p[1] <= names] + [(source, names, version)]
         self.version = version
         self._replace_dead(dead, f"update_weights to version {version}")  # a replacement replays the pushes
         self.check_weight_version(version)
+
+    def gpu_uuids(self) -> dict[int, str | None]:
+        """Each replica's GPU UUID, by id (None: on the CPU, or a backend that takes weights
+        only from the host: vLLM); a replica whose UUID is the trainer's can take `SharedWeights`."""
+        if self.first_info.get("backend") != "reprorl":
+            return {i: None for i in self.replica_ids()}
+        return self._on_all("gpu_uuid")
+
+    def weight_digests(self) -> dict[int, dict[str, str]]:
+        """Each built-in replica's per-parameter digests, by id (what it serves, bit for bit)."""
+        return self._on_all("weight_digests")
 
     def weight_versions(self) -> dict[int, int]:
         return self._on_all("weight_version")
@@ -360,9 +395,14 @@ class ReplicaPool:
                 f"{version}): " + ", ".join(f"replica {i} serves {v}" for i, v in stale.items())
             )
 
-    def sleep(self) -> None:
-        self.asleep = True  # first, so that a replacement made during the call sleeps too
-        self._on_all("sleep")
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Free each engine's KV cache; `keep_weights` (built-in engines): the weights stay
+        on the GPU for a device-to-device push (`update_weights_shared`), else they go to the host."""
+        if keep_weights and self.first_info.get("backend") != "reprorl":
+            raise ValueError(f"sleep(keep_weights=True): the {self.first_info.get('backend')} backend has no such mode")
+        # First, so that a replacement made during the call sleeps the same way:
+        self.asleep, self._sleep_keeps_weights = True, keep_weights
+        self._on_all("sleep", *([True] if keep_weights else []))
 
     def wake_up(self) -> None:
         self.asleep = False
@@ -380,11 +420,11 @@ class ReplicaPool:
         _, dead = gather({i: r.ready.remote() for i, r in self.replicas.items()})
         return list(self._replace_dead(dead, noticed_in).values())
 
-    def _on_all(self, method: str) -> dict[int, Any]:
-        """`method()` on every replica, by sorted id; a dead one is replaced and answers instead."""
-        results, dead = gather({i: getattr(r, method).remote() for i, r in self.replicas.items()})
+    def _on_all(self, method: str, *args: Any) -> dict[int, Any]:
+        """`method(*args)` on every replica, by sorted id; a dead one is replaced and answers instead."""
+        results, dead = gather({i: getattr(r, method).remote(*args) for i, r in self.replicas.items()})
         for new_id in self._replace_dead(dead, method).values():
-            results[new_id] = ray.get(getattr(self.replicas[new_id], method).remote())
+            results[new_id] = ray.get(getattr(self.replicas[new_id], method).remote(*args))
         return dict(sorted(results.items()))
 
     def _replace_dead(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
@@ -400,13 +440,16 @@ class ReplicaPool:
 
     def _bring_up(self, actor: Any) -> str:
         """Replay the kept pushes into a new replica, check it serves `self.version`, match `asleep`."""
-        for ref, _, version in self._pushes:
-            ray.get(actor.update_weights.remote(ref, version))
+        for k, (source, names, version) in enumerate(self._pushes):
+            if callable(source):  # a device push: the trainer's weights from the host, packed once
+                source = ray.put(PackedWeights.pack((n, t.detach().cpu()) for n, t in source()))
+                self._pushes[k] = (source, names, version)
+            ray.get(actor.update_weights.remote(source, version))
         served = ray.get(actor.weight_version.remote())
         if served != self.version:
             raise WeightVersionError(f"the replacement serves weight version {served}, expected {self.version}")
         if self.asleep:
-            ray.get(actor.sleep.remote())
+            ray.get(actor.sleep.remote(*([True] if self._sleep_keeps_weights else [])))
         return f"serving weight version {served}"
 
     def shutdown(self) -> None:

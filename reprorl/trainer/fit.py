@@ -5,7 +5,8 @@ One training step, in the order of DESIGN.md:
     batch of prompts (uid per prompt) -> repeat n, interleaved (ReMax: + one greedy row
     per prompt, same call) -> rollout -> reward -> old log-probs -> ref log-probs ->
     values (gae) -> KL (in reward or as a loss) -> advantages -> critic update -> actor
-    update -> push weights to the replicas (versioned) -> metrics, validation, checkpoint
+    update -> push weights to the replicas (versioned; device to device to the replicas on
+    the actor's GPU: weight_sync.py) -> metrics, validation, checkpoint
 
 Actor, reference and critic are worker groups of `trainer.num_workers` Ray processes each
 (reprorl/workers: the same bits for every allowed count); rollout and reward-model
@@ -49,6 +50,7 @@ from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.replica import ReplicaPool, init_ray, replica_cpus
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import FaultError, Restarts
+from reprorl.trainer import weight_sync
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.checkpoint import (
     capture_rng_state,
@@ -389,7 +391,7 @@ class Trainer:
         batch["advantages"] = advantages
         batch["returns"] = returns
         _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
-        weights = self._update(step, batch, metrics)
+        weight_digests = self._update(step, batch, metrics)
 
         metrics["reward/mean"] = scores.mean().item()
         metrics["reward/std"] = scores.std(unbiased=False).item()
@@ -397,7 +399,7 @@ class Trainer:
         metrics["advantages/mean"] = algos.masked_mean(advantages, mask).item()
         metrics["timing/step_s"] = time.perf_counter() - t_step
         metrics["throughput/tokens_per_s"] = mask.sum().item() / max(metrics["timing/gen_s"], 1e-9)
-        self._write_fingerprint(step, batch, scores, metrics, weights)
+        self._write_fingerprint(step, batch, scores, metrics, weight_digests)
         return metrics
 
     def _generate(self, step: int, positions: list[int], metrics: dict[str, float]) -> tuple[Batch, Batch | None]:
@@ -482,16 +484,18 @@ class Trainer:
         self.kl_ctrl.update(mean_kl.item(), n_steps=len(batch))
         return token_rewards
 
-    def _update(self, step: int, batch: Batch, metrics: dict[str, float]) -> list[tuple[str, torch.Tensor]]:
+    def _update(self, step: int, batch: Batch, metrics: dict[str, float]) -> dict[str, str]:
         """Critic update, actor update, then the new weights to the replicas as version `step`;
-        returns those weights."""
+        returns their per-parameter digests (computed by the actor: the weights stay there)."""
         cfg, n = self.cfg, self.cfg.rollout.n
         t0 = time.perf_counter()
-        # Sharing one GPU: the engines give back their KV cache (and weights) while the
-        # trainer updates, and take them back once the new weights are in.
+        # Sharing one GPU: the engines give back their KV cache (and, unless the new weights
+        # come device to device, their weights) while the trainer updates, and take them
+        # back once the new weights are in (reprorl/trainer/weight_sync.py).
         on_gpu = self.placement.device == "cuda"
+        on_device = weight_sync.device_replicas(self.actor, self.pool) if on_gpu else []
         if on_gpu:
-            self.pool.sleep()
+            self.pool.sleep(keep_weights=bool(on_device))
         if self.critic is not None:
             metrics.update(self.critic.update(
                 batch, ppo_epochs=cfg.critic.ppo_epochs, mini_batch_size=cfg.critic.ppo_mini_batch_size * n,
@@ -505,15 +509,16 @@ class Trainer:
             max_token_len=cfg.actor.ppo_max_token_len_per_micro_batch, loss=self.loss_args,
             temperature=cfg.rollout.temperature,
         ))
-        weights = self.actor.named_weights()  # gathered once: for the replicas and the fingerprint
-        self.pool.update_weights(weights, version=step)
+        t_sync = time.perf_counter()
+        weight_sync.push_weights(self.actor, self.pool, step, on_device)
+        metrics["timing/weight_sync_s"] = time.perf_counter() - t_sync
         if on_gpu:
             self.pool.wake_up()
         metrics["timing/update_s"] = time.perf_counter() - t0
-        return weights
+        return self.actor.weight_digests()
 
     def _write_fingerprint(self, step: int, batch: Batch, scores: torch.Tensor, metrics: dict[str, float],
-                           weights: list[tuple[str, torch.Tensor]]) -> None:
+                           weight_digests: dict[str, str]) -> None:
         """The step's fingerprint record: digests of what it computed and of the new weights."""
         self.fingerprints.write(
             step,
@@ -528,7 +533,7 @@ class Trainer:
                     [metrics[k] for k in sorted(metrics) if k.endswith("grad_norm")], dtype=torch.float64
                 ),
             },
-            params=weights,
+            param_digests=weight_digests,
         )
 
     def _advantages(
@@ -648,7 +653,7 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         restore_rng_state(state["rng"])
         # Replicas start from model.path: give them the checkpoint's weights as its version.
-        self.pool.update_weights(self.actor.named_weights(), version=step)
+        weight_sync.push_weights(self.actor, self.pool, step, weight_sync.device_replicas(self.actor, self.pool))
         truncate_metrics(self.run_dir / METRICS_FILE, step)
         truncate_fingerprints(self.run_dir, step)
         logger.info("resumed from step %d (%s)", step, source)

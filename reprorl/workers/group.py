@@ -1,8 +1,9 @@
 """A worker group: the actor, reference or critic as `num_workers` Ray actor processes.
 
 The fit loop reaches a model only through this class: log-probs, values, update, the
-weights for the rollout replicas, checkpoints and determinism info. One worker is the
-same code path as eight (one rank, a process group of one).
+weights for the rollout replicas (on the host, or shared on the GPU: worker.py) and their
+digests, checkpoints and determinism info. One worker is the same code path as eight
+(one rank, a process group of one).
 
     actor = WorkerGroup("actor", 2, "models/tiny-policy", optim=OptimArgs(lr=1e-5), seed=42,
                         full_determinism=True)
@@ -41,6 +42,7 @@ import torch
 from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import ReproRLError
 from reprorl.protocol import Batch
+from reprorl.rollout.weights import SharedWeights
 from reprorl.trainer.checkpoint import CheckpointError
 from reprorl.trainer.micro_batches import in_sample_order
 from reprorl.trainer.optim import OptimArgs
@@ -202,6 +204,23 @@ class WorkerGroup:
         """(HF name, tensor) of every weight, for the rollout replicas: rank 0's whole model,
         which every rank rebuilt from the shards by rank index after the last step."""
         return self._call_one(0, "named_weights")
+
+    def weight_digests(self) -> dict[str, str]:
+        """`tensor_digests(named_weights())`, computed on rank 0: only the digests travel."""
+        return self._call_one(0, "weight_digests")
+
+    def gpu_uuid(self) -> str | None:
+        """The UUID of rank 0's GPU (None on the CPU)."""
+        return self._call_one(0, "gpu_uuid")
+
+    def share_weights(self, consumers: int) -> list[SharedWeights]:
+        """Rank 0's weights in a buffer on its GPU, one CUDA IPC share per consumer (a
+        replica on that GPU); the buffer lives until `release_shared_weights`."""
+        return self._call_one(0, "share_weights", consumers)
+
+    def release_shared_weights(self) -> None:
+        """Free the buffer of `share_weights`: after every consumer answered."""
+        self._call_one(0, "release_shared_weights")
 
     def save(self, directory: Path) -> None:
         """Every rank writes its shard file into `directory` (fsynced)."""

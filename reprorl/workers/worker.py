@@ -12,6 +12,11 @@ holds no state until stepped). Every rank runs torch with WORKER_THREADS threads
 gradient's bits can depend on the thread count, and the rank that computes a micro-batch
 must not matter.
 
+Weights for the rollout replicas come from any rank's whole model (the group asks rank
+0): `named_weights` as CPU tensors (the host path), or `share_weights`, one buffer per
+dtype on the GPU handed out through CUDA IPC to replicas on the same GPU and freed by
+`release_shared_weights`; `weight_digests` gives the fingerprint's digests of them.
+
 A rank's shard on disk (`save_shard`): `shard_<rank>.pt` with the real elements of its
 range of the flat vector (`start`, `end`), the master weights and the AdamW state; any
 number of ranks reads a set of them back (`load_shards`), each taking the elements of its
@@ -33,8 +38,10 @@ import torch.distributed as dist
 
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
+from reprorl.fingerprint import tensor_digests
 from reprorl.io import atomic_write
 from reprorl.protocol import Batch
+from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.micro_batches import Rows, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
@@ -99,6 +106,7 @@ class ShardWorker:
         model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
         self.optim_args = optim
         self.trainable = optim is not None
+        self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
 
     def ready(self) -> int:
         return self.rank
@@ -252,6 +260,35 @@ class ShardWorker:
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, CPU tensor) of every weight: the whole model, the same on every rank."""
         return [(name, p.detach().cpu().clone()) for name, p in self.model_worker.model.named_parameters()]
+
+    def weight_digests(self) -> dict[str, str]:
+        """`tensor_digest` of every weight, by HF name, in `named_weights` order: the step's
+        fingerprint "params" without shipping the model (the same bits as hashing `named_weights`)."""
+        return tensor_digests(self.model_worker.model.named_parameters())
+
+    def gpu_uuid(self) -> str | None:
+        """The UUID of this rank's GPU (None on the CPU): replicas on it can take `share_weights`."""
+        return gpu_uuid(self.device) if self.device.type == "cuda" else None
+
+    def share_weights(self, consumers: int) -> list[SharedWeights]:
+        """Every weight (the model's dtype: the bf16 cast of the master with mixed precision,
+        as `_publish_master` wrote it) packed into one buffer per dtype on this GPU, and one
+        CUDA IPC share of it per consumer (reprorl/rollout/weights.py says why one each).
+        The buffer is kept until `release_shared_weights`: call that once every consumer is done."""
+        if self.device.type != "cuda":
+            raise RuntimeError(f"share_weights: {self.name} runs on {self.device}; CUDA IPC needs a GPU")
+        self.release_shared_weights()  # an earlier push that was never released
+        self._shared = PackedWeights.pack(self.model_worker.model.named_parameters(), device=self.device)
+        return share(self._shared, consumers)
+
+    def release_shared_weights(self) -> None:
+        """Free the buffer of `share_weights` (its consumers have dropped their shares) and
+        give the memory back to the GPU: the engines size their KV cache from what is free."""
+        if self._shared is None:
+            return
+        self._shared = None
+        torch.cuda.ipc_collect()  # blocks whose consumers let go after we did (limbo) are freed now
+        torch.cuda.empty_cache()
 
     def save_shard(self, directory: str) -> None:
         """Write this rank's `shard_<rank>.pt` into `directory` (durably: `atomic_write`)."""

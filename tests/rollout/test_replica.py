@@ -122,6 +122,37 @@ def test_sleep_wake_stats_abort(pool):
 
 
 @pytest.mark.slow
+def test_shared_push_without_shares_is_the_host_push(pool, model_dir):
+    """No replica on the trainer's GPU (here: none has a GPU): `update_weights_shared` gives
+    every replica `host_weights()`, fetched once, and each serves exactly those bits, also
+    after a sleep that kept the weights in place."""
+    from reprorl.fingerprint import tensor_digests
+    from reprorl.models.hf_io import load_model
+
+    assert pool.gpu_uuids() == {0: None, 1: None, 2: None}
+    model, _ = load_model(model_dir)
+    original = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    g = torch.Generator().manual_seed(1)
+    perturbed = [(n, t + 0.25 * torch.randn(t.shape, generator=g)) for n, t in original]
+    calls = []
+
+    def host_weights():
+        calls.append("host_weights")
+        return perturbed
+
+    version = pool.version + 1
+    pool.update_weights_shared({}, version, host_weights=host_weights)
+    assert calls == ["host_weights"] and pool.weight_versions() == {0: version, 1: version, 2: version}
+    want = tensor_digests(perturbed)
+    assert want != tensor_digests(original)
+    assert pool.weight_digests() == {0: want, 1: want, 2: want}
+    pool.sleep(keep_weights=True)
+    pool.wake_up()
+    assert pool.weight_digests() == {0: want, 1: want, 2: want}
+    pool.update_weights(original, version=version + 1)  # back to the checkpoint for the tests after
+
+
+@pytest.mark.slow
 def test_retry_after_a_replica_dies(pool):
     """Kill the replica a request is sticky to: the retry on another gives the same sample."""
     import ray

@@ -66,7 +66,7 @@ def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
     assert [r["step"] for r in records] == [1, 2]
     for key in ("reward/mean", "reward/std", "response_length/mean", "actor/pg_loss", "actor/entropy",
                 "actor/kl", "actor/grad_norm", "rollout/num_generate_calls", "timing/gen_s",
-                "timing/reward_s", "timing/update_s", "timing/step_s", "throughput/tokens_per_s"):
+                "timing/reward_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s", "throughput/tokens_per_s"):
         assert key in records[-1], key
     assert all(r["rollout/num_generate_calls"] == 1 for r in records)
     # Determinism mode: the engine's log-probs ARE the trainer's, bit for bit.

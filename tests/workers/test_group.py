@@ -187,3 +187,22 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_then_a_killed_worker_is_named(t
         assert group.workers == []
     finally:
         group.shutdown()  # a no-op after the failure
+
+
+def test_weight_digests_on_rank_0_are_the_drivers(tiny_policy_dir, ray_local, tmp_path):
+    """The fingerprint's digests computed by rank 0 (bf16 weights, as on the GPU) are the
+    ones the driver computes from `named_weights`, in the same order: the same record."""
+    from reprorl.fingerprint import FINGERPRINTS_FILE, FingerprintWriter, tensor_digests
+
+    group = WorkerGroup("actor", 1, tiny_policy_dir, optim=OPTIM, seed=1, full_determinism=True, dtype="bfloat16")
+    try:
+        weights, digests, uuid = group.named_weights(), group.weight_digests(), group.gpu_uuid()
+    finally:
+        group.shutdown()
+    assert uuid is None  # on the CPU: the replicas take the host path
+    assert all(t.dtype == torch.bfloat16 for _, t in weights)
+    assert list(digests.items()) == list(tensor_digests(weights).items())
+    for name, how in (("driver", {"params": weights}), ("rank0", {"param_digests": digests})):
+        with FingerprintWriter(tmp_path / name) as writer:
+            writer.write(1, {}, **how)
+    assert (tmp_path / "driver" / FINGERPRINTS_FILE).read_bytes() == (tmp_path / "rank0" / FINGERPRINTS_FILE).read_bytes()
