@@ -312,6 +312,7 @@ def main_profile(args) -> None:
     engine-det, and engine without lookahead (each step read before the next is launched)."""
     import transformers
 
+    from reprorl.determinism import use_deterministic_algorithms
     from reprorl.rollout.engine import Engine
 
     transformers.logging.set_verbosity_error()
@@ -319,7 +320,7 @@ def main_profile(args) -> None:
     _, ours = gpu_models(name)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": name, "profiles": {}}
     for label, det, ahead in (("engine", False, True), ("engine-det", True, True), ("engine-sync", False, False)):
-        torch.use_deterministic_algorithms(det)  # as a replica under full determinism runs
+        use_deterministic_algorithms(det)  # as a replica under full determinism runs
         engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=batch,
                         max_num_batched_tokens=batch * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                         gpu_memory_utilization=0.3, lookahead=ahead)
@@ -340,6 +341,7 @@ def main_cuda(args) -> None:
     """The GPU table (see the module doc)."""
     import transformers
 
+    from reprorl.determinism import use_deterministic_algorithms
     from reprorl.rollout.engine import Engine
 
     transformers.logging.set_verbosity_error()
@@ -380,7 +382,7 @@ def main_cuda(args) -> None:
         vocab = ours.args.vocab_size
         for det in (False, True):
             label = "engine-det" if det else "engine"
-            torch.use_deterministic_algorithms(det)  # as a replica under full determinism runs
+            use_deterministic_algorithms(det)  # as a replica under full determinism runs
             engine = Engine(ours, batch_invariant=det, eos_token_id=None, max_num_seqs=max(GPU_BATCHES),
                             max_num_batched_tokens=max(GPU_BATCHES) * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
                             gpu_memory_utilization=0.3)

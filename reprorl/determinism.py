@@ -202,7 +202,7 @@ def enable_full_determinism(seed: int) -> None:
 
     Seeds `random`, numpy and torch (all devices); turns on
     `torch.use_deterministic_algorithms` (errors, not warnings, on a nondeterministic
-    op), cuDNN deterministic with benchmarking off, TF32 off for matmul and cuDNN; sets
+    op; without its NaN fill of new tensors), cuDNN deterministic with benchmarking off, TF32 off for matmul and cuDNN; sets
     `CUBLAS_WORKSPACE_CONFIG`, the NCCL variables and the reprorl variables in
     `os.environ` (NCCL reads its variables when a communicator is created, so call this
     before `init_process_group`). Calling it again with the same seed leaves the same state.
@@ -227,11 +227,28 @@ def enable_full_determinism(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)  # numpy's legacy seed must fit 32 bits
     torch.manual_seed(seed)  # seeds every CUDA device too
-    torch.use_deterministic_algorithms(True, warn_only=False)
+    use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def use_deterministic_algorithms(enabled: bool) -> None:
+    """torch's deterministic algorithms on (errors, not warnings, on a nondeterministic op)
+    or off, as a part of the run sets them; never their NaN fill of new tensors.
+
+    With the algorithms on, torch fills every new tensor (torch.empty) with NaN, so that a
+    kernel reading memory it never wrote reads the same bits each run. reprorl's kernels
+    write every element they return (the KV cache and the CUDA graphs' buffers start as
+    zeros), and that fill was 1,200 kernel launches and 13 ms of GPU time in each update
+    micro-batch of 16 on the H200 (bench/train_step.py --profile); the GPU rerun tests
+    check the bits without it.
+    """
+    import torch
+
+    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    torch.utils.deterministic.fill_uninitialized_memory = False
 
 
 # --- the run's environment ------------------------------------------------------------

@@ -1,6 +1,10 @@
-"""Gradients for kernels that have only a forward: the backward of the plain torch version.
+"""Gradients of the kernels: their own backward kernels, or the backward of the plain
+torch version.
 
-A batch-invariant kernel (a Triton kernel, the CPU tile runner) computes the same function
+A kernel with a backward kernel of its own (the Triton RMSNorm, SiLU-and-mul, rotary and
+log-softmax) takes it through `with_backward`: one launch a backward, no recompute.
+
+Otherwise, a batch-invariant kernel (a Triton kernel, the CPU tile runner) computes the same function
 as a few stock torch ops, with a different reduction order. Training needs its gradient,
 deterministic (the same bits every run) but not batch-invariant (the kernels issue). So
 the backward recomputes the op with stock torch ops and differentiates that: the gradient
@@ -39,6 +43,46 @@ class _RecomputeBackward(torch.autograd.Function):
         with torch.enable_grad():
             grads = iter(torch.autograd.grad(ctx.torch_fn(*args, **ctx.static), wrt, grad))
         return (None, None, None, *[next(grads) if need else None for need in needs])
+
+
+class _KernelBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: Callable, backward: Callable, saves_output: bool, static: dict, *args: Any) -> Tensor:
+        ctx.backward_fn, ctx.static, ctx.saves_output = backward, static, saves_output
+        ctx.args = [None if isinstance(a, Tensor) else a for a in args]
+        out = kernel(*args, **static)
+        ctx.save_for_backward(*([out] if saves_output else []), *[a for a in args if isinstance(a, Tensor)])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        saved = iter(ctx.saved_tensors)
+        out = (next(saved),) if ctx.saves_output else ()
+        args = [next(saved) if a is None else a for a in ctx.args]
+        grads = ctx.backward_fn(grad, *out, *args, **ctx.static)
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        needs = ctx.needs_input_grad[4:]
+        if any(needs[len(grads):]):
+            raise RuntimeError(f"{ctx.backward_fn.__name__} gives the gradients of the first {len(grads)} "
+                               "argument(s) only; a later one needs a gradient here")
+        grads = [g if need else None for g, need in zip(grads, needs)] + [None] * (len(needs) - len(grads))
+        return (None, None, None, None, *grads)
+
+
+def with_backward(kernel: Callable[..., Tensor], backward: Callable[..., Any], saves_output: bool = False
+                  ) -> Callable[..., Tensor]:
+    """`kernel(*args, **static)` whose gradient is `backward(grad, [out,] *args, **static)`:
+    the gradients of the leading positional tensors (one, or a tuple; later arguments,
+    such as rotary tables or an eps, take none). With `saves_output` the backward gets the
+    forward's output after the gradient (what the log-softmax's needs) and the inputs are
+    kept as well."""
+    def run(*args: Any, **static: Any) -> Tensor:
+        if _needs_grad(args):
+            return _KernelBackward.apply(kernel, backward, saves_output, static, *args)
+        return kernel(*args, **static)
+
+    run.__name__ = getattr(kernel, "__name__", "kernel")
+    return run
 
 
 def with_torch_backward(kernel: Callable[..., Tensor], torch_fn: Callable[..., Tensor]) -> Callable[..., Tensor]:

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from kernel_backends import INTERPRETED, backend  # noqa: F401  (the fixture)
+from kernel_backends import BACKENDS, INTERPRETED, backend, backend_and_device  # noqa: F401  (the fixture)
 from reprorl.kernels import BatchInvarianceError, ReferenceKernels, TorchKernels, rope_tables, verify_batch_invariance
 from reprorl.kernels import check as kernel_check
 from reprorl.models.arch import ModelArgs
@@ -341,6 +341,45 @@ def test_gradients_are_torchs_and_deterministic(backend):
         assert torch.equal(a, b)
         assert p.abs().sum() > 0
         assert rel_err(a, p) < 1e-4  # attention's softmax and the norm reduce in other orders
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backward_kernels_match_the_float64_gradient(dtype):
+    """RMSNorm, SiLU-and-mul, rotary and log-softmax have backward kernels of their own:
+    each gradient against float64 autograd of the same function, and the same bits twice.
+    37 rows: past one RMSNorm backward program's 32, so the weight gradient adds partials;
+    5000 columns: two of the log-softmax's blocks. Tolerances as the forwards' (TOL); the
+    log-softmax's gradient is float32 whatever the input (its output is)."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
+    k, dev = backend_and_device("triton")
+    g = torch.Generator().manual_seed(11)
+    x = rand(g, 37, 48, dtype=dtype, device=dev)
+    norm_w = (1 + rand(g, 48, scale=0.1)).to(dtype).to(dev)
+    heads = rand(g, 5, 3, 64, dtype=dtype, device=dev)
+    cos, sin = (t[torch.tensor([0, 3, 7, 100, 1000])].to(dev) for t in rope_tables(64, 10000.0, 1024))
+    logits = rand(g, 6, 5000, device=dev, scale=3.0)
+    cases = {  # name: (function of (kernels, *inputs), inputs)
+        "rms_norm": (lambda kern, a, w: kern.rms_norm(a, w, 1e-6), (x, norm_w)),
+        "swiglu": (lambda kern, a, b: kern.swiglu(a, b), (x, x.flip(0))),
+        "rotary": (lambda kern, a: kern.apply_rotary(a, cos, sin), (heads,)),
+        "log_softmax": (lambda kern, a: kern.log_softmax(a)[torch.arange(6), torch.tensor([1, 7, 4095, 4096, 4999, 0])],
+                        (logits,)),
+    }
+    for name, (fn, inputs) in cases.items():
+        weights = rand(torch.Generator().manual_seed(12), *fn(TorchKernels, *inputs).shape, device=dev)
+
+        def grads(kern, cast):
+            leaves = [cast(t).detach().requires_grad_() for t in inputs]
+            out = fn(kern, *leaves)
+            return torch.autograd.grad((out.double() * weights.double()).sum(), leaves)
+
+        first, again = grads(k, lambda t: t), grads(k, lambda t: t)
+        ref = grads(ReferenceKernels, lambda t: t.double())
+        for i, (a, b, r) in enumerate(zip(first, again, ref)):
+            assert torch.equal(a, b), f"{name}: gradient {i} changed between two runs"
+            tol = TOL[torch.float32 if name == "log_softmax" else dtype]
+            assert rel_err(a, r) < tol, f"{name}: gradient {i} is {rel_err(a, r):.2e} from float64's"
 
 
 # ---- the start-up check ----------------------------------------------------------------

@@ -14,14 +14,15 @@ rotary and SiLU-and-mul, where stock torch launches a chain of small element-wis
 (on the H200: 0.1-0.2x stock's time for RMSNorm, 0.1-0.8x for rotary, 0.4-0.6x for
 SiLU-and-mul; bench/kernels.py).
 
-Forward passes are these kernels; backward passes are stock torch's (deterministic, see
-`reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
+Forward passes are these kernels. RMSNorm, SiLU-and-mul, rotary and log-softmax have
+backward kernels here too (one launch each, no atomics); the linear's and attention's
+backward passes are stock torch's (deterministic, see `reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
 (slowly), which is how CI checks their arithmetic without a GPU.
 """
 
 from __future__ import annotations
 
-from reprorl.kernels.autograd import linear_with_matmul_backward, with_torch_backward
+from reprorl.kernels.autograd import linear_with_matmul_backward, with_backward, with_torch_backward
 from reprorl.kernels.gpu import attention as tl_attention
 from reprorl.kernels.gpu import elementwise as tl_elementwise
 from reprorl.kernels.gpu import matmul as tl_matmul
@@ -39,11 +40,12 @@ class TritonKernels:
     row_buckets = tl_matmul.ROW_BUCKETS  # the start-up check puts a row past each
 
     linear = staticmethod(linear_with_matmul_backward(tl_matmul.matmul))
-    rms_norm = staticmethod(with_torch_backward(tl_rms_norm.rms_norm, TorchKernels.rms_norm))
-    swiglu = staticmethod(with_torch_backward(tl_elementwise.swiglu, TorchKernels.swiglu))
-    apply_rotary = staticmethod(with_torch_backward(tl_elementwise.apply_rotary, TorchKernels.apply_rotary))
+    rms_norm = staticmethod(with_backward(tl_rms_norm.rms_norm, tl_rms_norm.rms_norm_backward))
+    swiglu = staticmethod(with_backward(tl_elementwise.swiglu, tl_elementwise.swiglu_backward))
+    apply_rotary = staticmethod(with_backward(tl_elementwise.apply_rotary, tl_elementwise.apply_rotary_backward))
     softmax = staticmethod(with_torch_backward(tl_softmax.softmax, TorchKernels.softmax))
-    log_softmax = staticmethod(with_torch_backward(tl_softmax.log_softmax, TorchKernels.log_softmax))
+    log_softmax = staticmethod(with_backward(tl_softmax.log_softmax, tl_softmax.log_softmax_backward,
+                                             saves_output=True))
     batched_attention = staticmethod(with_torch_backward(tl_attention.batched_attention, math_attention))
 
     @classmethod

@@ -1,7 +1,8 @@
 """SiLU-and-mul and rotary embedding on CUDA, fused into one pass each.
 
 Elementwise ops are batch-invariant on any device (an entry's arithmetic never looks at
-another entry); these kernels exist to read and write each tensor once.
+another entry); these kernels exist to read and write each tensor once. Their backward
+passes are element-wise too, one launch each, so deterministic.
 """
 
 from __future__ import annotations
@@ -37,6 +38,31 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @triton.jit
+def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
+    # d up = grad * silu(g) (rounded as the forward rounds it); d gate = grad * up * silu'(g),
+    # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    sig = 1.0 / (1.0 + tl.exp(-g))
+    silu = (g / (1.0 + tl.exp(-g))).to(dup_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dup_ptr + offs, (d * silu).to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + offs, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate_ptr.dtype.element_ty), mask=mask)
+
+
+def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(d gate, d up) of `swiglu` given the output's gradient."""
+    gate, up, grad = gate.contiguous(), up.contiguous(), grad.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, grad, dgate, dup, n, BLOCK=BLOCK)
+    return dgate, dup
+
+
+@triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_st,
                    D: tl.constexpr):
     # One program per (token, head): out = x * cos + roll(x, D/2) * sin_rot, products in x's dtype.
@@ -68,3 +94,35 @@ def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     if xs.numel():
         _rotary_kernel[(xs.shape[0] * h,)](xs, c, s, out, h, xs.stride(0), xs.stride(1), c.stride(0), s.stride(0), D=d)
     return out.reshape(x.shape)
+
+
+@triton.jit
+def _rotary_backward_kernel(g_ptr, cos_ptr, sin_ptr, dx_ptr, H, stride_gt, stride_gh, stride_ct, stride_st,
+                            D: tl.constexpr):
+    # y[i] = x[i] c[i] + x[i + D/2] s[i] (indices mod D), so
+    # dx[j] = g[j] c[j] + g[j + D/2] s[j + D/2]: the forward's pattern with sin read rolled.
+    pid = tl.program_id(0).to(tl.int64)
+    t, h = pid // H, pid % H
+    d = tl.arange(0, D)
+    rolled = (d + D // 2) % D
+    g_row = g_ptr + t * stride_gt + h * stride_gh
+    dt = dx_ptr.dtype.element_ty
+    g = tl.load(g_row + d).to(tl.float32)
+    g_rolled = tl.load(g_row + rolled).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + rolled).to(dt).to(tl.float32)
+    tl.store(dx_ptr + pid * D + d, (g * c + g_rolled * s).to(dt))
+
+
+def apply_rotary_backward(grad: Tensor, x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
+    """d x of `apply_rotary` given the output's gradient (the tables take none)."""
+    *_, h, d = x.shape
+    gs = grad.reshape(-1, h, d)
+    if gs.stride(-1) != 1:
+        gs = gs.contiguous()
+    c, s = cos.reshape(-1, d).contiguous(), sin_rot.reshape(-1, d).contiguous()
+    dx = torch.empty(gs.shape, dtype=x.dtype, device=x.device)
+    if gs.numel():
+        _rotary_backward_kernel[(gs.shape[0] * h,)](gs, c, s, dx, h, gs.stride(0), gs.stride(1), c.stride(0),
+                                                    s.stride(0), D=d)
+    return dx.reshape(x.shape)

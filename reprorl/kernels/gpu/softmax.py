@@ -9,6 +9,10 @@ threads (which sets `tl.sum`'s order), so another kernel that loads the same row
 another way (the engine's sampler reads bf16 logits and divides by the temperature
 itself, `sampling.py`) gets the same row statistics (`row_stats`), bit for bit. Results are
 float32.
+
+The log-softmax's backward (`log_softmax_backward`) reads the forward's output instead of
+recomputing it: dx = g - exp(y) * sum(g), the row sum in the same fixed lanes-then-tree
+order. No atomics: the same bits every run.
 """
 
 from __future__ import annotations
@@ -77,6 +81,40 @@ def _softmax_kernel(x_ptr, out_ptr, stride_x, stride_out, V, LOG: tl.constexpr, 
         else:
             y = tl.exp(x - m_row) / s_row
         tl.store(out_row + cols, y, mask=cols < V)
+
+
+@triton.jit
+def _log_softmax_backward_kernel(y_ptr, g_ptr, dx_ptr, stride_y, stride_g, stride_dx, V, BLOCK: tl.constexpr,
+                                 LOG2_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(g_ptr + row * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32)
+    total = _tree_sum(acc, LOG2_BLOCK)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + row * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=cols < V, other=0.0)
+        tl.store(dx_ptr + row * stride_dx + cols, (g - tl.exp(y) * total).to(dx_ptr.dtype.element_ty), mask=cols < V)
+
+
+def _rows(t: Tensor) -> Tensor:
+    rows = t.reshape(-1, t.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def log_softmax_backward(grad: Tensor, out: Tensor, x: Tensor) -> Tensor:
+    """d x [..., V] (in x's dtype) of `log_softmax(x)` = `out` [..., V] float32, given the
+    output's gradient `grad`."""
+    y, g = _rows(out), _rows(grad)
+    dx = torch.empty(y.shape, dtype=x.dtype, device=x.device)
+    v = y.shape[-1]
+    if y.shape[0] and v:
+        block = stats_block(v)
+        _log_softmax_backward_kernel[(y.shape[0],)](y, g, dx, y.stride(0), g.stride(0), dx.stride(0), v, BLOCK=block,
+                                                    LOG2_BLOCK=block.bit_length() - 1, num_warps=stats_warps(block))
+    return dx.reshape(x.shape)
 
 
 def _launch(x: Tensor, log: bool) -> Tensor:
