@@ -15,7 +15,8 @@ in a decode step, in any prefill chunk and in the trainer's padded batch (DESIGN
 contract point 2). Gradients are deterministic, not batch-invariant.
 
 Every backend has the same methods: `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,
-`swiglu(gate, up)`, `softmax(x)`, `log_softmax(x)`, `apply_rotary(x, cos, sin_rot)`,
+`swiglu(gate, up)`, `softmax(x)`, `log_softmax(x)`, `entropy(log_probs)` (of each row's
+distribution, from a log_softmax's output), `apply_rotary(x, cos, sin_rot)`,
 `batched_attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], q_start [B])` (causal, GQA; a
 query at position p sees keys 0..p; keys past it must only be finite) and
 `padded_attention(q, k, v [B, T, H, D], attention_mask [B, T])`; and `name` and

@@ -116,6 +116,7 @@ class CpuInvariantKernels:
     rms_norm = staticmethod(TorchKernels.rms_norm)
     softmax = staticmethod(TorchKernels.softmax)
     log_softmax = staticmethod(TorchKernels.log_softmax)
+    entropy = staticmethod(TorchKernels.entropy)
     swiglu = staticmethod(_swiglu)
     linear = staticmethod(linear_with_matmul_backward(_linear))
     batched_attention = staticmethod(with_torch_backward(_batched_attention, math_attention))

@@ -44,6 +44,11 @@ class ReferenceKernels:
         return torch.log_softmax(_d(x), dim=-1)
 
     @staticmethod
+    def entropy(log_probs: Tensor) -> Tensor:
+        y = _d(log_probs)
+        return -(y.exp() * y).sum(dim=-1)
+
+    @staticmethod
     def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
         return apply_rotary(_d(x), _d(cos), _d(sin_rot))
 

@@ -62,6 +62,12 @@ class TorchKernels:
         return torch.log_softmax(x.float(), dim=-1)
 
     @staticmethod
+    def entropy(log_probs: Tensor) -> Tensor:
+        """Entropy of each row's distribution from its log-probabilities (a log_softmax's
+        output): -sum exp(y) * y over the last dim, [..., V] -> [...] float32."""
+        return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+    @staticmethod
     def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
         """Causal GQA attention of B sequences (see `reprorl.kernels`): q [B, Hq, Tq, D] at
         positions q_start[b]..; k/v [B, Hkv, Tk, D]; keys past a query's position are masked."""

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from reprorl.algos import agg_loss, entropy_from_logits, kl_penalty, ppo_policy_loss
+from reprorl.algos import agg_loss, kl_penalty, ppo_policy_loss
 from reprorl.determinism_report import model_part_info
 from reprorl.kernels import TorchKernels, select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model, save_model
@@ -202,15 +202,16 @@ class PolicyWorker:
     # ---------------------------------------------------------------- forward
 
     def _response_log_probs(self, micro: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`[b, R, V]` float32 logits predicting each response token, `[b, R]` log-probs of
-        the response tokens), differentiable. The log-softmax is the model's kernel, as in the
-        engine, or the rollout's and the trainer's log-probs part in the last bits."""
+        """(`[b, R, V]` float32 log-softmax of the temperature-scaled logits predicting each
+        response token, `[b, R]` log-probs of the response tokens), differentiable. The
+        log-softmax is the model's kernel, as in the engine, or the rollout's and the
+        trainer's log-probs part in the last bits."""
         hidden = self.model.hidden_states(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
         # Only the positions that predict a response token go through the LM head (the same
         # rows' bits as the whole sequence's logits: each row of a linear is its own).
         r = micro["responses"].shape[1]
-        scaled = scale_logits(self.model.logits(hidden[:, -r - 1 : -1]), temperature)
-        return scaled, token_log_probs(scaled, micro["responses"], self.model.kernels.log_softmax)
+        log_p = self.model.kernels.log_softmax(scale_logits(self.model.logits(hidden[:, -r - 1 : -1]), temperature))
+        return log_p, log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
 
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, micro_batch_size: int, max_token_len: int | None = None,
@@ -239,11 +240,12 @@ class PolicyWorker:
             for micro in micros:
                 width = micro["responses"].shape[1]
                 micro = trim_padding(micro)
-                scaled, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R', V], [b, R']
+                log_p, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R', V], [b, R']
                 mask = micro["response_mask"] > 0
                 log_probs = pad_responses(torch.where(mask, micro_log_probs, 0.0), width)
                 if with_entropy:
-                    out.append((log_probs, pad_responses(torch.where(mask, entropy_from_logits(scaled), 0.0), width)))
+                    entropy = torch.where(mask, self.model.kernels.entropy(log_p), 0.0)
+                    out.append((log_probs, pad_responses(entropy, width)))
                 else:
                     out.append(log_probs)
         return out
@@ -325,14 +327,14 @@ class PolicyWorker:
         mini-batch's micro-batches, in order, to the mini-batch's (see `update`)."""
         micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)  # [b, R']
-        scaled, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
+        log_p, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
         pg_loss, pg_stats = ppo_policy_loss(
             micro["old_log_probs"], log_probs, micro["advantages"], mask,
             loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,
         )
         # The entropy only takes part in the graph when it is in the loss.
         with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
-            entropy = agg_loss(entropy_from_logits(scaled), mask, loss.loss_agg_mode, **norms)
+            entropy = agg_loss(self.model.kernels.entropy(log_p), mask, loss.loss_agg_mode, **norms)
         total = pg_loss - loss.entropy_coeff * entropy
         share = (mask.sum() / norms["global_num_tokens"].clamp(min=1)).item()  # this micro-batch's share of the tokens
         stats = {"pg_loss": pg_loss.item(), "entropy": entropy.item(),

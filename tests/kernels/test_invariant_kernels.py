@@ -346,7 +346,8 @@ def test_gradients_are_torchs_and_deterministic(backend):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_backward_kernels_match_the_float64_gradient(dtype):
     """RMSNorm, SiLU-and-mul, rotary and log-softmax have backward kernels of their own:
-    each gradient against float64 autograd of the same function, and the same bits twice.
+    each gradient against float64 autograd of the same function, and the same bits twice;
+    and the entropy's kernel (gradient by torch's formula) with its forward as well.
     37 rows: past one RMSNorm backward program's 32, so the weight gradient adds partials;
     5000 columns: two of the log-softmax's blocks. Tolerances as the forwards' (TOL); the
     log-softmax's gradient is float32 whatever the input (its output is)."""
@@ -365,6 +366,7 @@ def test_triton_backward_kernels_match_the_float64_gradient(dtype):
         "rotary": (lambda kern, a: kern.apply_rotary(a, cos, sin), (heads,)),
         "log_softmax": (lambda kern, a: kern.log_softmax(a)[torch.arange(6), torch.tensor([1, 7, 4095, 4096, 4999, 0])],
                         (logits,)),
+        "entropy": (lambda kern, a: kern.entropy(kern.log_softmax(a)), (logits,)),
     }
     for name, (fn, inputs) in cases.items():
         weights = rand(torch.Generator().manual_seed(12), *fn(TorchKernels, *inputs).shape, device=dev)
@@ -374,6 +376,8 @@ def test_triton_backward_kernels_match_the_float64_gradient(dtype):
             out = fn(kern, *leaves)
             return torch.autograd.grad((out.double() * weights.double()).sum(), leaves)
 
+        if name == "entropy":
+            assert rel_err(fn(k, *inputs), fn(ReferenceKernels, *(t.double() for t in inputs))) < TOL[torch.float32]
         first, again = grads(k, lambda t: t), grads(k, lambda t: t)
         ref = grads(ReferenceKernels, lambda t: t.double())
         for i, (a, b, r) in enumerate(zip(first, again, ref)):

@@ -4,13 +4,13 @@
 |---|---|
 | linear (matmul + bias) | `matmul` |
 | RMSNorm | `rms_norm` |
-| softmax, log-softmax | `softmax` |
+| softmax, log-softmax, entropy | `softmax` |
 | SiLU-and-mul, rotary | `elementwise` |
 | causal GQA attention | `attention` |
 
 `FastCudaKernels` is the plain (not batch-invariant) backend on CUDA: stock torch's
 cuBLAS linears, SDPA attention and softmaxes, with these Triton kernels for RMSNorm,
-rotary and SiLU-and-mul, where stock torch launches a chain of small element-wise kernels
+rotary, SiLU-and-mul and the entropy, where stock torch launches a chain of small element-wise kernels
 (on the H200: 0.1-0.2x stock's time for RMSNorm, 0.1-0.8x for rotary, 0.4-0.6x for
 SiLU-and-mul; bench/kernels.py).
 
@@ -44,6 +44,7 @@ class TritonKernels:
     swiglu = staticmethod(with_backward(tl_elementwise.swiglu, tl_elementwise.swiglu_backward))
     apply_rotary = staticmethod(with_backward(tl_elementwise.apply_rotary, tl_elementwise.apply_rotary_backward))
     softmax = staticmethod(with_torch_backward(tl_softmax.softmax, TorchKernels.softmax))
+    entropy = staticmethod(with_torch_backward(tl_softmax.entropy, TorchKernels.entropy))
     log_softmax = staticmethod(with_backward(tl_softmax.log_softmax, tl_softmax.log_softmax_backward,
                                              saves_output=True))
     batched_attention = staticmethod(with_torch_backward(tl_attention.batched_attention, math_attention))
@@ -62,6 +63,7 @@ class FastCudaKernels(TorchKernels):
     rms_norm = staticmethod(TritonKernels.rms_norm)
     swiglu = staticmethod(TritonKernels.swiglu)
     apply_rotary = staticmethod(TritonKernels.apply_rotary)
+    entropy = staticmethod(TritonKernels.entropy)
 
 
 from reprorl.kernels.gpu.sampling import row_cumsum  # noqa: E402  (the engine's GPU sampler)

@@ -99,6 +99,32 @@ def _log_softmax_backward_kernel(y_ptr, g_ptr, dx_ptr, stride_y, stride_g, strid
         tl.store(dx_ptr + row * stride_dx + cols, (g - tl.exp(y) * total).to(dx_ptr.dtype.element_ty), mask=cols < V)
 
 
+@triton.jit
+def _entropy_kernel(y_ptr, out_ptr, stride_y, V, BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        y = tl.load(y_ptr + row * stride_y + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        acc += tl.where(y > float("-inf"), tl.exp(y) * y, 0.0)  # a zero probability adds nothing
+    tl.store(out_ptr + row, -_tree_sum(acc, LOG2_BLOCK))
+
+
+def entropy(log_probs: Tensor) -> Tensor:
+    """-sum exp(y) y over the last dim of log-probabilities y [..., V] -> [...] float32, in
+    one read of y (the torch formula makes two full-size temporaries)."""
+    y = _rows(log_probs)
+    out = torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
+    v = y.shape[-1]
+    if y.shape[0] and v:
+        block = stats_block(v)
+        _entropy_kernel[(y.shape[0],)](y, out, y.stride(0), v, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1,
+                                       num_warps=stats_warps(block))
+    elif y.shape[0]:
+        out.zero_()
+    return out.reshape(log_probs.shape[:-1])
+
+
 def _rows(t: Tensor) -> Tensor:
     rows = t.reshape(-1, t.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
