@@ -32,6 +32,7 @@ C++ compiler and ninja.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -54,11 +55,16 @@ QUERY_BLOCK = KEY_BLOCK
 def _matmuls():
     from torch.utils.cpp_extension import load
 
-    sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp")]
+    sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp", "cpu_kernels.h")]
+    # One build per checkout and source version: torch rebuilds an extension whose sources
+    # moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
+    digest = hashlib.sha256()
+    for p in sources:
+        digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
     logger.info("building reprorl's CPU kernels (%s), once per machine, about 40 s", ", ".join(p.name for p in sources))
     try:
-        return load(name="reprorl_cpu_matmul", sources=[str(p) for p in sources], verbose=False,
-                    extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
+        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:2]],
+                    verbose=False, extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
