@@ -30,7 +30,14 @@ from reprorl.models.hf_io import load_model
 from reprorl.protocol import Batch
 from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
-from reprorl.trainer.policy import check_positive, dtype_from_name, mini_batch_norms, pad_responses, trim_padding
+from reprorl.trainer.policy import (
+    check_positive,
+    dtype_from_name,
+    mini_batch_norms,
+    pad_responses,
+    read_stats,
+    trim_padding,
+)
 
 
 VALUE_HEAD = ("score.weight", "score.bias")  # ValueModel's head, as XForTokenClassification
@@ -175,28 +182,32 @@ class CriticWorker:
         check_positive(micro_batch_size=micro_batch_size)
         norms = mini_batch_norms(mini, max_response_length)
         totals = {"critic/vf_loss": 0.0, "critic/vf_clipfrac": 0.0}
+        stats = []
         for k, rows in enumerate(micro_batch_rows(mini, micro_batch_size, max_token_len)):
-            vf_loss, stats = self.micro_batch_loss(take(mini, rows), norms, cliprange_value=cliprange_value,
-                                                   loss_agg_mode=loss_agg_mode)
+            vf_loss, micro_stats = self.micro_batch_loss(take(mini, rows), norms, cliprange_value=cliprange_value,
+                                                         loss_agg_mode=loss_agg_mode)
             check_finite_loss(vf_loss, self.optimizer, f"{where}, micro-batch {k}")
             vf_loss.backward()
-            for key, value in stats.items():
+            stats.append(micro_stats)
+        for micro_stats in read_stats(stats):
+            for key, value in micro_stats.items():
                 totals[key] += value
         return totals
 
     def micro_batch_loss(
         self, micro: Batch, norms: dict[str, Any], *, cliprange_value: float, loss_agg_mode: str
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(differentiable value loss, stats) of one micro-batch, as its share of the
-        mini-batch whose `norms` (`policy.mini_batch_norms`) are given."""
+        mini-batch whose `norms` (`policy.mini_batch_norms`) are given; the stats are 0-dim
+        tensors, as the policy's (`policy.read_stats`)."""
         micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)
         vf_loss, clipfrac = value_loss(
             self._values(micro), micro["values"].float(), micro["returns"].float(), mask,
             cliprange_value, loss_agg_mode, **norms,
         )
-        share = (mask.sum() / norms["global_num_tokens"].clamp(min=1)).item()
-        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": clipfrac.item() * share}
+        share = mask.sum() / norms["global_num_tokens"].clamp(min=1)
+        return vf_loss, {"critic/vf_loss": vf_loss.detach(), "critic/vf_clipfrac": (clipfrac * share).detach()}
 
     def state_dict(self) -> dict[str, Any]:
         """{"model", "optimizer", "scheduler"}: live tensors, as torch's state_dict."""

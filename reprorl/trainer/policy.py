@@ -310,21 +310,26 @@ class PolicyWorker:
         is the caller's). Returns the mini-batch's loss terms and token-mean stats (see `update`)."""
         check_positive(micro_batch_size=micro_batch_size)
         norms = mini_batch_norms(mini, loss.max_response_length)
-        totals: dict[str, float] = {}
+        stats = []
         for k, rows in enumerate(micro_batch_rows(mini, micro_batch_size, max_token_len)):
-            total, stats = self.micro_batch_loss(take(mini, rows), norms, loss=loss, temperature=temperature)
+            total, micro_stats = self.micro_batch_loss(take(mini, rows), norms, loss=loss, temperature=temperature)
             check_finite_loss(total, self.optimizer, f"{where}, micro-batch {k}")
             total.backward()
-            for key, value in stats.items():
+            stats.append(micro_stats)
+        totals: dict[str, float] = {}
+        for micro_stats in read_stats(stats):
+            for key, value in micro_stats.items():
                 totals[key] = totals.get(key, 0.0) + value
         return totals
 
     def micro_batch_loss(
         self, micro: Batch, norms: dict[str, Any], *, loss: PolicyLossArgs, temperature: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(differentiable loss, stats) of one micro-batch: its share of the loss of the
         mini-batch whose `norms` (`mini_batch_norms`) are given. The stats add up over a
-        mini-batch's micro-batches, in order, to the mini-batch's (see `update`)."""
+        mini-batch's micro-batches, in order, to the mini-batch's (see `update`); they are
+        0-dim tensors on the model's device (`read_stats` reads a mini-batch's at once: a
+        read per micro-batch would stop the host from queueing the next one's kernels)."""
         micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)  # [b, R']
         log_p, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
@@ -336,16 +341,16 @@ class PolicyWorker:
         with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
             entropy = agg_loss(self.model.kernels.entropy(log_p), mask, loss.loss_agg_mode, **norms)
         total = pg_loss - loss.entropy_coeff * entropy
-        share = (mask.sum() / norms["global_num_tokens"].clamp(min=1)).item()  # this micro-batch's share of the tokens
-        stats = {"pg_loss": pg_loss.item(), "entropy": entropy.item(),
-                 "pg_clipfrac": pg_stats["clipfrac"].item() * share, "ppo_kl": pg_stats["approx_kl"].item() * share}
+        share = mask.sum() / norms["global_num_tokens"].clamp(min=1)  # this micro-batch's share of the tokens
+        stats = {"pg_loss": pg_loss, "entropy": entropy,
+                 "pg_clipfrac": pg_stats["clipfrac"] * share, "ppo_kl": pg_stats["approx_kl"] * share}
         if "ref_log_probs" in micro:
             kl = agg_loss(kl_penalty(log_probs, micro["ref_log_probs"], loss.kl_loss_type), mask,
                           loss.loss_agg_mode, **norms)
             if loss.use_kl_loss:
                 total = total + loss.kl_loss_coef * kl
-            stats["kl"] = kl.item()
-        return total, {f"{self.name}/{key}": value for key, value in stats.items()}
+            stats["kl"] = kl
+        return total, {f"{self.name}/{key}": value.detach() for key, value in stats.items()}
 
     # ---------------------------------------------------------------- weights and state
 
@@ -399,6 +404,19 @@ def mini_batch_norms(mini: Batch, max_response_length: int | None) -> dict[str, 
         "global_num_seqs": len(mini),
         "max_response_length": max_response_length or mini["responses"].shape[1],
     }
+
+
+def read_stats(stats: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """Micro-batches' stats (0-dim tensors, `micro_batch_loss`) as floats, in one read of
+    the device."""
+    if not stats:
+        return []
+    values = torch.stack([v.to(torch.float64) for s in stats for v in s.values()]).tolist()
+    out, i = [], 0
+    for s in stats:
+        out.append(dict(zip(s, values[i : i + len(s)])))
+        i += len(s)
+    return out
 
 
 def check_positive(**values: int) -> None:

@@ -45,7 +45,7 @@ from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, shar
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.micro_batches import Rows, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
-from reprorl.trainer.policy import PolicyWorker, mini_batch_norms
+from reprorl.trainer.policy import PolicyWorker, mini_batch_norms, read_stats
 from reprorl.workers.flat import (
     EMPTY_GRADIENT,
     FlatLayout,
@@ -68,11 +68,6 @@ ROLES = ("actor", "ref", "critic")
 # A collective that waits this long for a peer has lost it (the group's driver notices a
 # dead worker sooner, from Ray).
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
-
-
-class _LossNotFinite(Exception):
-    def __init__(self, index: int, value: float):
-        self.index, self.value = index, value
 
 
 class ShardWorker:
@@ -209,7 +204,8 @@ class ShardWorker:
             raise ValueError(f"{where}: {len(leaves)} micro-batches cannot be shared by {self.world_size} workers")
         per_rank = len(leaves) // self.world_size
         norms = mini_batch_norms(mini, max_response_length)
-        stats: dict[int, dict[str, float]] = {}
+        stats: dict[int, dict[str, torch.Tensor]] = {}
+        losses: dict[int, torch.Tensor] = {}
 
         def micro_grad(leaf: int) -> torch.Tensor | None:
             """The gradient of the leaf's micro-batch alone, as a new `[padded]` vector (None: empty leaf)."""
@@ -219,20 +215,18 @@ class ShardWorker:
             for p in self.params:
                 p.grad = None
             total, stats[k] = self.model_worker.micro_batch_loss(take(mini, micros[k]), norms, **loss)
-            if not bool(torch.isfinite(total)):
-                raise _LossNotFinite(k, float(total.detach()))
+            losses[k] = total.detach()  # checked once the block is summed: no read of the device per micro-batch
             total.backward()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
             return flatten(grads, self.layout).to(MASTER_DTYPE)  # summed in float32, as the master
 
-        failure, block_sum = None, None
-        try:
-            block_sum = tree_reduce(self.rank * per_rank, (self.rank + 1) * per_rank, micro_grad)
-        except _LossNotFinite as err:
-            failure = (err.index, err.value)
+        block_sum = tree_reduce(self.rank * per_rank, (self.rank + 1) * per_rank, micro_grad)
         for p in self.params:
             p.grad = None
-        failure = first_failure(failure, self.group, self.flat.device)
+        order = sorted(stats)
+        read = read_stats([{"loss": losses[k], **stats[k]} for k in order])  # one read of the device
+        bad = [(k, r["loss"]) for k, r in zip(order, read) if not math.isfinite(r["loss"])]
+        failure = first_failure(bad[0] if bad else None, self.group, self.flat.device)
         if failure is not None:
             raise NonFiniteError(f"{where}, micro-batch {failure[0]}: loss is {failure[1]}; optimizer not stepped")
 
@@ -250,7 +244,8 @@ class ShardWorker:
         self.optimizer.step()
         self.shard.grad = None
         self._publish_master()
-        return {"stats": sorted(stats.items()), "grad_norm": grad_norm}
+        return {"stats": [(k, {key: v for key, v in r.items() if key != "loss"}) for k, r in zip(order, read)],
+                "grad_norm": grad_norm}
 
     # ---------------------------------------------------------------- weights and state
 
