@@ -9,7 +9,9 @@ The step: 64 prompts x n=8 of 128 random tokens, 256 new tokens each (eos ignore
 every response has full length), sampled at T=1 from the full distribution by the built-in
 engine (`reprorl.rollout.replica.build_engine`); then the actor's log-probs and one update
 on the whole batch (one optimizer step, AdamW on float32 master weights), by the trainer's
-own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process). Between the
+own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process), 64 samples a
+micro-batch (`--micro-batch`; TRL's step below takes 64 completions a micro-batch too; at
+16, the H200 sat idle half of each micro-batch while the host launched its kernels). Between the
 generation and the weight push the engine sleeps (its KV cache leaves the GPU, its weights
 stay), and it takes the new weights device to device from the rank's parameters, as
 `reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py; the
@@ -77,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=None, help="samples per prompt (8; quick: 2)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (128; quick: 8)")
     p.add_argument("--new-tokens", type=int, default=None, help="new tokens per response (256; quick: 4)")
-    p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (16; quick: 2)")
+    p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (64; quick: 2)")
     p.add_argument("--max-token-len", type=int, default=None,
                    help="micro-batches by this token budget instead of --micro-batch samples (every response has "
                         "full length here, so this measures the budget's overhead; bench/micro_batching.py its gain)")
@@ -88,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="profile each mode's log-probs and update (module doc)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the GPU's dense bf16 peak, TFLOP/s")
     args = p.parse_args(argv)
-    defaults = (2, 2, 8, 4, 2) if args.quick else (64, 8, 128, 256, 16)
+    defaults = (2, 2, 8, 4, 2) if args.quick else (64, 8, 128, 256, 64)
     for name, value in zip(("prompts", "n", "prompt_len", "new_tokens", "micro_batch"), defaults):
         if getattr(args, name) is None:
             setattr(args, name, value)
