@@ -393,7 +393,7 @@ def test_fused_token_log_probs_are_the_log_softmax_bits_and_their_gradient(dtype
     logits): torch.equal to the log-softmax kernel's output at the tokens and to the entropy
     kernel on it (the engine's sampler shares that arithmetic); the gradient of log-probs
     plus entropy against float64 autograd (TOL of the logits' dtype: the gradient is
-    written in it), the same bits twice, and right when only the log-probs have a gradient.
+    written in it), the same bits twice, and right without the entropy too.
     5000 columns: two blocks; temperature 0 counts as 1 (greedy)."""
     if "triton" not in BACKENDS:
         pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
@@ -413,7 +413,7 @@ def test_fused_token_log_probs_are_the_log_softmax_bits_and_their_gradient(dtype
 
     def grads(kern, cast, with_entropy=True):
         x = cast(logits).detach().requires_grad_()
-        lp, h = kern.token_log_probs(x, tokens, temperature, with_entropy=True)
+        lp, h = kern.token_log_probs(x, tokens, temperature, with_entropy=with_entropy)
         loss = (lp.double() * w_lp.double()).sum() + ((h.double() * w_h.double()).sum() if with_entropy else 0)
         return torch.autograd.grad(loss, x)[0]
 
