@@ -16,7 +16,9 @@ contract point 2). Gradients are deterministic, not batch-invariant.
 
 Every backend has the same methods: `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,
 `swiglu(gate, up)`, `softmax(x)`, `log_softmax(x)`, `entropy(log_probs)` (of each row's
-distribution, from a log_softmax's output), `apply_rotary(x, cos, sin_rot)`,
+distribution, from a log_softmax's output), `token_log_probs(logits, tokens, temperature,
+with_entropy)` (the log-softmax of logits / T at the tokens, and the entropy: what the
+trainer's log-probs are), `apply_rotary(x, cos, sin_rot)`,
 `batched_attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], q_start [B])` (causal, GQA; a
 query at position p sees keys 0..p; keys past it must only be finite) and
 `padded_attention(q, k, v [B, T, H, D], attention_mask [B, T])`; and `name` and

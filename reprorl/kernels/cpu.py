@@ -123,6 +123,7 @@ class CpuInvariantKernels:
     softmax = staticmethod(TorchKernels.softmax)
     log_softmax = staticmethod(TorchKernels.log_softmax)
     entropy = staticmethod(TorchKernels.entropy)
+    token_log_probs = classmethod(TorchKernels.token_log_probs.__func__)
     swiglu = staticmethod(_swiglu)
     linear = staticmethod(linear_with_matmul_backward(_linear))
     batched_attention = staticmethod(with_torch_backward(_batched_attention, math_attention))

@@ -48,6 +48,13 @@ class ReferenceKernels:
         y = _d(log_probs)
         return -(y.exp() * y).sum(dim=-1)
 
+    @classmethod
+    def token_log_probs(cls, logits: Tensor, tokens: Tensor, temperature: float, with_entropy: bool = False
+                        ) -> tuple[Tensor, Tensor | None]:
+        scaled = _d(logits) / temperature if temperature > 0 else _d(logits)
+        log_p = cls.log_softmax(scaled)
+        return log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), (cls.entropy(log_p) if with_entropy else None)
+
     @staticmethod
     def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
         return apply_rotary(_d(x), _d(cos), _d(sin_rot))

@@ -1,5 +1,6 @@
-"""What every kernel backend shares: the rotary tables, argument checks, the padded
-batch moved into the layout of the engine's attention, and the KV cache's row writes."""
+"""What every kernel backend shares: the rotary tables, the temperature's division of the
+logits, argument checks, the padded batch moved into the layout of the engine's
+attention, and the KV cache's row writes."""
 
 from __future__ import annotations
 
@@ -39,6 +40,17 @@ def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     cos = cos.to(x.dtype).unsqueeze(-2)
     sin_rot = sin_rot.to(x.dtype).unsqueeze(-2)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_rot
+
+
+def scale_logits(logits: Tensor, temperature: float) -> Tensor:
+    """logits in float32, divided by `temperature` (<= 0, greedy: as 1, as the engine)."""
+    scaled = logits.float()
+    if temperature <= 0:
+        return scaled
+    # Divided by a tensor on the logits' device, as the engine's sampler divides each row:
+    # CUDA divides by a host number as a multiplication by its reciprocal, which can round
+    # differently in the last bit (the CPU divides either way).
+    return scaled / torch.tensor(temperature, dtype=scaled.dtype, device=scaled.device)
 
 
 def check_batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reprorl.kernels.shared import apply_rotary, check_batched_attention
+from reprorl.kernels.shared import apply_rotary, check_batched_attention, scale_logits
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
@@ -66,6 +66,17 @@ class TorchKernels:
         """Entropy of each row's distribution from its log-probabilities (a log_softmax's
         output): -sum exp(y) * y over the last dim, [..., V] -> [...] float32."""
         return -(log_probs.exp() * log_probs).sum(dim=-1)
+
+    @classmethod
+    def token_log_probs(cls, logits: Tensor, tokens: Tensor, temperature: float, with_entropy: bool = False
+                        ) -> tuple[Tensor, Tensor | None]:
+        """`log_softmax(logits / T)` at `tokens` and (`with_entropy`) each row's entropy:
+        logits [..., V], tokens [...] -> ([...] float32, [...] float32 or None); T <= 0
+        counts as 1. Built from the backend's own log_softmax and entropy, so a log-prob
+        is the bits of its log-softmax at the token."""
+        log_p = cls.log_softmax(scale_logits(logits, temperature))
+        log_probs = log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return log_probs, (cls.entropy(log_p) if with_entropy else None)
 
     @staticmethod
     def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:

@@ -46,7 +46,7 @@ import torch
 
 from reprorl.algos import agg_loss, kl_penalty, ppo_policy_loss
 from reprorl.determinism_report import model_part_info
-from reprorl.kernels import TorchKernels, select_kernels, verify_batch_invariance
+from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.protocol import Batch
 from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
@@ -94,26 +94,6 @@ def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtypes[name]
 
 
-def response_logits(logits: torch.Tensor, response_length: int, temperature: float) -> torch.Tensor:
-    """The logits that predict the response tokens, temperature-scaled, in float32.
-
-    logits: `[B, P+R, V]` of the whole sequence -> `[B, R, V]`: positions P-1 .. P+R-2
-    (position t predicts token t+1). temperature <= 0 (greedy) counts as 1, as the engine.
-    """
-    return scale_logits(logits[:, -response_length - 1 : -1], temperature)
-
-
-def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """logits in float32, divided by `temperature` (<= 0, greedy: as 1, as the engine)."""
-    scaled = logits.float()
-    if temperature <= 0:
-        return scaled
-    # Divided by a tensor on the logits' device, as the engine's sampler divides each row:
-    # CUDA divides by a host number as a multiplication by its reciprocal, which can round
-    # differently in the last bit (the CPU divides either way).
-    return scaled / torch.tensor(temperature, dtype=scaled.dtype, device=scaled.device)
-
-
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")  # [b, P+R]
 
 
@@ -155,13 +135,6 @@ def pad_responses(t: torch.Tensor, response_len: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, response_len - t.shape[1]))
 
 
-def token_log_probs(scaled_logits: torch.Tensor, tokens: torch.Tensor, log_softmax=TorchKernels.log_softmax
-                    ) -> torch.Tensor:
-    """`log_softmax(scaled_logits)` at `tokens`: `[B, R, V]`, `[B, R]` -> `[B, R]`. `log_softmax`
-    is the model's kernel, the one the engine's sampler used."""
-    return log_softmax(scaled_logits).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 class PolicyWorker:
     """The actor (`optim` given: trainable) or the reference policy (`optim=None`: frozen).
 
@@ -201,17 +174,18 @@ class PolicyWorker:
 
     # ---------------------------------------------------------------- forward
 
-    def _response_log_probs(self, micro: Batch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(`[b, R, V]` float32 log-softmax of the temperature-scaled logits predicting each
-        response token, `[b, R]` log-probs of the response tokens), differentiable. The
-        log-softmax is the model's kernel, as in the engine, or the rollout's and the
-        trainer's log-probs part in the last bits."""
+    def _response_log_probs(self, micro: Batch, temperature: float, with_entropy: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`[b, R]` log-probs of the response tokens, `[b, R]` entropy of each token's
+        distribution or None), float32, differentiable. The model's kernels compute them
+        (`token_log_probs`) with the engine's log-softmax arithmetic, or the rollout's and
+        the trainer's log-probs part in the last bits."""
         hidden = self.model.hidden_states(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
         # Only the positions that predict a response token go through the LM head (the same
         # rows' bits as the whole sequence's logits: each row of a linear is its own).
         r = micro["responses"].shape[1]
-        log_p = self.model.kernels.log_softmax(scale_logits(self.model.logits(hidden[:, -r - 1 : -1]), temperature))
-        return log_p, log_p.gather(-1, micro["responses"].unsqueeze(-1)).squeeze(-1)
+        logits = self.model.logits(hidden[:, -r - 1 : -1])  # [b, R, V]
+        return self.model.kernels.token_log_probs(logits, micro["responses"], temperature, with_entropy)
 
     def compute_log_probs(
         self, batch: Batch, *, temperature: float, micro_batch_size: int, max_token_len: int | None = None,
@@ -240,11 +214,11 @@ class PolicyWorker:
             for micro in micros:
                 width = micro["responses"].shape[1]
                 micro = trim_padding(micro)
-                log_p, micro_log_probs = self._response_log_probs(micro, temperature)  # [b, R', V], [b, R']
+                micro_log_probs, entropy = self._response_log_probs(micro, temperature, with_entropy)  # [b, R']
                 mask = micro["response_mask"] > 0
                 log_probs = pad_responses(torch.where(mask, micro_log_probs, 0.0), width)
                 if with_entropy:
-                    entropy = torch.where(mask, self.model.kernels.entropy(log_p), 0.0)
+                    entropy = torch.where(mask, entropy, 0.0)
                     out.append((log_probs, pad_responses(entropy, width)))
                 else:
                     out.append(log_probs)
@@ -332,14 +306,14 @@ class PolicyWorker:
         read per micro-batch would stop the host from queueing the next one's kernels)."""
         micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)  # [b, R']
-        log_p, log_probs = self._response_log_probs(micro, temperature)  # [b, R, V], [b, R]
+        log_probs, token_entropy = self._response_log_probs(micro, temperature, with_entropy=True)  # [b, R]
         pg_loss, pg_stats = ppo_policy_loss(
             micro["old_log_probs"], log_probs, micro["advantages"], mask,
             loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,
         )
         # The entropy only takes part in the graph when it is in the loss.
         with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
-            entropy = agg_loss(self.model.kernels.entropy(log_p), mask, loss.loss_agg_mode, **norms)
+            entropy = agg_loss(token_entropy, mask, loss.loss_agg_mode, **norms)
         total = pg_loss - loss.entropy_coeff * entropy
         share = mask.sum() / norms["global_num_tokens"].clamp(min=1)  # this micro-batch's share of the tokens
         stats = {"pg_loss": pg_loss, "entropy": entropy,

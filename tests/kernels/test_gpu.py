@@ -150,7 +150,6 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype, temperatur
     from reprorl.models.hf_io import load_model
     from reprorl.rollout.engine import Engine
     from reprorl.rollout.sampling import SamplingParams
-    from reprorl.trainer.policy import response_logits, token_log_probs
 
     model, _ = load_model(tiny_dir, dtype=dtype)
     model = model.cuda()
@@ -168,6 +167,7 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype, temperatur
     for p, out in zip(prompts, together):
         ids = torch.tensor([p + out.token_ids], device="cuda")
         with torch.no_grad():
-            scaled = response_logits(model(ids), len(out.token_ids), temperature)
-            expected = token_log_probs(scaled, torch.tensor([out.token_ids], device="cuda"), model.kernels.log_softmax)
+            logits = model(ids)[:, -len(out.token_ids) - 1 : -1]  # the positions that predict the response
+            expected, _ = model.kernels.token_log_probs(logits, torch.tensor([out.token_ids], device="cuda"),
+                                                        temperature)
         assert torch.equal(torch.tensor(out.log_probs, dtype=torch.float32), expected[0].cpu())

@@ -386,6 +386,44 @@ def test_triton_backward_kernels_match_the_float64_gradient(dtype):
             assert rel_err(a, r) < tol, f"{name}: gradient {i} is {rel_err(a, r):.2e} from float64's"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_fused_token_log_probs_are_the_log_softmax_bits_and_their_gradient(dtype, temperature):
+    """The trainer's log-probs (`token_log_probs`, one Triton pass over the LM head's
+    logits): torch.equal to the log-softmax kernel's output at the tokens and to the entropy
+    kernel on it (the engine's sampler shares that arithmetic); the gradient of log-probs
+    plus entropy against float64 autograd (TOL of the logits' dtype: the gradient is
+    written in it), the same bits twice, and right without the entropy too.
+    5000 columns: two blocks; temperature 0 counts as 1 (greedy)."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
+    from reprorl.kernels.shared import scale_logits
+
+    k, dev = backend_and_device("triton")
+    g = torch.Generator().manual_seed(13)
+    logits = rand(g, 2, 3, 5000, dtype=dtype, device=dev, scale=3.0)
+    tokens = torch.tensor([[1, 7, 4095], [4096, 4999, 0]], device=dev)
+    log_probs, entropy = k.token_log_probs(logits, tokens, temperature, with_entropy=True)
+    log_p = k.log_softmax(scale_logits(logits, temperature))
+    assert torch.equal(log_probs, log_p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+    assert torch.equal(entropy, k.entropy(log_p))
+    assert k.token_log_probs(logits, tokens, temperature)[1] is None
+
+    w_lp, w_h = rand(g, 2, 3, device=dev), rand(g, 2, 3, device=dev)
+
+    def grads(kern, cast, with_entropy=True):
+        x = cast(logits).detach().requires_grad_()
+        lp, h = kern.token_log_probs(x, tokens, temperature, with_entropy=with_entropy)
+        loss = (lp.double() * w_lp.double()).sum() + ((h.double() * w_h.double()).sum() if with_entropy else 0)
+        return torch.autograd.grad(loss, x)[0]
+
+    for with_entropy in (True, False):
+        first, again = grads(k, lambda t: t, with_entropy), grads(k, lambda t: t, with_entropy)
+        ref = grads(ReferenceKernels, lambda t: t.double(), with_entropy)
+        assert first.dtype == dtype and torch.equal(first, again)
+        assert rel_err(first, ref) < TOL[dtype], f"entropy in the loss: {with_entropy}"
+
+
 # ---- the start-up check ----------------------------------------------------------------
 
 TINY = ModelArgs(model_type="qwen2", vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=1,

@@ -124,8 +124,6 @@ def test_prefix_sharing_changes_nothing_but_work(model):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype):
-    from reprorl.trainer.policy import response_logits, token_log_probs
-
     model = load(tiny_dir, dtype)
     engine = make_engine(model)
     rng = random.Random(3)
@@ -135,8 +133,8 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype):
     for r, out in zip(requests, outs):
         ids = torch.tensor([r["prompt_ids"] + out.token_ids], device="cuda")
         with torch.no_grad():
-            scaled = response_logits(model(ids), len(out.token_ids), 1.0)
-            expected = token_log_probs(scaled, torch.tensor([out.token_ids], device="cuda"), model.kernels.log_softmax)
+            logits = model(ids)[:, -len(out.token_ids) - 1 : -1]  # the positions that predict the response
+            expected, _ = model.kernels.token_log_probs(logits, torch.tensor([out.token_ids], device="cuda"), 1.0)
         assert torch.equal(torch.tensor(out.log_probs, dtype=torch.float32), expected[0].cpu())
 
 
