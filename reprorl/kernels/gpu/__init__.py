@@ -15,8 +15,9 @@ rotary, SiLU-and-mul and the entropy, where stock torch launches a chain of smal
 SiLU-and-mul; bench/kernels.py).
 
 Forward passes are these kernels. RMSNorm, SiLU-and-mul, rotary and log-softmax have
-backward kernels here too (one launch each, no atomics); the linear's and attention's
-backward passes are stock torch's (deterministic, see `reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
+backward kernels here too (one launch each, no atomics), and attention has two (its
+`attention` module); the linear's backward is stock torch's matmuls (deterministic, see
+`reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
 (slowly), which is how CI checks their arithmetic without a GPU.
 """
 
@@ -29,7 +30,7 @@ from reprorl.kernels.gpu import matmul as tl_matmul
 from reprorl.kernels.gpu import rms_norm as tl_rms_norm
 from reprorl.kernels.gpu import softmax as tl_softmax
 from reprorl.kernels.shared import padded_as_sequences
-from reprorl.kernels.torch_ops import TorchKernels, math_attention
+from reprorl.kernels.torch_ops import TorchKernels
 
 
 class TritonKernels:
@@ -47,7 +48,7 @@ class TritonKernels:
     entropy = staticmethod(with_torch_backward(tl_softmax.entropy, TorchKernels.entropy))
     log_softmax = staticmethod(with_backward(tl_softmax.log_softmax, tl_softmax.log_softmax_backward,
                                              saves_output=True))
-    batched_attention = staticmethod(with_torch_backward(tl_attention.batched_attention, math_attention))
+    batched_attention = staticmethod(tl_attention.batched_attention)  # its own backward kernels
 
     @classmethod
     def padded_attention(cls, q, k, v, attention_mask):
