@@ -422,6 +422,33 @@ def test_fused_token_log_probs_are_the_log_softmax_bits_and_their_gradient(dtype
         ref = grads(ReferenceKernels, lambda t: t.double(), with_entropy)
         assert first.dtype == dtype and torch.equal(first, again)
         assert rel_err(first, ref) < TOL[dtype], f"entropy in the loss: {with_entropy}"
+@pytest.mark.parametrize("hq,hkv,d,b,tq,max_start", [(4, 2, 64, 2, 1, 150), (6, 2, 32, 3, 9, 70),
+                                                    (2, 1, 16, 2, 70, 0), (14, 2, 64, 2, 40, 90)])
+def test_triton_attention_backward_matches_the_float64_gradient(dtype, hq, hkv, d, b, tq, max_start):
+    """Attention's two backward kernels (dK and dV per key block, dQ per query block):
+    dq, dk and dv against float64 autograd of the same attention, and the same bits twice.
+    Cases: decode rows at late positions, chunks after a prefix, a prefix alone past one
+    key block (70 keys), Qwen2.5-0.5B's 14/2 heads past one row block (40 x 7 rows); keys
+    past the last query are present (masked, their gradient zero). Tolerances: TOL of the
+    dtype (the bf16 kernels round p and ds to bf16 before their matmuls)."""
+    if "triton" not in BACKENDS:
+        pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
+    k, dev = backend_and_device("triton")
+    q, kk, vv, starts = attention_case(hq * d + tq + 1, hq, hkv, d, b, tq, max_start, dtype, dev)
+    w = rand(torch.Generator().manual_seed(14), *q.shape, device=dev)
+
+    def grads(kern, cast):
+        leaves = [cast(t).detach().requires_grad_() for t in (q, kk, vv)]
+        out = kern.batched_attention(*leaves, starts)
+        return torch.autograd.grad((out.double() * w.double()).sum(), leaves)
+
+    first, again = grads(k, lambda t: t), grads(k, lambda t: t)
+    ref = grads(ReferenceKernels, lambda t: t.double())
+    for name, a, a2, r in zip(("dq", "dk", "dv"), first, again, ref):
+        assert torch.equal(a, a2), f"{name} changed between two runs"
+        assert rel_err(a, r) < TOL[dtype], f"{name} is {rel_err(a, r):.2e} from float64's"
+    unseen = torch.arange(kk.shape[2], device=dev) > (starts + tq - 1)[:, None]  # [B, Tk]: keys no query sees
+    assert not first[1].abs().sum(dim=(1, 3))[unseen].any() and not first[2].abs().sum(dim=(1, 3))[unseen].any()
 
 
 # ---- the start-up check ----------------------------------------------------------------

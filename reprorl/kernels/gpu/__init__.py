@@ -11,14 +11,16 @@
 
 `FastCudaKernels` is the plain (not batch-invariant) backend on CUDA: stock torch's
 cuBLAS linears, SDPA attention and softmaxes, with these Triton kernels for RMSNorm,
-rotary, SiLU-and-mul, the entropy and the tokens' log-probs, where stock torch launches a chain of small element-wise kernels
-(on the H200: 0.1-0.2x stock's time for RMSNorm, 0.1-0.8x for rotary, 0.4-0.6x for
-SiLU-and-mul; bench/kernels.py).
+rotary, SiLU-and-mul, the entropy and the tokens' log-probs, where stock torch launches a
+chain of small element-wise kernels (on the H200: 0.1-0.2x stock's time for RMSNorm,
+0.1-0.8x for rotary, 0.4-0.6x for SiLU-and-mul; bench/kernels.py).
 
 Forward passes are these kernels. RMSNorm, SiLU-and-mul, rotary, log-softmax and the
-tokens' log-probs have backward kernels here too (one launch each, no atomics); the linear's and attention's
-backward passes are stock torch's (deterministic, see `reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the same kernels run on CPU tensors
-(slowly), which is how CI checks their arithmetic without a GPU.
+tokens' log-probs have backward kernels here too (one launch each, no atomics), and
+attention has two (its `attention` module); the linear's backward is stock torch's
+matmuls (deterministic, see `reprorl.kernels.autograd`). Under `TRITON_INTERPRET=1` the
+same kernels run on CPU tensors (slowly), which is how CI checks their arithmetic without
+a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from reprorl.kernels.gpu import matmul as tl_matmul
 from reprorl.kernels.gpu import rms_norm as tl_rms_norm
 from reprorl.kernels.gpu import softmax as tl_softmax
 from reprorl.kernels.shared import padded_as_sequences
-from reprorl.kernels.torch_ops import TorchKernels, math_attention
+from reprorl.kernels.torch_ops import TorchKernels
 
 
 class TritonKernels:
@@ -50,7 +52,7 @@ class TritonKernels:
     token_log_probs = staticmethod(tl_log_probs.token_log_probs)
     log_softmax = staticmethod(with_backward(tl_softmax.log_softmax, tl_softmax.log_softmax_backward,
                                              saves_output=True))
-    batched_attention = staticmethod(with_torch_backward(tl_attention.batched_attention, math_attention))
+    batched_attention = staticmethod(tl_attention.batched_attention)  # its own backward kernels
 
     @classmethod
     def padded_attention(cls, q, k, v, attention_mask):

@@ -15,6 +15,16 @@ per call). A program runs up to the last key its last row may see; for an earlie
 the blocks past its own position are exact no-ops (scores -inf, so the max stays, the
 rescale factor is exp2(0) = 1 and the added probabilities and products are exact zeros).
 So decode == the same row of a prefill == the same row of the trainer's forward.
+
+Training takes the gradient from two more kernels (Dao 2023, FlashAttention-2's backward),
+given each row's log-sum-exp, which the forward writes when a gradient will be needed:
+`_attention_dkdv_kernel` (a program per block of keys of one (sequence, kv head) walks
+every query row that sees them, all G heads of the group, in order, and sums dK and dV in
+registers) and `_attention_dq_kernel` (a program per block of query rows walks their keys).
+Each output is summed by one program in a fixed order: no atomics, so the gradient is the
+same bits every run. It is the gradient of the softmax attention itself: the forward's
+rounding of p to the values' dtype before p v counts as the identity (as autograd treats
+a cast), which is also what the plain torch formula's backward gives.
 """
 
 from __future__ import annotations
@@ -33,11 +43,25 @@ NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation: IEEE fp32 for fp32 inputs; under the interpreter, 16-bit
+    inputs widened first (interpret.py)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
 @triton.jit(do_not_specialize=["Tq", "Tk"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, lse_ptr,
                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                       Tq, Tk, HKV, G, scale_log2,
-                      IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      WRITE_LSE: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -85,21 +109,109 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr,
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * sob + head[:, None] * soh + t[:, None].to(tl.int64) * sot + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:  # log2 of the row's sum of exp2(scaled scores): [B, Hq, Tq] float32
+        tl.store(lse_ptr + (b * HKV * G + head) * Tq + t, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _rows_of(b, hkv, r0, G, Tq, HKV, BLOCK_M: tl.constexpr):
+    """Rows r0.. of one (sequence, kv head), as the forward lays them: (t, head, ok, lse index)."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    t = rows // G
+    head = hkv * G + rows % G
+    return t, head, t < Tq, (b * HKV * G + head) * Tq + t
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk"])
+def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, start_ptr,
+                           sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, Tq, Tk, HKV, G, scale_log2, scale,
+                           IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    # dV = sum over rows of p^T dO; dK = scale * sum of ds^T q, ds = p * (dO v^T - delta).
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    hkv = (bh % HKV).to(tl.int64)
+    start = tl.load(start_ptr + b)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < Tk
+    d = tl.arange(0, D)
+    k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None].to(tl.int64) * skt + d[None, :], mask=col_ok[:, None],
+                other=0.0)  # [BLOCK_N, D]
+    v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None].to(tl.int64) * svt + d[None, :], mask=col_ok[:, None],
+                other=0.0)
+    dk = tl.zeros((BLOCK_N, D), tl.float32)
+    dv = tl.zeros((BLOCK_N, D), tl.float32)
+    first_t = tl.maximum(pid_n * BLOCK_N - start, 0)  # the first query that sees this block
+    for r0 in range(first_t * G // BLOCK_M * BLOCK_M, G * Tq, BLOCK_M):
+        t, head, row_ok, at = _rows_of(b, hkv, r0, G, Tq, HKV, BLOCK_M)
+        offs = head[:, None] * sqh + t[:, None].to(tl.int64) * sqt + d[None, :]
+        q = tl.load(q_ptr + b * sqb + offs, mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_ptr + b * sdb + head[:, None] * sdh + t[:, None].to(tl.int64) * sdt + d[None, :],
+                     mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptr + at, mask=row_ok, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE, UPCAST)  # [BLOCK_M, BLOCK_N]
+        seen = (cols[None, :] <= (start + t)[:, None]) & col_ok[None, :] & row_ok[:, None]
+        p = tl.where(seen, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
+        ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+    out = b * HKV * Tk * D + hkv * Tk * D + cols[:, None].to(tl.int64) * D + d[None, :]  # dK, dV contiguous
+    tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk"])
+def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, start_ptr,
+                         sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, Tq, Tk, HKV, G, scale_log2, scale,
+                         IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    # dQ = scale * sum over keys of ds k, the keys walked in the forward's blocks.
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)
+    hkv = (bh % HKV).to(tl.int64)
+    start = tl.load(start_ptr + b)
+    t, head, row_ok, at = _rows_of(b, hkv, pid_m * BLOCK_M, G, Tq, HKV, BLOCK_M)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + t[:, None].to(tl.int64) * sqt + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * sdb + head[:, None] * sdh + t[:, None].to(tl.int64) * sdt + d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + at, mask=row_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, D), tl.float32)
+    last_t = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
+    num_keys = tl.minimum(start + last_t + 1, Tk)
+    for kb in range(0, num_keys, BLOCK_N):
+        cols = kb + tl.arange(0, BLOCK_N)
+        col_ok = cols < Tk
+        k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None].to(tl.int64) * skt + d[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None].to(tl.int64) * svt + d[None, :],
+                    mask=col_ok[:, None], other=0.0)
+        s = _dot(q, tl.trans(k), IEEE, UPCAST)
+        seen = (cols[None, :] <= (start + t)[:, None]) & col_ok[None, :] & row_ok[:, None]
+        p = tl.where(seen, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+    tl.store(dq_ptr + ((b * HKV * G + head[:, None]) * Tq + t[:, None].to(tl.int64)) * D + d[None, :],
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
-    """q [B, Hq, Tq, D] at positions q_start[b]..; k/v [B, Hkv, Tk, D] (views of a KV cache
-    are fine) -> [B, Hq, Tq, D]. A query at position p sees keys 0..min(p, Tk-1)."""
+def _forward(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, with_lse: bool) -> tuple[Tensor, Tensor | None]:
     check_batched_attention(q, k, v, q_start)
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, tq, dtype=torch.float32, device=q.device) if with_lse else None
     if b == 0 or tq == 0:
-        return out
+        return out, lse
     if d & (d - 1) or d < 16:
         raise ValueError(f"batched_attention: head_dim {d}; the Triton kernel takes a power of two >= 16")
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -107,10 +219,54 @@ def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tenso
     starts = q_start.to(device=q.device, dtype=torch.int64)
     grid = (triton.cdiv(group * tq, BLOCK_M), b * hkv)
     _attention_kernel[grid](
-        q, k, v, out, starts,
+        q, k, v, out, starts, lse if with_lse else out,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         tq, tk, hkv, group, d**-0.5 * LOG2E,
-        IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, num_stages=2,
+        IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32, D=d, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, WRITE_LSE=with_lse, num_warps=NUM_WARPS, num_stages=2,
     )
-    return out
+    return out, lse
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+        out, lse = _forward(q, k, v, q_start, with_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse, q_start)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, q_start = ctx.saved_tensors
+        b, hq, tq, d = q.shape
+        hkv, tk = k.shape[1], k.shape[2]
+        q, k, v, do = (_last_dim_contiguous(x) for x in (q, k, v, grad))
+        delta = (do.float() * out.float()).sum(-1)  # [B, Hq, Tq]: rowsum(dO * O)
+        dq = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
+        dk = torch.empty(b, hkv, tk, d, dtype=k.dtype, device=k.device)
+        dv = torch.empty(b, hkv, tk, d, dtype=v.dtype, device=v.device)
+        group = hq // hkv
+        starts = q_start.to(device=q.device, dtype=torch.int64)
+        args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+                tq, tk, hkv, group, d**-0.5 * LOG2E, d**-0.5)
+        consts = {"IEEE": q.dtype == torch.float32, "UPCAST": INTERPRETED and q.dtype != torch.float32, "D": d,
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS if d <= 64 else 8}
+        if b and tq and tk:
+            _attention_dkdv_kernel[(triton.cdiv(tk, BLOCK_N), b * hkv)](q, k, v, do, lse, delta, dk, dv, starts,
+                                                                        *args, **consts)
+            _attention_dq_kernel[(triton.cdiv(group * tq, BLOCK_M), b * hkv)](q, k, v, do, lse, delta, dq, starts,
+                                                                              *args, **consts)
+        else:
+            dq.zero_(), dk.zero_(), dv.zero_()
+        return dq, dk, dv, None
+
+
+def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+    """q [B, Hq, Tq, D] at positions q_start[b]..; k/v [B, Hkv, Tk, D] (views of a KV cache
+    are fine) -> [B, Hq, Tq, D]. A query at position p sees keys 0..min(p, Tk-1).
+    Differentiable in q, k and v (the module doc's backward kernels)."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _Attention.apply(q, k, v, q_start)
+    return _forward(q, k, v, q_start, with_lse=False)[0]
