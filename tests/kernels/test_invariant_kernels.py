@@ -422,6 +422,9 @@ def test_fused_token_log_probs_are_the_log_softmax_bits_and_their_gradient(dtype
         ref = grads(ReferenceKernels, lambda t: t.double(), with_entropy)
         assert first.dtype == dtype and torch.equal(first, again)
         assert rel_err(first, ref) < TOL[dtype], f"entropy in the loss: {with_entropy}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d,b,tq,max_start", [(4, 2, 64, 2, 1, 150), (6, 2, 32, 3, 9, 70),
                                                     (2, 1, 16, 2, 70, 0), (14, 2, 64, 2, 40, 90)])
 def test_triton_attention_backward_matches_the_float64_gradient(dtype, hq, hkv, d, b, tq, max_start):
