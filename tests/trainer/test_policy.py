@@ -267,3 +267,44 @@ def test_log_probs_keep_their_bits_when_padding_is_cut(tiny_policy_dir, rollout_
     rows = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=1)
     assert wide.shape == (8, 8) and torch.equal(wide[:, 5:], torch.zeros(8, 3))
     assert torch.equal(wide[:, :5], whole) and torch.equal(rows, whole)
+
+
+def test_the_triton_kernels_give_a_micro_batch_the_gradient_of_stock_torch(tiny_policy_dir, rollout_batch,
+                                                                            assert_grads_close):
+    """Every backward kernel of the Triton backend inside the model at once (RMSNorm with
+    its weight, rotary, SiLU-and-mul, attention through the padded batch's permutations,
+    the fused log-probs and entropy in the loss; the tied embedding's LM head): the loss
+    and every parameter's gradient of one micro-batch against stock torch, and the same
+    bits twice. Run under the Triton interpreter here (tests/conftest.py), on the GPU there.
+    Tolerance as assert_grads_close (1e-5 of each tensor's largest entry, float32: the
+    kernels sum in other orders), the loss within rel 1e-5."""
+    from kernel_backends import BACKENDS, backend_and_device
+
+    if "triton" not in BACKENDS:
+        pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
+    kernels, device = backend_and_device("triton")
+    from reprorl.kernels import TorchKernels
+    from reprorl.trainer.policy import mini_batch_norms
+
+    worker = PolicyWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-3, total_steps=10))
+    worker.model.to(device)
+    batch = rollout_batch(3, 6, 5, seed=4)
+    batch["old_log_probs"] = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=3)
+    batch["ref_log_probs"] = batch["old_log_probs"] - 0.1
+    batch = batch.to(device)
+
+    def loss_and_grads(backend):
+        worker.model.kernels = backend
+        worker.model.zero_grad(set_to_none=True)
+        total, _ = worker.micro_batch_loss(batch, mini_batch_norms(batch, None), loss=LOSS, temperature=0.7)
+        total.backward()
+        return total.detach(), [p.grad.clone() for p in worker.model.parameters()]
+
+    loss, grads = loss_and_grads(kernels)
+    loss_again, grads_again = loss_and_grads(kernels)
+    plain_loss, plain = loss_and_grads(TorchKernels)
+    assert torch.equal(loss, loss_again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
+    assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-5)
+    for name, got, expected in zip([n for n, _ in worker.model.named_parameters()], grads, plain):
+        assert expected.abs().sum() > 0, name
+        assert_grads_close(got.cpu(), expected.cpu())
