@@ -120,11 +120,13 @@ class FlatLayout:
                 "world_size": self.world_size, "chunk": CHUNK}
 
 
-def flatten(tensors: Sequence[torch.Tensor], layout: FlatLayout) -> torch.Tensor:
-    """The tensors (in layout order) end to end in a new zero-padded `[padded]` vector."""
-    flat = torch.zeros(layout.padded, dtype=tensors[0].dtype, device=tensors[0].device)
-    for offset, t in zip(layout.offsets(), tensors):
-        flat[offset : offset + t.numel()].copy_(t.reshape(-1))
+def flatten(tensors: Sequence[torch.Tensor], layout: FlatLayout, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensors (in layout order) end to end in a new zero-padded `[padded]` vector, in
+    `dtype` (default: the tensors'; a wider float is exact). One concatenation: a copy per
+    tensor was ~300 kernel launches for a gradient of Qwen2.5-0.5B's shape, each micro-batch."""
+    flat = torch.empty(layout.padded, dtype=dtype or tensors[0].dtype, device=tensors[0].device)
+    torch.cat([t.reshape(-1) for t in tensors], out=flat[: layout.numel])
+    flat[layout.numel :].zero_()
     return flat
 
 

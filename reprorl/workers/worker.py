@@ -218,7 +218,7 @@ class ShardWorker:
             losses[k] = total.detach()  # checked once the block is summed: no read of the device per micro-batch
             total.backward()
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            return flatten(grads, self.layout).to(MASTER_DTYPE)  # summed in float32, as the master
+            return flatten(grads, self.layout, MASTER_DTYPE)  # summed in float32, as the master
 
         block_sum = tree_reduce(self.rank * per_rank, (self.rank + 1) * per_rank, micro_grad)
         for p in self.params:
