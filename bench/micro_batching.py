@@ -24,19 +24,24 @@ samples, 128 + 1024 tokens) on the GPU.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_step import QWEN_05B, SEED, make_model_dir, sync, write  # noqa: E402  (sets CUBLAS_WORKSPACE_CONFIG)
+from train_step import (  # noqa: E402  (sets CUBLAS_WORKSPACE_CONFIG)
+    QWEN_05B,
+    SEED,
+    enter_mode,
+    make_model_dir,
+    start_rank,
+    sync,
+    training_batch,
+    write,
+)
 
 import torch  # noqa: E402
-
-from reprorl.determinism import determinism_env, enable_full_determinism  # noqa: E402
 
 CPU_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 128, "max_position_embeddings": 512}
@@ -63,8 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def mixed_batch(samples: int, prompt_len: int, response_len: int, vocab: int):
     """Left-padded prompts and right-padded responses of RL-like mixed lengths (module doc)."""
-    from reprorl.protocol import Batch
-
     g = torch.Generator().manual_seed(SEED)
     prompts = torch.zeros(samples, prompt_len, dtype=torch.long)
     responses = torch.zeros(samples, response_len, dtype=torch.long)
@@ -76,13 +79,7 @@ def mixed_batch(samples: int, prompt_len: int, response_len: int, vocab: int):
         prompt_mask[b, prompt_len - p:] = 1
         responses[b, :r] = torch.randint(3, vocab, (r,), generator=g)
         response_mask[b, :r] = 1
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
-    return Batch({
-        "prompts": prompts, "responses": responses, "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "advantages": torch.randn(samples, 1, generator=g).expand(-1, response_len) * response_mask,
-    })
+    return training_batch(prompts, prompt_mask, responses, response_mask, g)
 
 
 def computed_tokens(batch, micro_batch_size: int, max_token_len: int | None) -> tuple[int, int]:
@@ -97,27 +94,15 @@ def computed_tokens(batch, micro_batch_size: int, max_token_len: int | None) -> 
 
 def run_mode(args: argparse.Namespace, model_dir: Path, batch, full_determinism: bool) -> dict:
     from reprorl.trainer.micro_batches import in_sample_order
-    from reprorl.trainer.optim import OptimArgs
     from reprorl.trainer.policy import PolicyLossArgs
-    from reprorl.workers.worker import ShardWorker
 
-    env = determinism_env(SEED, full_determinism)
-    os.environ.update(env)
-    if full_determinism:
-        enable_full_determinism(SEED)
-    else:
-        torch.use_deterministic_algorithms(False)
+    env = enter_mode(full_determinism)
     budget = args.micro_batch * (args.prompt_len + args.response_len)
     record: dict = {"max_token_len": budget}
     log_probs = {}
     for way, max_token_len in (("padded", None), ("budget", budget)):
-        worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=2),
-                             dtype="bfloat16" if args.device == "cuda" else "float32",
-                             batch_invariant=full_determinism, seed=SEED, expected_env=env, device=args.device)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        worker.join(f"tcp://127.0.0.1:{port}")
+        worker = start_rank(model_dir, env, dtype="bfloat16" if args.device == "cuda" else "float32",
+                            batch_invariant=full_determinism, device=args.device)
         micro = {"micro_batch_size": args.micro_batch, "max_token_len": max_token_len}
         try:
             times = []

@@ -147,10 +147,25 @@ def generate(loop, engine, prompts: list[list[int]], n: int, new_tokens: int, st
     return loop.run_until_complete(run())
 
 
-def rollout_batch(prompts: list[list[int]], n: int, outputs: list, new_tokens: int, pad: int):
-    """The trainer's batch of the outputs (prompts all of one length here, responses right-padded)."""
+def training_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                   response_mask: torch.Tensor, g: torch.Generator, **extra: torch.Tensor):
+    """The trainer's batch of left-padded `prompts` [B, P] and right-padded `responses` [B, R]
+    (their masks 1 on real tokens), with an advantage per sample drawn from `g`; `extra`:
+    more fields (e.g. rollout_log_probs)."""
     from reprorl.protocol import Batch
 
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    return Batch({
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "advantages": torch.randn(len(prompts), 1, generator=g).expand(-1, responses.shape[1]) * response_mask,
+        **extra,
+    })
+
+
+def rollout_batch(prompts: list[list[int]], n: int, outputs: list, new_tokens: int, pad: int):
+    """The trainer's batch of the outputs (prompts all of one length here, responses right-padded)."""
     prompt = torch.tensor([ids for ids in prompts for _ in range(n)])  # [B, P]
     responses = torch.full((len(outputs), new_tokens), pad, dtype=torch.long)
     response_mask = torch.zeros_like(responses)
@@ -159,25 +174,15 @@ def rollout_batch(prompts: list[list[int]], n: int, outputs: list, new_tokens: i
         responses[b, : len(out.token_ids)] = torch.tensor(out.token_ids)
         response_mask[b, : len(out.token_ids)] = 1
         rollout_log_probs[b, : len(out.token_ids)] = torch.tensor(out.log_probs)
-    attention_mask = torch.cat([torch.ones_like(prompt), response_mask], dim=1)
     g = torch.Generator().manual_seed(SEED)
-    return Batch({
-        "prompts": prompt, "responses": responses, "response_mask": response_mask,
-        "input_ids": torch.cat([prompt, responses], dim=1), "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "advantages": torch.randn(len(outputs), 1, generator=g).expand(-1, new_tokens) * response_mask,
-        "rollout_log_probs": rollout_log_probs,
-    })
+    return training_batch(prompt, torch.ones_like(prompt), responses, response_mask, g,
+                          rollout_log_probs=rollout_log_probs)
 
 
-def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determinism: bool) -> dict:
-    """Two GRPO steps in one mode; the second's timings."""
+def enter_mode(full_determinism: bool) -> dict[str, str]:
+    """Put this process in a determinism mode as a worker rank of that mode runs (its
+    variables, torch's deterministic algorithms on or off); the variables, for the rank's check."""
     from reprorl.determinism import enable_full_determinism
-    from reprorl.rollout.replica import build_engine
-    from reprorl.trainer.micro_batches import in_sample_order
-    from reprorl.trainer.optim import OptimArgs
-    from reprorl.trainer.policy import PolicyLossArgs
-    from reprorl.workers.worker import ShardWorker
 
     env = determinism_env(SEED, full_determinism)
     os.environ.update(env)
@@ -185,18 +190,39 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         enable_full_determinism(SEED)
     else:
         torch.use_deterministic_algorithms(False)
+    return env
+
+
+def start_rank(model_dir: Path, env: dict[str, str], *, dtype: str, batch_invariant: bool, device: str,
+               **options):
+    """The actor's one rank (`ShardWorker`, in this process; AdamW at lr 1e-6), joined to its
+    process group of one on a free local port. `options`: more `ShardWorker` keywords."""
+    from reprorl.trainer.optim import OptimArgs
+    from reprorl.workers.worker import ShardWorker
+
+    worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=2), dtype=dtype,
+                         batch_invariant=batch_invariant, seed=SEED, expected_env=env, device=device, **options)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker.join(f"tcp://127.0.0.1:{port}")
+    return worker
+
+
+def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determinism: bool) -> dict:
+    """Two GRPO steps in one mode; the second's timings."""
+    from reprorl.rollout.replica import build_engine
+    from reprorl.trainer.micro_batches import in_sample_order
+    from reprorl.trainer.policy import PolicyLossArgs
+
+    env = enter_mode(full_determinism)
     device = args.device
     engine = build_engine(str(model_dir), device=device, dtype="bfloat16", batch_invariant=full_determinism,
                           max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len + args.new_tokens,
                           max_num_batched_tokens=max(args.prompts * args.n, 8192))
     engine.eos_token_ids = frozenset()  # random weights: every response runs to full length
-    worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=2), dtype="bfloat16",
-                         batch_invariant=full_determinism, seed=SEED, expected_env=env, device=device,
-                         gradient_checkpointing=args.gradient_checkpointing)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    worker.join(f"tcp://127.0.0.1:{port}")
+    worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
+                        gradient_checkpointing=args.gradient_checkpointing)
     g = torch.Generator().manual_seed(SEED)
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n

@@ -23,28 +23,21 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 import torch
 
-from reprorl.determinism import (
-    ENV_SEED,
-    check_worker_env,
-    determinism_env,
-    enable_full_determinism,
-    is_full_determinism,
-    ray_runtime_env,
-)
+from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
 from reprorl.errors import ReproRLError
 from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
 from reprorl.reward.chat import ChatScorer
-from reprorl.rollout.replica import init_ray, replica_cpus, wait_ready
-from reprorl.rollout.supervision import KillSwitch, Restarts, gather, kill_switch_env, replace_dead
+from reprorl.rollout.pool import ReplicaPoolBase
+from reprorl.rollout.supervision import KillSwitch, Restarts, gather
 
 
 # Measured on a 2-core CPU: packing more tokens than this into one forward got slower
@@ -202,7 +195,7 @@ class RewardReplica:
                                device=self.scorer.device)
 
 
-class RewardModelPool:
+class RewardModelPool(ReplicaPoolBase):
     """`num_replicas` reward-model replicas on Ray, started with the run's determinism env.
 
     `score(prompts, responses)` gives replica k the k-th contiguous chunk of the batch
@@ -222,7 +215,11 @@ class RewardModelPool:
     A replica found dead by a call is replaced within `restarts` (the run's budget; None:
     no replacement, the call raises `FaultError`) by a new actor with the next unused id,
     checked to run in the first replica's determinism mode; its chunk is scored again.
+    Start-up, waiting and replacement are the rollout pool's: reprorl/rollout/pool.py.
     """
+
+    KIND = "reward replica"
+    NAME = "reward model"
 
     def __init__(
         self,
@@ -245,58 +242,20 @@ class RewardModelPool:
         num_gpus: float | None = None,
         wait: bool = True,
     ) -> None:
-        if num_replicas < 1:
-            raise ValueError(f"RewardModelPool: num_replicas={num_replicas}; expected >= 1")
-        if backend not in ("native", "vllm"):
-            raise ValueError(f"RewardModelPool: backend={backend!r}; expected 'native' or 'vllm'")
-        self.env = determinism_env(seed, full_determinism)
-        self.runtime_env = ray_runtime_env({**self.env, **kill_switch_env()}, runtime_env)
-        self.restarts = restarts if restarts is not None else Restarts(0)
-        self.restarts.watch("reward replica")
-        init_ray(ray_address)
-        if num_cpus_per_replica is None:
-            num_cpus_per_replica = replica_cpus(num_replicas)
+        super().__init__(num_replicas, backend=backend, seed=seed, full_determinism=full_determinism,
+                         runtime_env=runtime_env, ray_address=ray_address, restarts=restarts,
+                         num_cpus_per_replica=num_cpus_per_replica)
         options = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "batch_invariant": full_determinism if batch_invariant is None else batch_invariant,
             "device": device, "dtype": dtype,
         }
-        if num_gpus is None:
-            num_gpus = 1 if device == "cuda" else 0
         if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
-            from reprorl.rollout.vllm_replica import replica_gpus
-
             options = {k: v for k, v in options.items() if k not in ("device", "dtype")}
             options.update(backend="vllm", **(vllm_options or {}))
-            num_gpus = replica_gpus(num_gpus if device == "cuda" else None)
-        self.model_path = str(model_path)
-        self.num_cpus_per_replica = num_cpus_per_replica
-        self._actor = ray.remote(RewardReplica).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
-                                                        runtime_env=self.runtime_env)
-        self._options = options
-        self.backend, self.max_num_seqs = backend, max_num_seqs
-        self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
-        self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
-        self.first_info: dict[str, Any] | None = None  # what a replacement must equal; set by wait_ready
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        """Block until every replica has started (its error if one failed; a RuntimeError naming
-        the CPUs when Ray cannot place them). Done by the constructor unless `wait=False` (then
-        call this before any other method); a second call returns at once."""
-        if self.first_info is not None:
-            return
-        wait_ready(list(self.replicas.values()), "reward model replicas", self.num_cpus_per_replica)
-        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
-        if self.backend == "vllm":
-            from reprorl.rollout.vllm_replica import warn_if_serialized
-
-            warn_if_serialized(self.first_info, self.max_num_seqs, "reward model")
-
-    def _start(self, replica_id: int) -> Any:
-        return self._actor.remote(replica_id, self.model_path, self._options, self.env)
+        self._start_replicas(RewardReplica, num_replicas, model_path, options,
+                             num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait)
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores, in the order given."""
@@ -319,23 +278,6 @@ class RewardModelPool:
             replaced = self._replace_dead({chunks[j][0] for j in dead}, "score")
             chunks = {j: (replaced[rid], a, b) for j, (rid, a, b) in chunks.items() if j in dead}
         return torch.cat([scores[j] for j in sorted(scores)])
-
-    def determinism_info(self) -> dict[int, dict[str, Any]]:
-        """Each replica's `determinism_info()`, by replica id; a dead one is replaced and answers instead."""
-        results, dead = gather({i: r.determinism_info.remote() for i, r in self.replicas.items()})
-        for new_id in self._replace_dead(dead, "determinism_info").values():
-            results[new_id] = ray.get(self.replicas[new_id].determinism_info.remote())
-        return dict(sorted(results.items()))
-
-    def _replace_dead(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
-        """Replace each dead replica (in id order); returns {dead id: replacement id}."""
-        return replace_dead(self.replicas, dead, "reward replica", self._new_ids, start=self._start_ready,
-                            reference_info=self.first_info, restarts=self.restarts, noticed_in=noticed_in)
-
-    def _start_ready(self, replica_id: int) -> Any:
-        actor = self._start(replica_id)
-        wait_ready([actor], f"reward replica {replica_id}", self.num_cpus_per_replica)
-        return actor
 
     def shutdown(self) -> None:
         """Kill every replica actor (Ray itself stays up: others may use it)."""

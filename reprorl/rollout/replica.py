@@ -4,9 +4,10 @@
   `generate` calls share the engine's continuous batching). Its constructor checks the
   run's determinism environment before anything else, so a replica started without it
   fails at once, naming the variable.
-- `ReplicaPool`: starts `num_replicas` of them with the run's `runtime_env`, pushes
-  versioned weights to all of them and checks every one serves the version, replaces a
-  replica that died (`reprorl.rollout.supervision`), shuts down.
+- `ReplicaPool`: starts `num_replicas` of them with the run's `runtime_env` and waits for
+  them (as the reward-model pool does: `reprorl.rollout.pool`), pushes versioned weights
+  to all of them and checks every one serves the version, replaces a replica that died
+  (`reprorl.rollout.supervision`) with the current weights, shuts down.
 
 Which replica serves a request only affects speed (DESIGN.md): a sample is a function of
 (weights, prompt ids, sampling params, request seed), and all of those travel with the
@@ -36,78 +37,20 @@ device from the trainer's own buffer (CUDA IPC), the others still from the host.
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ray
 import torch
 
-from reprorl.determinism import (
-    ENV_SEED,
-    check_worker_env,
-    determinism_env,
-    enable_full_determinism,
-    is_full_determinism,
-    ray_runtime_env,
-)
+from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
 from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
+from reprorl.rollout.pool import ReplicaPoolBase
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import KillSwitch, Restarts, gather, kill_switch_env, replace_dead
+from reprorl.rollout.supervision import KillSwitch, Restarts, gather
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid
-
-
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connect to Ray unless this process already did.
-
-    `address` (or `RAY_ADDRESS`) joins a running cluster, as `ray.init(address=...)`;
-    without one, a local instance is started (`num_cpus` caps it; None = all cores).
-    Each actor gets the run's variables through its own `runtime_env`, so a Ray started
-    by someone else (tests, a notebook) works too.
-    """
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-
-
-def replica_cpus(num_replicas: int, free: float | None = None) -> float:
-    """Ray CPUs to ask for each of `num_replicas` new replicas: half of what is free, at most 1 each.
-
-    A scheduling hint only (engine threads are set apart from it); counting FREE CPUs means a
-    second pool (reward model, another run's) is still schedulable next to the first.
-    `free`: the CPUs to count as free (None: what Ray says is free now). Ray counts an
-    actor's CPUs only once it is placed, so pools started together pass what the pools
-    before them left (reprorl/trainer/fit.py).
-    """
-    if free is None:
-        free = ray.available_resources().get("CPU", 0.0)
-    return min(1.0, free / (2 * num_replicas))
-
-
-READY_TIMEOUT_S = 600.0
-
-
-def wait_ready(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until every actor answers `ready`; fail with the reason instead of hanging.
-
-    Ray keeps an actor pending forever when its resources are never free; this names the
-    pool, how many replicas are missing and the CPUs asked for and free.
-    """
-    refs = [a.ready.remote() for a in actors]
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if pending:
-        free = ray.available_resources().get("CPU", 0.0)
-        raise RuntimeError(
-            f"{what}: {len(pending)} of {len(refs)} replicas not ready after {timeout_s:.0f} s; each asks for "
-            f"{num_cpus_each:g} CPU and Ray has {free:g} free (another pool may hold them)"
-        )
-    ray.get(done)  # raises the replica's own error if its start failed
 
 
 def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, **options: Any) -> Engine:
@@ -214,7 +157,7 @@ class WeightVersionError(RuntimeError):
     """A replica serves a different weight version from the one the trainer pushed."""
 
 
-class ReplicaPool:
+class ReplicaPool(ReplicaPoolBase):
     """`num_replicas` rollout replicas on Ray, started with the run's determinism environment.
 
     `num_cpus_per_replica` is a scheduling hint (the engine's threads come from Ray's
@@ -236,8 +179,11 @@ class ReplicaPool:
 
     The constructor starts every replica at once and waits until all are ready;
     `wait=False` returns as soon as they are asked for, and `wait_ready()` waits (so a
-    trainer starts its pools and worker groups together).
+    trainer starts its pools and worker groups together): reprorl/rollout/pool.py.
     """
+
+    KIND = "rollout replica"
+    NAME = "rollout"
 
     def __init__(
         self,
@@ -262,20 +208,10 @@ class ReplicaPool:
         native_options: Mapping[str, Any] | None = None,
         wait: bool = True,
     ):
-        if num_replicas < 1:
-            raise ValueError(f"ReplicaPool: num_replicas={num_replicas}; expected >= 1")
-        if backend not in ("native", "vllm"):
-            raise ValueError(f"ReplicaPool: backend={backend!r}; expected 'native' or 'vllm'")
-        self.model_path = str(model_path)
+        super().__init__(num_replicas, backend=backend, seed=seed, full_determinism=full_determinism,
+                         runtime_env=runtime_env, ray_address=ray_address, restarts=restarts,
+                         num_cpus_per_replica=num_cpus_per_replica)
         self.seed = seed
-        self.env = determinism_env(seed, full_determinism)
-        self.runtime_env = ray_runtime_env({**self.env, **kill_switch_env()}, runtime_env)
-        self.restarts = restarts if restarts is not None else Restarts(0)
-        self.restarts.watch("rollout replica")
-        init_ray(ray_address)
-        if num_cpus_per_replica is None:
-            num_cpus_per_replica = replica_cpus(num_replicas)
-        self.num_cpus_per_replica = num_cpus_per_replica
         engine_options = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
@@ -285,43 +221,17 @@ class ReplicaPool:
             "device": device, "dtype": dtype, **(native_options or {}),
         }
         replica_cls = RolloutReplica
-        if num_gpus is None:
-            num_gpus = 1 if device == "cuda" else 0
         if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
-            from reprorl.rollout.vllm_replica import VllmReplica, replica_gpus
+            from reprorl.rollout.vllm_replica import VllmReplica
 
-            replica_cls, num_gpus = VllmReplica, replica_gpus(num_gpus if device == "cuda" else None)
+            replica_cls = VllmReplica
             engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                               "max_model_len": max_model_len, **(vllm_options or {})}
-        self._actor = ray.remote(replica_cls).options(num_cpus=num_cpus_per_replica, num_gpus=num_gpus,
-                                                      runtime_env=self.runtime_env)
-        self._engine_options = engine_options
-        self.backend, self.max_num_seqs = backend, max_num_seqs
-        self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
-        self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
         self.version = 0  # the engine's initial weight_version
         self.asleep = False
         self._pushes: list[tuple[Any, frozenset[str], int]] = []  # (object ref, names, version), oldest first
-        self.first_info: dict[str, Any] | None = None  # set by wait_ready
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        """Block until every replica has started (its error if one failed; a RuntimeError naming
-        the CPUs when Ray cannot place them). Done by the constructor unless `wait=False` (then
-        call this before any other method); a second call returns at once."""
-        if self.first_info is not None:
-            return
-        wait_ready(list(self.replicas.values()), "rollout replicas", self.num_cpus_per_replica)
-        # What a replacement must equal (`replace_dead`), and what it must be brought up to:
-        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
-        if self.backend == "vllm":
-            from reprorl.rollout.vllm_replica import warn_if_serialized
-
-            warn_if_serialized(self.first_info, self.max_num_seqs, "rollout")
-
-    def _start(self, replica_id: int) -> Any:
-        return self._actor.remote(replica_id, self.model_path, self._engine_options, self.env)
+        self._start_replicas(replica_cls, num_replicas, model_path, engine_options,
+                             num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait)
 
     def replica_ids(self) -> list[int]:
         return sorted(self.replicas)
@@ -411,32 +321,10 @@ class ReplicaPool:
     def stats(self) -> list[dict[str, Any]]:
         return list(self._on_all("stats").values())
 
-    def determinism_info(self) -> dict[int, dict[str, Any]]:
-        """Each replica's `determinism_info()`, by replica id."""
-        return self._on_all("determinism_info")
-
     def replace_dead(self, noticed_in: str = "a probe") -> list[int]:
         """Probe every replica (`ready`); replace those that died. Returns the new ids."""
         _, dead = gather({i: r.ready.remote() for i, r in self.replicas.items()})
         return list(self._replace_dead(dead, noticed_in).values())
-
-    def _on_all(self, method: str, *args: Any) -> dict[int, Any]:
-        """`method(*args)` on every replica, by sorted id; a dead one is replaced and answers instead."""
-        results, dead = gather({i: getattr(r, method).remote(*args) for i, r in self.replicas.items()})
-        for new_id in self._replace_dead(dead, method).values():
-            results[new_id] = ray.get(getattr(self.replicas[new_id], method).remote(*args))
-        return dict(sorted(results.items()))
-
-    def _replace_dead(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
-        """Replace each dead replica (in id order); returns {dead id: replacement id}."""
-        return replace_dead(self.replicas, dead, "rollout replica", self._new_ids, start=self._start_ready,
-                            reference_info=self.first_info, restarts=self.restarts, noticed_in=noticed_in,
-                            bring_up=self._bring_up)
-
-    def _start_ready(self, replica_id: int) -> Any:
-        actor = self._start(replica_id)
-        wait_ready([actor], f"rollout replica {replica_id}", self.num_cpus_per_replica)
-        return actor
 
     def _bring_up(self, actor: Any) -> str:
         """Replay the kept pushes into a new replica, check it serves `self.version`, match `asleep`."""

@@ -49,8 +49,8 @@ from reprorl.determinism import (
     is_full_determinism,
 )
 from reprorl.rollout.engine import GenerateOutput, check_prompt
-from reprorl.rollout.replica import PackedWeights
 from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 

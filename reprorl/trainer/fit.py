@@ -47,7 +47,8 @@ from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
-from reprorl.rollout.replica import ReplicaPool, init_ray, replica_cpus
+from reprorl.rollout.pool import init_ray, replica_cpus
+from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import FaultError, Restarts
 from reprorl.trainer import weight_sync

@@ -16,15 +16,18 @@ def _named():
 def test_pack_lays_out_each_dtype_in_push_order():
     packed = PackedWeights.pack(_named(), device="cpu")
     assert packed.entries == (("a", "bfloat16", (3, 4), 0), ("b", "float32", (5,), 0), ("c", "bfloat16", (2, 2), 12))
+    assert sorted(packed.buffers) == ["bfloat16", "float32"]  # one flat buffer per dtype, nothing else
     assert packed.buffers["bfloat16"].device.type == "cpu"
     # the buffer IS the tensors one after another: [a flattened, c flattened]
     named = dict(_named())
     assert torch.equal(packed.buffers["bfloat16"], torch.cat([named["a"].reshape(-1), named["c"].reshape(-1)]))
 
 
-def test_unpack_gives_views_of_one_moved_buffer():
+def test_unpack_gives_views_of_one_moved_buffer_in_push_order():
     packed = PackedWeights.pack(_named())
-    out = dict(packed.unpack("cpu"))
+    unpacked = packed.unpack("cpu")
+    assert [name for name, _ in unpacked] == ["a", "b", "c"]
+    out = dict(unpacked)
     assert out["a"].untyped_storage().data_ptr() == out["c"].untyped_storage().data_ptr()
     for name, want in _named():
         assert out[name].dtype == want.dtype and torch.equal(out[name], want)

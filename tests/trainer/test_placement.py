@@ -1,5 +1,4 @@
-"""Placement (reprorl/trainer/placement.py): `resources.device` resolved, the Ray GPU shares;
-and the packed weight push every replica receives (reprorl/rollout/replica.py)."""
+"""Placement (reprorl/trainer/placement.py): `resources.device` resolved, the Ray GPU shares."""
 
 from pathlib import Path
 
@@ -8,7 +7,6 @@ import torch
 
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
-from reprorl.rollout.replica import PackedWeights
 from reprorl.trainer import placement
 from reprorl.trainer.placement import RAY_GPU_RESOLUTION, plan_placement
 
@@ -76,16 +74,3 @@ def test_two_workers_of_a_group_on_one_gpu_are_refused(has_cuda):
 def test_gpu_example_resolves_and_asks_for_cuda_and_bf16():
     cfg = load_config(str(Path(__file__).parents[2] / "examples" / "gpu_arithmetic.yaml"), [])
     assert (cfg.resources.device, cfg.model.dtype, cfg.full_determinism) == ("cuda", "bfloat16", True)
-
-
-def test_packed_weights_round_trip_exactly():
-    g = torch.Generator().manual_seed(0)
-    named = [("a", torch.randn(3, 4, generator=g).to(torch.bfloat16)), ("b", torch.randn(5, generator=g)),
-             ("c", torch.randn(2, 2, generator=g).to(torch.bfloat16))]
-    packed = PackedWeights.pack(named)
-    assert sorted(packed.buffers) == ["bfloat16", "float32"]  # one flat buffer per dtype
-    assert packed.buffers["bfloat16"].numel() == 16 and packed.names == {"a", "b", "c"}
-    out = packed.unpack("cpu")
-    assert [n for n, _ in out] == ["a", "b", "c"]
-    for (_, want), (_, got) in zip(named, out):
-        assert got.dtype == want.dtype and torch.equal(got, want)
