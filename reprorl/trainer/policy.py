@@ -13,9 +13,10 @@ The batch it reads, in sample order (from the rollout):
 Log-probs follow the engine's definition (reprorl/rollout/sampling.py): the log-prob of
 response token j is `log_softmax(logits.float() / T)` at that token, where the logits are
 those at position P-1+j (the position that predicts it), T the rollout temperature, and
-T = 1 for greedy (temperature 0). With `batch_invariant=True` the model runs on its
-device's batch-invariant kernels (`reprorl.kernels`), so a sample's log-probs do not depend on which
-micro-batch it sits in.
+T = 1 for greedy (temperature 0); the model's kernels compute them (`token_log_probs`,
+on CUDA one fused pass over the logits). With `batch_invariant=True` the model runs on its
+device's batch-invariant kernels (`reprorl.kernels`), so a sample's log-probs do not
+depend on which micro-batch it sits in.
 
 Each micro-batch drops the columns that are padding in all of its rows (`trim_padding`), so
 it costs its own longest sample, not the batch's width. With a token budget
