@@ -86,25 +86,14 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, lse_ptr,
         cols = kb + tl.arange(0, BLOCK_N)
         in_range = cols < Tk
         k = tl.load(k_base + cols[None, :].to(tl.int64) * skt + d[:, None], mask=in_range[None, :], other=0.0)
-        if UPCAST:  # the interpreter only (see interpret.py)
-            s = tl.dot(q.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
+        s = _dot(q, k, IEEE, UPCAST)
         s = tl.where((cols[None, :] <= pos[:, None]) & in_range[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * svt + d[None, :], mask=in_range[:, None], other=0.0)
-        if UPCAST:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        elif IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * sob + head[:, None] * soh + t[:, None].to(tl.int64) * sot + d[None, :],
@@ -114,12 +103,45 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, lse_ptr,
 
 
 @triton.jit
-def _rows_of(b, hkv, r0, G, Tq, HKV, BLOCK_M: tl.constexpr):
-    """Rows r0.. of one (sequence, kv head), as the forward lays them: (t, head, ok, lse index)."""
+def _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, r0, sqb, sqh, sqt, sdb, sdh, sdt, Tq, HKV, G,
+                D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows r0.. of one (sequence, kv head) as the forward lays them (row r: query r // G,
+    head r % G of the group): (t, head, ok, q, dO, lse, delta), zeros past Tq."""
     rows = r0 + tl.arange(0, BLOCK_M)
     t = rows // G
     head = hkv * G + rows % G
-    return t, head, t < Tq, (b * HKV * G + head) * Tq + t
+    ok = t < Tq
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + t[:, None].to(tl.int64) * sqt + d[None, :],
+                mask=ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * sdb + head[:, None] * sdh + t[:, None].to(tl.int64) * sdt + d[None, :],
+                 mask=ok[:, None], other=0.0)
+    at = (b * HKV * G + head) * Tq + t  # [B, Hq, Tq] float32
+    lse = tl.load(lse_ptr + at, mask=ok, other=0.0)
+    delta = tl.load(delta_ptr + at, mask=ok, other=0.0)
+    return t, head, ok, q, do, lse, delta
+
+
+@triton.jit
+def _key_rows(k_ptr, v_ptr, b, hkv, cols, ok, skb, skh, skt, svb, svh, svt, D: tl.constexpr):
+    """Keys and values `cols` of one (sequence, kv head): k, v [len(cols), D], zeros past Tk."""
+    d = tl.arange(0, D)
+    k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None].to(tl.int64) * skt + d[None, :], mask=ok[:, None],
+                other=0.0)
+    v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None].to(tl.int64) * svt + d[None, :], mask=ok[:, None],
+                other=0.0)
+    return k, v
+
+
+@triton.jit
+def _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """The forward's probabilities p [rows, keys] (from each row's log-sum-exp) and the
+    scores' gradient over scale, ds = p * (dO v^T - delta); zeros where a row does not see a key."""
+    s = _dot(q, tl.trans(k), IEEE, UPCAST)
+    seen = (cols[None, :] <= (start + t)[:, None]) & col_ok[None, :] & row_ok[:, None]
+    p = tl.where(seen, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+    return p, p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk"])
@@ -127,7 +149,7 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, Tq, Tk, HKV, G, scale_log2, scale,
                            IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr):
-    # dV = sum over rows of p^T dO; dK = scale * sum of ds^T q, ds = p * (dO v^T - delta).
+    # dV = sum over rows of p^T dO; dK = scale * sum of ds^T q.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -135,28 +157,17 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     start = tl.load(start_ptr + b)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < Tk
-    d = tl.arange(0, D)
-    k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None].to(tl.int64) * skt + d[None, :], mask=col_ok[:, None],
-                other=0.0)  # [BLOCK_N, D]
-    v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None].to(tl.int64) * svt + d[None, :], mask=col_ok[:, None],
-                other=0.0)
+    k, v = _key_rows(k_ptr, v_ptr, b, hkv, cols, col_ok, skb, skh, skt, svb, svh, svt, D)
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     first_t = tl.maximum(pid_n * BLOCK_N - start, 0)  # the first query that sees this block
     for r0 in range(first_t * G // BLOCK_M * BLOCK_M, G * Tq, BLOCK_M):
-        t, head, row_ok, at = _rows_of(b, hkv, r0, G, Tq, HKV, BLOCK_M)
-        offs = head[:, None] * sqh + t[:, None].to(tl.int64) * sqt + d[None, :]
-        q = tl.load(q_ptr + b * sqb + offs, mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_ptr + b * sdb + head[:, None] * sdh + t[:, None].to(tl.int64) * sdt + d[None, :],
-                     mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptr + at, mask=row_ok, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE, UPCAST)  # [BLOCK_M, BLOCK_N]
-        seen = (cols[None, :] <= (start + t)[:, None]) & col_ok[None, :] & row_ok[:, None]
-        p = tl.where(seen, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        t, _, row_ok, q, do, lse, delta = _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, r0, sqb, sqh, sqt,
+                                                      sdb, sdh, sdt, Tq, HKV, G, D, BLOCK_M)
+        p, ds = _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE, UPCAST)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
-        ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
+    d = tl.arange(0, D)
     out = b * HKV * Tk * D + hkv * Tk * D + cols[:, None].to(tl.int64) * D + d[None, :]  # dK, dV contiguous
     tl.store(dk_ptr + out, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
@@ -173,29 +184,18 @@ def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     b = (bh // HKV).to(tl.int64)
     hkv = (bh % HKV).to(tl.int64)
     start = tl.load(start_ptr + b)
-    t, head, row_ok, at = _rows_of(b, hkv, pid_m * BLOCK_M, G, Tq, HKV, BLOCK_M)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + head[:, None] * sqh + t[:, None].to(tl.int64) * sqt + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b * sdb + head[:, None] * sdh + t[:, None].to(tl.int64) * sdt + d[None, :],
-                 mask=row_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + at, mask=row_ok, other=0.0)
-    delta = tl.load(delta_ptr + at, mask=row_ok, other=0.0)
+    t, head, row_ok, q, do, lse, delta = _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, pid_m * BLOCK_M,
+                                                     sqb, sqh, sqt, sdb, sdh, sdt, Tq, HKV, G, D, BLOCK_M)
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     last_t = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
     num_keys = tl.minimum(start + last_t + 1, Tk)
     for kb in range(0, num_keys, BLOCK_N):
         cols = kb + tl.arange(0, BLOCK_N)
         col_ok = cols < Tk
-        k = tl.load(k_ptr + b * skb + hkv * skh + cols[:, None].to(tl.int64) * skt + d[None, :],
-                    mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + b * svb + hkv * svh + cols[:, None].to(tl.int64) * svt + d[None, :],
-                    mask=col_ok[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), IEEE, UPCAST)
-        seen = (cols[None, :] <= (start + t)[:, None]) & col_ok[None, :] & row_ok[:, None]
-        p = tl.where(seen, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
-        ds = p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
+        k, v = _key_rows(k_ptr, v_ptr, b, hkv, cols, col_ok, skb, skh, skt, svb, svh, svt, D)
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE, UPCAST)
         dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
+    d = tl.arange(0, D)
     tl.store(dq_ptr + ((b * HKV * G + head[:, None]) * Tq + t[:, None].to(tl.int64)) * D + d[None, :],
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
