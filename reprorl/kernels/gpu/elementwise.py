@@ -86,14 +86,21 @@ def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     if cos.shape != (*lead, d) or sin_rot.shape != cos.shape or d & (d - 1):
         raise ValueError(f"apply_rotary: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin_rot.shape)}; "
                          "expected one table row per token and a power-of-two head_dim")
-    xs = x.reshape(-1, h, d)
-    if xs.stride(-1) != 1:
-        xs = xs.contiguous()
+    return _rotary_launch(_rotary_kernel, x, cos, sin_rot)
+
+
+def _rotary_launch(kernel, src: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
+    """`kernel` (the rotation or its gradient) over src [..., H, D], one program per (token,
+    head), into a new tensor of src's shape and dtype."""
+    *_, h, d = src.shape
+    rows = src.reshape(-1, h, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
     c, s = cos.reshape(-1, d).contiguous(), sin_rot.reshape(-1, d).contiguous()
-    out = torch.empty(xs.shape, dtype=x.dtype, device=x.device)
-    if xs.numel():
-        _rotary_kernel[(xs.shape[0] * h,)](xs, c, s, out, h, xs.stride(0), xs.stride(1), c.stride(0), s.stride(0), D=d)
-    return out.reshape(x.shape)
+    out = torch.empty(rows.shape, dtype=src.dtype, device=src.device)
+    if rows.numel():
+        kernel[(rows.shape[0] * h,)](rows, c, s, out, h, rows.stride(0), rows.stride(1), c.stride(0), s.stride(0), D=d)
+    return out.reshape(src.shape)
 
 
 @triton.jit
@@ -116,13 +123,4 @@ def _rotary_backward_kernel(g_ptr, cos_ptr, sin_ptr, dx_ptr, H, stride_gt, strid
 
 def apply_rotary_backward(grad: Tensor, x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     """d x of `apply_rotary` given the output's gradient (the tables take none)."""
-    *_, h, d = x.shape
-    gs = grad.reshape(-1, h, d)
-    if gs.stride(-1) != 1:
-        gs = gs.contiguous()
-    c, s = cos.reshape(-1, d).contiguous(), sin_rot.reshape(-1, d).contiguous()
-    dx = torch.empty(gs.shape, dtype=x.dtype, device=x.device)
-    if gs.numel():
-        _rotary_backward_kernel[(gs.shape[0] * h,)](gs, c, s, dx, h, gs.stride(0), gs.stride(1), c.stride(0),
-                                                    s.stride(0), D=d)
-    return dx.reshape(x.shape)
+    return _rotary_launch(_rotary_backward_kernel, grad.to(x.dtype), cos, sin_rot)

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reprorl.kernels.gpu.sampling import _scaled_block
-from reprorl.kernels.gpu.softmax import _tree_sum, lane_update, row_stats, stats_block, stats_warps
+from reprorl.kernels.gpu.softmax import _rows, _tree_sum, lane_update, row_launch, row_stats
 
 
 @triton.jit
@@ -82,19 +82,12 @@ def _token_log_probs_backward_kernel(x_ptr, tokens_ptr, log_z_ptr, entropy_ptr, 
                  mask=cols < V)
 
 
-def _launch_config(v: int) -> dict:
-    block = stats_block(v)
-    return {"BLOCK": block, "num_warps": stats_warps(block)}
-
-
 def _forward(logits: Tensor, tokens: Tensor, temperature: float, with_entropy: bool
              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(log-probs, log_z, entropy, rows, tokens): the first three [n] float32 (entropy
     empty without `with_entropy`), rows the [n, V] logits the kernels read, tokens [n]."""
     v = logits.shape[-1]
-    rows = logits.reshape(-1, v)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(logits)
     toks = tokens.reshape(-1).to(device=rows.device, dtype=torch.int64).contiguous()
     if toks.shape[0] != rows.shape[0]:
         raise ValueError(f"token_log_probs: logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)}; "
@@ -104,10 +97,8 @@ def _forward(logits: Tensor, tokens: Tensor, temperature: float, with_entropy: b
     log_z = torch.empty(n, dtype=torch.float32, device=rows.device)
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=rows.device)
     if n and v:
-        config = _launch_config(v)
         _token_log_probs_kernel[(n,)](rows, toks, out, log_z, entropy if with_entropy else out, rows.stride(0), v,
-                                      temperature, WITH_ENTROPY=with_entropy,
-                                      LOG2_BLOCK=config["BLOCK"].bit_length() - 1, **config)
+                                      temperature, WITH_ENTROPY=with_entropy, **row_launch(v))
     return out, log_z, entropy, rows, toks
 
 
@@ -134,7 +125,8 @@ class _TokenLogProbs(torch.autograd.Function):
             _token_log_probs_backward_kernel[(n,)](
                 rows, toks, log_z, entropy if g_h is not None else log_z, g_lp if g_lp is not None else log_z,
                 g_h if g_h is not None else log_z, dx, rows.stride(0), dx.stride(0), v, ctx.temperature,
-                HAS_LP=g_lp is not None, HAS_H=g_h is not None, **_launch_config(v),
+                HAS_LP=g_lp is not None, HAS_H=g_h is not None,
+                **{k: c for k, c in row_launch(v).items() if k != "LOG2_BLOCK"},  # (no tree sum)
             )
         return dx.reshape(ctx.shape), None, None, None
 

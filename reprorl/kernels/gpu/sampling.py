@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from reprorl.kernels.gpu.softmax import lane_update, row_stats, stats_block, stats_warps
+from reprorl.kernels.gpu.softmax import lane_update, row_launch, row_stats
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -153,8 +153,7 @@ def sample_rows(logits: Tensor, packed: Tensor) -> tuple[Tensor, Tensor, Tensor]
     log_probs = torch.empty(b, dtype=torch.float32, device=logits.device)
     log_z = torch.empty(b, dtype=torch.float32, device=logits.device)
     if b:
-        block = stats_block(v)
+        config = row_launch(v)
         _sample_kernel[(b,)](logits, packed.contiguous(), tokens, log_probs, log_z, logits.stride(0), b, v,
-                             BLOCK=block, LOG2_BLOCK=block.bit_length() - 1,
-                             NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(v, block)), num_warps=stats_warps(block))
+                             NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(v, config["BLOCK"])), **config)
     return tokens, log_probs, log_z

@@ -32,6 +32,13 @@ def stats_warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
+def row_launch(v: int) -> dict[str, int]:
+    """The launch constants of a kernel that walks rows of v entries with `row_stats` or
+    `_tree_sum`: BLOCK, LOG2_BLOCK and num_warps, all fixed by v alone."""
+    block = stats_block(v)
+    return {"BLOCK": block, "LOG2_BLOCK": block.bit_length() - 1, "num_warps": stats_warps(block)}
+
+
 @triton.jit
 def _tree_sum(x, LOG2_N: tl.constexpr):
     """Sum of x [2**LOG2_N] as a fixed pairwise tree: at each level entry 2i plus entry 2i+1
@@ -117,9 +124,7 @@ def entropy(log_probs: Tensor) -> Tensor:
     out = torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
     v = y.shape[-1]
     if y.shape[0] and v:
-        block = stats_block(v)
-        _entropy_kernel[(y.shape[0],)](y, out, y.stride(0), v, BLOCK=block, LOG2_BLOCK=block.bit_length() - 1,
-                                       num_warps=stats_warps(block))
+        _entropy_kernel[(y.shape[0],)](y, out, y.stride(0), v, **row_launch(v))
     elif y.shape[0]:
         out.zero_()
     return out.reshape(log_probs.shape[:-1])
@@ -137,22 +142,17 @@ def log_softmax_backward(grad: Tensor, out: Tensor, x: Tensor) -> Tensor:
     dx = torch.empty(y.shape, dtype=x.dtype, device=x.device)
     v = y.shape[-1]
     if y.shape[0] and v:
-        block = stats_block(v)
-        _log_softmax_backward_kernel[(y.shape[0],)](y, g, dx, y.stride(0), g.stride(0), dx.stride(0), v, BLOCK=block,
-                                                    LOG2_BLOCK=block.bit_length() - 1, num_warps=stats_warps(block))
+        _log_softmax_backward_kernel[(y.shape[0],)](y, g, dx, y.stride(0), g.stride(0), dx.stride(0), v,
+                                                    **row_launch(v))
     return dx.reshape(x.shape)
 
 
 def _launch(x: Tensor, log: bool) -> Tensor:
     v = x.shape[-1]
-    rows = x.reshape(-1, v)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0] and v:
-        block = stats_block(v)
-        _softmax_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), v, LOG=log, BLOCK=block,
-                                          LOG2_BLOCK=block.bit_length() - 1, num_warps=stats_warps(block))
+        _softmax_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), v, LOG=log, **row_launch(v))
     return out.reshape(x.shape)
 
 
