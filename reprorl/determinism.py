@@ -200,12 +200,12 @@ def request_seed(
 def enable_full_determinism(seed: int) -> None:
     """Make this process deterministic: seeded global RNGs, deterministic kernels only.
 
-    Seeds `random`, numpy and torch (all devices); turns on
-    `torch.use_deterministic_algorithms` (errors, not warnings, on a nondeterministic
-    op; without its NaN fill of new tensors), cuDNN deterministic with benchmarking off, TF32 off for matmul and cuDNN; sets
-    `CUBLAS_WORKSPACE_CONFIG`, the NCCL variables and the reprorl variables in
-    `os.environ` (NCCL reads its variables when a communicator is created, so call this
-    before `init_process_group`). Calling it again with the same seed leaves the same state.
+    Seeds `random`, numpy and torch (all devices); turns on torch's deterministic
+    algorithms (errors, not warnings, on a nondeterministic op; without their NaN fill of
+    new tensors: `use_deterministic_algorithms`), cuDNN deterministic with benchmarking
+    off, TF32 off for matmul and cuDNN; sets `CUBLAS_WORKSPACE_CONFIG`, the NCCL
+    variables and the reprorl variables in `os.environ` (NCCL reads its variables when a
+    communicator is created, so call this before `init_process_group`). Calling it again with the same seed leaves the same state.
 
     `CUBLAS_WORKSPACE_CONFIG` only works if set before CUDA initialises: if CUDA is
     already up without it, this raises rather than pretend. Put it in the environment
