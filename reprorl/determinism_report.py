@@ -44,8 +44,11 @@ REPORT_FILE = "determinism.json"
 TEXT_FILE = "determinism.txt"
 
 # What a process's results can depend on, besides its inputs: reprorl's own variables,
-# the hash seed, cuBLAS/NCCL reduction settings, thread counts, vLLM's invariance switch.
-ENV_KEYS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# the hash seed, cuBLAS/NCCL reduction settings, thread counts, vLLM's invariance switch,
+# and the one Triton switch that overrides the kernels' pinned FP fusion
+# (`reprorl.kernels.gpu.launch`).
+TRITON_NO_FUSION = "TRITON_FORCE_DISABLE_FP_FUSION"
+ENV_KEYS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS", TRITON_NO_FUSION)
 ENV_PREFIXES = ("REPRORL_", "NCCL_", "VLLM_BATCH_INVARIANT")
 
 # Keys every model-serving part's info has (see `reprorl.rollout.replica`).
@@ -113,6 +116,7 @@ def cuda_info() -> dict[str, Any]:
     nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
     return {
         "cuda_version": torch.version.cuda,
+        "triton_version": _triton_version(),
         "cudnn_version": torch.backends.cudnn.version(),
         "nccl_version": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
         "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
@@ -122,6 +126,14 @@ def cuda_info() -> dict[str, Any]:
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
         "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")},
     }
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 # A GPU part in determinism mode must have these off (`enable_full_determinism` turns them
@@ -170,6 +182,9 @@ def find_problems(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: b
             for key in CUDA_MUST_BE_OFF:
                 if info["cuda"].get(key):
                     problems.append(f"{name}: CUDA {key} on (expected off, as full_determinism=true)")
+            if env.get(TRITON_NO_FUSION, "").lower() in ("1", "true", "on", "yes", "y"):
+                problems.append(f"{name}: {TRITON_NO_FUSION}={env[TRITON_NO_FUSION]} changes the Triton kernels' "
+                                "bits (they pin FP fusion on); unset it")
         for key in ("batch_invariant", "deterministic_algorithms"):
             # A part that runs one sequence per forward (vLLM's CPU build in determinism
             # mode, `max_num_seqs` 1) has no batch for a row to depend on.
@@ -244,7 +259,8 @@ def format_report(report: Mapping[str, Any]) -> str:
             if "cuda" in info:
                 cuda = info["cuda"]
                 off = [k for k in CUDA_MUST_BE_OFF if not cuda.get(k)]
-                mode += (f", {info.get('gpu')}, CUDA {cuda['cuda_version']}, NCCL {cuda['nccl_version']}, "
+                triton = f", Triton {cuda['triton_version']}" if cuda.get("triton_version") else ""
+                mode += (f", {info.get('gpu')}, CUDA {cuda['cuda_version']}, NCCL {cuda['nccl_version']}{triton}, "
                          f"CUBLAS_WORKSPACE_CONFIG={cuda['cublas_workspace_config']}, off: {' '.join(off) or 'none'}")
         else:
             mode = "no model (environment only)"

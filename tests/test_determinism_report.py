@@ -161,7 +161,7 @@ def test_every_worker_of_a_group_is_named_with_its_rank_and_the_group_must_agree
 
 
 def gpu_part(**cuda_changes):
-    cuda = {"cuda_version": "13.0", "cudnn_version": 91000, "nccl_version": "2.27.7",
+    cuda = {"cuda_version": "13.0", "triton_version": "3.6.0", "cudnn_version": 91000, "nccl_version": "2.27.7",
             "bf16_reduced_precision_reduction": True, "fp16_reduced_precision_reduction": True,
             "tf32_matmul": False, "tf32_cudnn": False, "cublas_workspace_config": ":4096:8", "nccl_env": {}}
     return {**model_part(dtype="bfloat16"), "kernels": "triton", "device": "cuda:0", "gpu": "NVIDIA H200",
@@ -175,7 +175,8 @@ def test_gpu_parts_agree_and_show_their_cuda_settings():
     assert report["problems"] == [] and report["verdict"] == "full determinism: on, all parts agree"
     text = format_report(report)
     assert "placement: device cuda, worker_gpus 0.7, rollout_gpus 0.15" in text
-    assert "NVIDIA H200, CUDA 13.0, NCCL 2.27.7, CUBLAS_WORKSPACE_CONFIG=:4096:8, off: tf32_matmul tf32_cudnn" in text
+    assert ("NVIDIA H200, CUDA 13.0, NCCL 2.27.7, Triton 3.6.0, CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+            "off: tf32_matmul tf32_cudnn") in text
 
 
 def test_tf32_on_a_gpu_part_is_a_problem_with_full_determinism():
@@ -183,6 +184,19 @@ def test_tf32_on_a_gpu_part_is_a_problem_with_full_determinism():
                        "rollout replica 1": gpu_part()})
     report = build_report(parts, full_determinism=True, seed=SEED)
     assert report["problems"] == ["rollout replica 0: CUDA tf32_matmul on (expected off, as full_determinism=true)"]
+
+
+@pytest.mark.parametrize("value,flagged", [("1", True), ("true", True), ("0", False), ("", False)])
+def test_triton_forced_off_fp_fusion_is_a_problem_with_full_determinism(value, flagged):
+    """The kernels pin FP fusion on; only TRITON_FORCE_DISABLE_FP_FUSION overrides that."""
+    env = {**determinism_env(SEED, True), "TRITON_FORCE_DISABLE_FP_FUSION": value}
+    parts = run_parts({"actor": gpu_part(), "rollout replica 0": {**gpu_part(), "env": env},
+                       "rollout replica 1": gpu_part()})
+    problems = build_report(parts, full_determinism=True, seed=SEED)["problems"]
+    expected = [f"rollout replica 0: TRITON_FORCE_DISABLE_FP_FUSION={value} changes the Triton kernels' bits "
+                "(they pin FP fusion on); unset it"]
+    assert problems == (expected if flagged else [])
+    assert "TRITON_FORCE_DISABLE_FP_FUSION" in visible_env(env)
 
 
 def test_policy_parts_on_different_devices_are_a_problem():

@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reprorl.kernels.gpu.interpret import INTERPRETED
+from reprorl.kernels.gpu.launch import PINNED
 from reprorl.kernels.shared import check_batched_attention
 
 BLOCK_M = 64
@@ -224,7 +225,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, with_lse: bool) -
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         tq, tk, hkv, group, d**-0.5 * LOG2E,
         IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32, D=d, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, WRITE_LSE=with_lse, num_warps=NUM_WARPS, num_stages=2,
+        BLOCK_N=BLOCK_N, WRITE_LSE=with_lse, num_warps=NUM_WARPS, num_stages=2, **PINNED,
     )
     return out, lse
 
@@ -255,9 +256,9 @@ class _Attention(torch.autograd.Function):
                   "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS if d <= 64 else 8}
         if b and tq and tk:
             _attention_dkdv_kernel[(triton.cdiv(tk, BLOCK_N), b * hkv)](q, k, v, do, lse, delta, dk, dv, starts,
-                                                                        *args, **consts)
+                                                                        *args, **consts, **PINNED)
             _attention_dq_kernel[(triton.cdiv(group * tq, BLOCK_M), b * hkv)](q, k, v, do, lse, delta, dq, starts,
-                                                                              *args, **consts)
+                                                                              *args, **consts, **PINNED)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
         return dq, dk, dv, None

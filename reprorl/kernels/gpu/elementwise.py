@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reprorl.kernels.gpu.launch import PINNED
+
 BLOCK = 1024
 
 
@@ -33,7 +35,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK)
+        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, **PINNED)
     return out
 
 
@@ -58,7 +60,7 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Ten
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
     if n:
-        _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, grad, dgate, dup, n, BLOCK=BLOCK)
+        _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, grad, dgate, dup, n, BLOCK=BLOCK, **PINNED)
     return dgate, dup
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reprorl.kernels.gpu.launch import PINNED
 from reprorl.kernels.gpu.sampling import _scaled_block
 from reprorl.kernels.gpu.softmax import _rows, _tree_sum, lane_update, row_launch, row_stats
 
@@ -98,7 +99,7 @@ def _forward(logits: Tensor, tokens: Tensor, temperature: float, with_entropy: b
     entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=rows.device)
     if n and v:
         _token_log_probs_kernel[(n,)](rows, toks, out, log_z, entropy if with_entropy else out, rows.stride(0), v,
-                                      temperature, WITH_ENTROPY=with_entropy, **row_launch(v))
+                                      temperature, WITH_ENTROPY=with_entropy, **row_launch(v), **PINNED)
     return out, log_z, entropy, rows, toks
 
 
@@ -126,7 +127,7 @@ class _TokenLogProbs(torch.autograd.Function):
                 rows, toks, log_z, entropy if g_h is not None else log_z, g_lp if g_lp is not None else log_z,
                 g_h if g_h is not None else log_z, dx, rows.stride(0), dx.stride(0), v, ctx.temperature,
                 HAS_LP=g_lp is not None, HAS_H=g_h is not None,
-                **{k: c for k, c in row_launch(v).items() if k != "LOG2_BLOCK"},  # (no tree sum)
+                **{k: c for k, c in row_launch(v).items() if k != "LOG2_BLOCK"}, **PINNED,  # (no tree sum)
             )
         return dx.reshape(ctx.shape), None, None, None
 

@@ -42,6 +42,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from reprorl.kernels.gpu.interpret import INTERPRETED
+from reprorl.kernels.gpu.launch import PINNED
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             TensorDescriptor.from_tensor(a, [t.block_m, t.block_k]), TensorDescriptor.from_tensor(w, [t.block_n, t.block_k]),
             TensorDescriptor.from_tensor(out, [t.block_m, t.block_n]), bias if bias is not None else weight, m, n, k,
             HAS_BIAS=bias is not None, UPCAST=INTERPRETED, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            GROUP_M=t.group_m, NUM_PROGRAMS=programs, num_warps=t.num_warps, num_stages=t.num_stages,
+            GROUP_M=t.group_m, NUM_PROGRAMS=programs, num_warps=t.num_warps, num_stages=t.num_stages, **PINNED,
         )
         return out.reshape(*x.shape[:-1], n)
     grid = (tiles,)
@@ -213,6 +214,6 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         a.stride(0), a.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, UPCAST=INTERPRETED and x.dtype != torch.float32,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, **PINNED,
     )
     return out.reshape(*x.shape[:-1], n)

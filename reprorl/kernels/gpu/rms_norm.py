@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reprorl.kernels.gpu.launch import PINNED
+
 MAX_WIDTH = 65536  # one block per row; Qwen3-8B's hidden size is 4096
 BACKWARD_ROWS = 32  # rows per backward program: its share of the weight gradient
 
@@ -47,7 +49,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), h, eps,
-                                           BLOCK=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8)
+                                           BLOCK=triton.next_power_of_2(h), num_warps=4 if h <= 4096 else 8,
+                                           **PINNED)
     return out.reshape(x.shape)
 
 
@@ -92,5 +95,5 @@ def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, eps: float) -> tu
     if m:
         _rms_norm_backward_kernel[(programs,)](rows, weight, g, dx, partial, m, h, rows.stride(0), g.stride(0),
                                                dx.stride(0), eps, ROWS=BACKWARD_ROWS, BLOCK=triton.next_power_of_2(h),
-                                               num_warps=4 if h <= 4096 else 8)
+                                               num_warps=4 if h <= 4096 else 8, **PINNED)
     return dx.reshape(x.shape), partial.sum(0).to(weight.dtype)

@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reprorl.kernels.gpu.launch import PINNED
+
 
 @triton.jit
 def _write_rows_kernel(dst_ptr, rows_ptr, src_ptr, C, stride_dst, stride_src, BLOCK: tl.constexpr):
@@ -38,4 +40,4 @@ def write_rows(dst: Tensor, rows: Tensor, src: Tensor) -> None:
     n, c = src.shape
     if n and c:
         block = min(1024, triton.next_power_of_2(c))
-        _write_rows_kernel[(n,)](dst, rows, src, c, dst.stride(0), src.stride(0), BLOCK=block)
+        _write_rows_kernel[(n,)](dst, rows, src, c, dst.stride(0), src.stride(0), BLOCK=block, **PINNED)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reprorl.kernels.gpu.launch import PINNED
 from reprorl.kernels.gpu.softmax import lane_update, row_launch, row_stats
 
 BLOCK = 2048
@@ -63,7 +64,7 @@ def row_cumsum(x: Tensor) -> Tensor:
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     if x.numel():
         _row_cumsum_kernel[(x.shape[0],)](x, out, x.stride(0), out.stride(0), x.shape[1], BLOCK=BLOCK,
-                                          num_warps=NUM_WARPS)
+                                          num_warps=NUM_WARPS, **PINNED)
     return out
 
 
@@ -155,5 +156,6 @@ def sample_rows(logits: Tensor, packed: Tensor) -> tuple[Tensor, Tensor, Tensor]
     if b:
         config = row_launch(v)
         _sample_kernel[(b,)](logits, packed.contiguous(), tokens, log_probs, log_z, logits.stride(0), b, v,
-                             NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(v, config["BLOCK"])), **config)
+                             NUM_BLOCKS=triton.next_power_of_2(triton.cdiv(v, config["BLOCK"])), **config,
+                             **PINNED)
     return tokens, log_probs, log_z
