@@ -135,20 +135,28 @@ class KVCache:
         self.capacity = capacity
 
 
-    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
-        """Copy the first `length` cached tokens of slot `src` into slots `dsts` (a gather and
-        a row write per layer's keys and values, `write_rows`) and set their lengths: the
-        engine's prefix sharing."""
+    def copy_prefixes(self, copies: list[tuple[int, list[int], int]]) -> None:
+        """For each (src, dsts, length): copy the first `length` cached tokens of slot `src`
+        into slots `dsts` and set their lengths (the engine's prefix sharing). All the copies
+        of a step go in one gather and one row write per layer's keys and values
+        (`write_rows`), not one per prompt: on the GPU a step's 32 shared prompts were 32x the
+        launches."""
+        if not copies:
+            return
         _, hkv, cap, _ = self.keys[0].shape
-        pos = torch.arange(length, device=self.device)
-        heads = torch.arange(hkv, device=self.device)[:, None] * cap + pos  # [Hkv, length]: rows in a slot
-        src_rows = (src * hkv * cap + heads).reshape(-1)
-        dst_rows = (torch.tensor(dsts, device=self.device)[:, None, None] * hkv * cap + heads).reshape(-1)
+        src_rows, dst_rows = [], []
+        for src, dsts, length in copies:
+            heads = (torch.arange(hkv)[:, None] * cap + torch.arange(length)).reshape(-1)  # rows of a slot
+            src_rows.append((src * hkv * cap + heads).repeat(len(dsts)))
+            dst_rows.append((torch.tensor(dsts)[:, None] * hkv * cap + heads).reshape(-1))
+        src_rows = torch.cat(src_rows).to(self.device)
+        dst_rows = torch.cat(dst_rows).to(self.device)
         for buf in self.keys + self.values:
             rows = buf.view(-1, buf.shape[-1])
-            write_rows(rows, dst_rows, rows.index_select(0, src_rows).repeat(len(dsts), 1))
-        for d in dsts:
-            self.lengths[d] = length
+            write_rows(rows, dst_rows, rows.index_select(0, src_rows))
+        for _, dsts, length in copies:
+            for d in dsts:
+                self.lengths[d] = length
 
 
 class Attention(nn.Module):

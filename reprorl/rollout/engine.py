@@ -806,9 +806,8 @@ class Engine:
 
     def _copy_shared_prefixes(self, chunks: list[_Chunk]) -> None:
         """Give each follower of a leader whose prompt completed this step a copy of its keys/values."""
-        for c in chunks:
-            if _num_followers(c):
-                self._kv.cache.copy_prefix(c.slot, [f.slot for f in c.seq.followers], len(c.seq.prompt_ids))
+        self._kv.cache.copy_prefixes([(c.slot, [f.slot for f in c.seq.followers], len(c.seq.prompt_ids))
+                                      for c in chunks if _num_followers(c)])
 
     def _forward(self, chunks: list[_Chunk]) -> Tensor:
         """The model's `forward_packed` over the chunks, each in its sequence's slot. -> hidden [N, H]."""
