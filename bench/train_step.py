@@ -337,6 +337,9 @@ def run_trl(args: argparse.Namespace, shape: dict) -> dict:
                          num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
                          num_key_value_heads=shape["num_key_value_heads"], vocab_size=shape["vocab_size"],
                          max_position_embeddings=shape["max_position_embeddings"], tie_word_embeddings=True)
+    if args.device == "cuda":  # TRL's own peak, not the reprorl modes' before it
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(SEED)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     g = torch.Generator().manual_seed(SEED)
