@@ -11,7 +11,9 @@
 #   gputrain the one-GPU training and weight-sync tests, bench/weight_sync.py and bench/train_step.py
 #   gputests the one-GPU training tests alone
 #   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl")
-#   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k y")
+#   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k 'y or z'", parsed as a shell line)
+# A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
+# FAULT_S: a test running longer dumps its stacks, 120 s).
 #   startup  the reward model on the GPU (its gpu test), and bench/startup.py twice: the time from
 #            Trainer start to the first step with every part on the GPU (parts start together)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
@@ -36,10 +38,17 @@ with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installe
   export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 }
 run_tests() {  # name, pytest args...
+  # Verbose, with the stacks of a test still running after FAULT_S (a slow compile or a hang
+  # shows where it is), and SIGINT at the limit so pytest reports what it finished. The log
+  # is copied to $OUT/live.log as it grows, so a call cut short still brings it back.
   local name=$1; shift
-  timeout "${TEST_TIMEOUT:-480}" python3 -m pytest -q -p no:cacheprovider "$@" > "$LOGS/$name.log" 2>&1
+  timeout -s INT "${TEST_TIMEOUT:-480}" python3 -m pytest -v -p no:cacheprovider -o "faulthandler_timeout=${FAULT_S:-120}" \
+    --durations=10 "$@" > "$LOGS/$name.log" 2>&1 &
+  local pid=$!
+  while kill -0 $pid 2>/dev/null; do cp "$LOGS/$name.log" "$OUT/live.log"; sleep 10; done
+  wait $pid; rm -f "$OUT/live.log"  # the step's session.tgz has it
   echo "[$name] $(tail -1 "$LOGS/$name.log")" | summary
-  grep -E "^(FAILED|ERROR)" "$LOGS/$name.log" | head -20 | summary
+  grep -E "(FAILED|ERROR|Timeout)" "$LOGS/$name.log" | head -20 | summary
 }
 
 for step in $steps; do
@@ -86,7 +95,8 @@ for step in $steps; do
       grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step.log" | tail -120 | summary ;;
     pytest)
       with_ray || echo "no .whl: tests that need Ray skip" | summary
-      run_tests pytest_args ${PYTEST_ARGS:?PYTEST_ARGS names the tests} ;;
+      eval "args=(${PYTEST_ARGS:?PYTEST_ARGS names the tests})"  # keeps a quoted -k expression whole
+      run_tests pytest_args "${args[@]}" ;;
     startup)
       with_ray || { echo "no .whl: skipping startup" | summary; continue; }
       run_tests test_reward_gpu tests/reward/test_reward_model.py -m gpu
