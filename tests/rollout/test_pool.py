@@ -2,8 +2,6 @@
 start-up wait that names the pool instead of hanging when Ray cannot place a replica, and
 a failed start that leaves none of the pool's actors alive."""
 
-import time
-
 import pytest
 
 POOLS = [("reprorl.rollout.replica", "ReplicaPool", "RolloutReplica"),
@@ -77,25 +75,11 @@ def _started_actors(monkeypatch) -> list:
     return started
 
 
-def _dead(ray, actor, within_s: float = 10.0) -> bool:
-    """Whether `actor` is dead (its calls raise `RayActorError`) or becomes so within `within_s`:
-    `ray.kill` reaches the actor through Ray's control store, not in call order."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
-        except ray.exceptions.RayActorError:
-            return True
-        except ray.exceptions.GetTimeoutError:
-            return False  # pending (never placed) for the whole wait: alive to Ray, holding its request
-        time.sleep(0.1)
-    return False
-
-
 @pytest.mark.slow  # Ray's start and two replica processes: 10-20 s here
 @pytest.mark.parametrize("module, name, replica", POOLS)
 def test_a_pool_whose_replica_fails_to_start_raises_its_error_and_kills_every_replica(module, name, replica,
-                                                                                      ray_local, monkeypatch):
+                                                                                      ray_local, actor_dead,
+                                                                                      monkeypatch):
     """Replica 1's constructor fails: the pool's constructor raises that error, and replica 0,
     which started fine, is killed with it (nobody holds the pool to shut it down)."""
     import importlib
@@ -108,18 +92,17 @@ def test_a_pool_whose_replica_fails_to_start_raises_its_error_and_kills_every_re
                                                             r"load no-model"):
         pool_cls("no-model", 2, seed=0, full_determinism=True, num_cpus_per_replica=0)
     assert len(started) == 2
-    assert [_dead(ray, a) for a in started] == [True, True]
+    assert [actor_dead(a) for a in started] == [True, True]
 
 
 @pytest.mark.slow  # Ray's start: 5-15 s here
-def test_a_pool_that_ray_cannot_place_in_time_kills_its_replicas_placed_or_not(ray_local, monkeypatch):
+def test_a_pool_that_ray_cannot_place_in_time_kills_its_replicas_placed_or_not(ray_local, actor_dead, monkeypatch):
     """Each of 2 replicas asks for 1.5 of Ray's 2 CPUs: one may start, the other stays pending.
     After `wait_ready`'s timeout, neither is left: the pending one would take the CPUs the
     moment they are free, the placed one holds them."""
     from reprorl.rollout import pool as pool_module
     from reprorl.rollout.replica import ReplicaPool
 
-    ray = ray_local
     monkeypatch.setattr("reprorl.rollout.replica.RolloutReplica", _HealthyReplica)
     monkeypatch.setattr(pool_module, "READY_TIMEOUT_S", 1.0)
     started = _started_actors(monkeypatch)
@@ -127,6 +110,6 @@ def test_a_pool_that_ray_cannot_place_in_time_kills_its_replicas_placed_or_not(r
     with pytest.raises(RuntimeError, match=r"^rollout replicas: [12] of 2 replicas not ready after 1 s; each asks "
                                            r"for 1.5 CPU"):
         pool.wait_ready()
-    assert [_dead(ray, a) for a in started] == [True, True]
+    assert [actor_dead(a) for a in started] == [True, True]
     assert pool.replicas == {}
     pool.shutdown()  # what the trainer's `_stop_parts` then does: nothing left to stop
