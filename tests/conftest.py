@@ -1,11 +1,12 @@
-"""Shared fixtures: the project's tokenizer, a tiny policy, rollout-shaped batches, a local Ray,
-the tolerance of gradients summed in another grouping.
+"""Shared fixtures: the project's tokenizer, a tiny policy, rollout-shaped batches, a local Ray
+and whether one of its actors is dead, the tolerance of gradients summed in another grouping.
 
 Without a CUDA device, Triton kernels run under its interpreter (on CPU tensors), so CI
 checks their arithmetic; the variable must be set before triton is first imported.
 """
 
 import os
+import time
 
 import pytest
 import torch
@@ -38,6 +39,29 @@ def ray_local():
     yield ray
     if started:
         ray.shutdown()
+
+
+def _actor_dead(actor, within_s: float = 10.0) -> bool:
+    """Whether a Ray `actor` is dead (its calls raise `RayActorError`) or becomes so within
+    `within_s`: `ray.kill` reaches it through Ray's control store, not in call order. An
+    actor that stays pending (never placed) is alive: Ray keeps its request."""
+    import ray
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:
+            return True
+        except ray.exceptions.GetTimeoutError:
+            return False
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def actor_dead():
+    return _actor_dead
 
 
 @pytest.fixture(scope="session")

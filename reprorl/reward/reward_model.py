@@ -26,7 +26,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import ray
 import torch
 
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
@@ -278,9 +277,3 @@ class RewardModelPool(ReplicaPoolBase):
             replaced = self._replace_dead({chunks[j][0] for j in dead}, "score")
             chunks = {j: (replaced[rid], a, b) for j, (rid, a, b) in chunks.items() if j in dead}
         return torch.cat([scores[j] for j in sorted(scores)])
-
-    def shutdown(self) -> None:
-        """Kill every replica actor (Ray itself stays up: others may use it)."""
-        for r in self.replicas.values():
-            ray.kill(r)
-        self.replicas = {}

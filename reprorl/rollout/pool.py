@@ -7,10 +7,13 @@ are both `ReplicaPoolBase`s:
   into the user's `runtime_env`, and starts every replica actor at once with the same
   arguments but its id. With `wait=False` it returns then, so a trainer starts its pools
   and worker groups together (reprorl/trainer/fit.py); `wait_ready()` waits.
-- `wait_ready()` waits with a timeout (the module's `wait_ready`): Ray keeps an actor
-  pending forever when its CPUs are never free, so it fails naming the pool and the CPUs
-  asked for and free instead of hanging; a replica whose constructor failed raises its
-  own error. It keeps the first replica's `determinism_info()`: what a replacement must equal.
+- `wait_ready()` waits with a timeout (`wait_for_actors`): Ray keeps an actor pending
+  forever when its CPUs are never free, so it fails naming the pool and the CPUs asked
+  for and free instead of hanging; a replica whose constructor failed raises its own
+  error. It keeps the first replica's `determinism_info()`: what a replacement must equal.
+- A start that fails (asking Ray for the replicas, or `wait_ready()`) kills every replica
+  the pool started, the healthy ones too, then raises its error unchanged: the caller
+  has no pool to shut down, and a live replica would keep its CPUs and GPU memory.
 - A replica found dead is replaced within the run's `Restarts` budget
   (`reprorl.rollout.supervision.replace_dead`), by a new actor with the next unused id,
   brought up by the pool's `_bring_up` (the rollout pool: the current weights).
@@ -20,9 +23,10 @@ Which CPUs a replica asks for by default: `replica_cpus`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import ray
@@ -62,10 +66,10 @@ def replica_cpus(num_replicas: int, free: float | None = None) -> float:
     return min(1.0, free / (2 * num_replicas))
 
 
-READY_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 600.0  # read by the pools at each wait, so that a test can shorten it
 
 
-def wait_ready(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_for_actors(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Wait until every actor answers `ready`; fail with the reason instead of hanging.
 
     Ray keeps an actor pending forever when its resources are never free; this names the
@@ -90,7 +94,7 @@ class ReplicaPoolBase:
     constructor calls this one (Ray, the environment, the budget, the CPUs: before any
     choice that asks Ray, such as vLLM's GPUs), then `_start_replicas`. Each actor is made as
     `replica_cls(replica_id, model_path, options, expected_env)` and answers `ready()` and
-    `determinism_info()`.
+    `determinism_info()`. `shutdown()` kills them (the rollout pool stops their engines first).
     """
 
     KIND: str  # e.g. "rollout replica"
@@ -140,31 +144,58 @@ class ReplicaPoolBase:
                                                       runtime_env=self.runtime_env)
         self._options = options
         self.max_num_seqs = max_num_seqs
-        self.replicas: dict[int, Any] = {i: self._start(i) for i in range(num_replicas)}
+        self.replicas: dict[int, Any] = {}
         self._new_ids = itertools.count(num_replicas)  # a replacement's id: never one used before
         self.first_info: dict[str, Any] | None = None  # what a replacement must equal; set by wait_ready
+        with self._killed_on_failure():
+            for i in range(num_replicas):
+                self.replicas[i] = self._start(i)
         if wait:
             self.wait_ready()
 
     def wait_ready(self) -> None:
         """Block until every replica has started (its error if one failed; a RuntimeError naming
-        the CPUs when Ray cannot place them). Done by the constructor unless `wait=False` (then
-        call this before any other method); a second call returns at once."""
+        the CPUs when Ray cannot place them; either way every replica is killed first). Done by
+        the constructor unless `wait=False` (then call this before any other method); a second
+        call returns at once."""
         if self.first_info is not None:
             return
-        wait_ready(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica)
-        self.first_info = ray.get(self.replicas[0].determinism_info.remote())
+        with self._killed_on_failure():
+            wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica,
+                            timeout_s=READY_TIMEOUT_S)
+            self.first_info = ray.get(self.replicas[0].determinism_info.remote())
         if self.backend == "vllm":
             from reprorl.rollout.vllm_replica import warn_if_serialized
 
             warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
 
+    @contextlib.contextmanager
+    def _killed_on_failure(self) -> Iterator[None]:
+        """Kill every replica if the block raises (an interrupt too), then let its error go on unchanged.
+
+        Not `shutdown`: the rollout pool's would wait up to 30 s on engines that never started."""
+        try:
+            yield
+        except BaseException:
+            self._kill_replicas()
+            raise
+
+    def _kill_replicas(self) -> None:
+        for r in self.replicas.values():
+            ray.kill(r)
+        self.replicas = {}
+
+    def shutdown(self) -> None:
+        """Kill every replica actor (Ray itself stays up: others may use it)."""
+        self._kill_replicas()
+
     def _start(self, replica_id: int) -> Any:
         return self._actor.remote(replica_id, self.model_path, self._options, self.env)
 
     def _start_ready(self, replica_id: int) -> Any:
+        """A replacement, started and ready (`replace_dead` kills it if this raises)."""
         actor = self._start(replica_id)
-        wait_ready([actor], f"{self.KIND} {replica_id}", self.num_cpus_per_replica)
+        wait_for_actors([actor], f"{self.KIND} {replica_id}", self.num_cpus_per_replica, timeout_s=READY_TIMEOUT_S)
         return actor
 
     def determinism_info(self) -> dict[int, dict[str, Any]]:

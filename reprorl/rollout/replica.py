@@ -344,7 +344,5 @@ class ReplicaPool(ReplicaPoolBase):
         """Stop and kill every replica actor (Ray itself stays up: others may use it)."""
         # A replica that already died answers with an error: it is being removed anyway.
         ray.wait([r.shutdown.remote() for r in self.replicas.values()], num_returns=len(self.replicas), timeout=30)
-        for r in self.replicas.values():
-            ray.kill(r)
-        self.replicas = {}
+        self._kill_replicas()
         self._pushes = []

@@ -137,7 +137,7 @@ def replace_dead(
     a new actor `kind <next of new_ids>`; returns {dead id: new id}.
 
     Per dead actor: charge `restarts` (`FaultError` past the limit), `start(new_id)` (the
-    new handle, e.g. after `wait_ready`), compare its `determinism_info()` with
+    new handle, e.g. after `pool.wait_for_actors`), compare its `determinism_info()` with
     `reference_info` (the pool's first part) on `MODE_KEYS`, since a replacement must run
     exactly like the part it replaces, then `bring_up(actor)` (e.g. load the current
     weights and check their version; returns a note for the log). Any failure kills the

@@ -189,6 +189,29 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_then_a_killed_worker_is_named(t
         group.shutdown()  # a no-op after the failure
 
 
+class _FailingWorker:
+    """A `ShardWorker` stand-in whose constructor fails on rank 1 only."""
+
+    def __init__(self, role: str, rank: int, world_size: int, model_path: str, **options) -> None:
+        if rank == 1:
+            raise ValueError(f"rank {rank} cannot load {model_path}")
+
+    def ready(self) -> int:
+        return 0
+
+
+def test_a_rank_that_fails_to_start_is_named_and_its_peers_are_killed(ray_local, actor_dead, monkeypatch):
+    """Started as the trainer starts it (wait=False): rank 1's constructor fails, `wait_ready`
+    names it, and rank 0, which started fine, does not outlive the group."""
+    monkeypatch.setattr("reprorl.workers.group.ShardWorker", _FailingWorker)
+    group = WorkerGroup("actor", 2, "no-model", optim=None, seed=1, full_determinism=True, wait=False)
+    workers = list(group.workers)
+    with pytest.raises(WorkerError, match=r"^actor worker 1 died during start-up; the actor group is stopped$"):
+        group.wait_ready()
+    assert [actor_dead(w) for w in workers] == [True, True]
+    assert group.workers == []
+
+
 def test_weight_digests_on_rank_0_are_the_drivers(tiny_policy_dir, ray_local, tmp_path):
     """The fingerprint's digests computed by rank 0 (bf16 weights, as on the GPU) are the
     ones the driver computes from `named_weights`, in the same order: the same record."""
