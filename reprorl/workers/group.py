@@ -27,7 +27,9 @@ processes are killed (they would wait for it in a collective).
 Start-up: the constructor asks Ray for the processes and waits until every rank is ready
 (loaded, kernels checked, in the process group). With `wait=False` it returns at once and
 `wait_ready()` does the waiting, so a trainer starts all its parts together
-(reprorl/trainer/fit.py).
+(reprorl/trainer/fit.py). A start-up that fails, or that Ray has not placed within the
+replica pools' `READY_TIMEOUT_S` (a GPU share never free), raises `WorkerError` and leaves
+no rank running.
 """
 
 from __future__ import annotations
@@ -72,9 +74,10 @@ class WorkerGroup:
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
         self.role, self.num_workers = role, num_workers
+        self.num_gpus = (1 if device == "cuda" else 0) if num_gpus is None else num_gpus
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
         remote = ray.remote(ShardWorker).options(
-            num_cpus=0, num_gpus=(1 if device == "cuda" else 0) if num_gpus is None else num_gpus,
+            num_cpus=0, num_gpus=self.num_gpus,
             runtime_env=ray_runtime_env(env),
         )
         batch_invariant = full_determinism if batch_invariant is None else batch_invariant
@@ -95,12 +98,32 @@ class WorkerGroup:
         (then call this before any other method); a second call returns at once."""
         if self._starting is None:
             return
-        self._wait(self._starting, "start-up", ranks=list(range(self.num_workers)))
-        self._starting = None
-        address = self._call_one(0, "address")
-        self._call("join", address, what="joining the process group")
-        self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
-        self.layout = self._call_one(0, "layout_json")
+        try:
+            self._wait_placed(self._starting)
+            self._wait(self._starting, "start-up", ranks=list(range(self.num_workers)))
+            self._starting = None
+            address = self._call_one(0, "address")
+            self._call("join", address, what="joining the process group")
+            self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
+            self.layout = self._call_one(0, "layout_json")
+        except BaseException:  # a failure (or Ctrl-C) at start-up leaves no rank running
+            self._kill()
+            raise
+
+    def _wait_placed(self, starting: list[Any]) -> None:
+        """Fail, instead of waiting forever, when Ray has not started every rank within the
+        pools' `READY_TIMEOUT_S`: a rank whose GPU share is never free stays pending."""
+        from reprorl.rollout import pool  # read at each wait, so that a test can shorten it
+
+        _, pending = ray.wait(starting, num_returns=len(starting), timeout=pool.READY_TIMEOUT_S)
+        if pending:
+            ranks = ", ".join(str(starting.index(ref)) for ref in pending)
+            free = ray.available_resources().get("GPU", 0.0)
+            raise WorkerError(
+                f"{self.role} workers {ranks} of {self.num_workers} not started after {pool.READY_TIMEOUT_S:.0f} s "
+                f"(not placed by Ray, or still loading); each asks Ray for {self.num_gpus:g} GPU and {free:g} are "
+                "free (trainer.num_workers, or resources.gpu_share_rollout on a shared GPU)"
+            )
 
     # ---------------------------------------------------------------- calls
 

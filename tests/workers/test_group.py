@@ -212,6 +212,20 @@ def test_a_rank_that_fails_to_start_is_named_and_its_peers_are_killed(ray_local,
     assert group.workers == []
 
 
+def test_a_rank_ray_cannot_place_fails_after_the_timeout_and_no_rank_outlives_it(ray_local, actor_dead, monkeypatch):
+    """Ranks asking for a GPU that this Ray does not have stay pending: `wait_ready` names
+    them and the GPUs asked and free after READY_TIMEOUT_S, instead of waiting forever."""
+    monkeypatch.setattr("reprorl.workers.group.ShardWorker", _FailingWorker)
+    monkeypatch.setattr("reprorl.rollout.pool.READY_TIMEOUT_S", 1.0)
+    group = WorkerGroup("critic", 2, "no-model", optim=None, seed=1, full_determinism=True, num_gpus=1, wait=False)
+    workers = list(group.workers)
+    with pytest.raises(WorkerError, match=r"^critic workers 0, 1 of 2 not started after 1 s \(not placed by Ray, or "
+                                          r"still loading\); each asks Ray for 1 GPU and 0 are free"):
+        group.wait_ready()
+    assert [actor_dead(w) for w in workers] == [True, True]
+    assert group.workers == []
+
+
 def test_weight_digests_on_rank_0_are_the_drivers(tiny_policy_dir, ray_local, tmp_path):
     """The fingerprint's digests computed by rank 0 (bf16 weights, as on the GPU) are the
     ones the driver computes from `named_weights`, in the same order: the same record."""
