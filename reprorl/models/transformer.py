@@ -361,8 +361,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        # (the check reads a device value: skipped while a CUDA graph is being captured)
+    def _rope(self, positions: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
+        """The rotary tables at `positions`, which must be inside them. `bound`: an upper bound
+        of the positions known on the host; when it is inside the tables the check reads nothing
+        from the device (on a GPU, reading positions.max() waits for the queue: once a forward).
+        Otherwise the check reads the max, except while a CUDA graph is being captured."""
+        if bound is not None and bound < self.rope_cos.shape[0]:
+            return self.rope_cos[positions], self.rope_sin_rot[positions]
         capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
         if positions.numel() and not capturing and int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(
@@ -380,9 +385,11 @@ class Transformer(nn.Module):
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        if position_ids is None:
+        bound = None
+        if position_ids is None:  # each below the row's length: at most T - 1
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        cos, sin = self._rope(position_ids)
+            bound = input_ids.shape[-1] - 1
+        cos, sin = self._rope(position_ids, bound)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for layer in self.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
@@ -419,7 +426,7 @@ class Transformer(nn.Module):
                     f"KVCache slot {s} of capacity {cache.capacity} holds {start} tokens; cannot add {n}"
                 )
         plan = _PackPlan(seq_lens, slots, starts, input_ids.device)
-        cos, sin = self._rope(plan.positions)
+        cos, sin = self._rope(plan.positions, max((start + n for n, start in zip(seq_lens, starts)), default=0) - 1)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for i, layer in enumerate(self.layers):
             x = layer.forward_packed(x, cos, sin, plan, cache, i, self.kernels)

@@ -210,6 +210,20 @@ def test_bfloat16_plain_path_runs_close_to_float32():
     torch.testing.assert_close(packed.float(), reference[0], rtol=0, atol=1e-1)
 
 
+def test_padded_forward_checks_positions_against_the_rope_tables():
+    """Wider than the tables (512 positions) is fine while padding keeps every position inside
+    them (the host bound T - 1 is past them, so the check reads the positions), and an error
+    naming the position when a real token is past them."""
+    model = build()
+    ids = torch.randint(3, model.args.vocab_size, (1, 520), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[:, :10] = 0  # left padding: positions 0..509
+    with torch.inference_mode():
+        assert model(ids, mask).shape == (1, 520, model.args.vocab_size)
+        with pytest.raises(ValueError, match="position 519 is past max_position_embeddings=512"):
+            model(ids)
+
+
 def test_forward_packed_of_no_sequences():
     """An empty pack is a no-op, not an indexing error (it once built float index tensors)."""
     model = build()
