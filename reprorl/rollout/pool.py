@@ -66,15 +66,17 @@ def replica_cpus(num_replicas: int, free: float | None = None) -> float:
     return min(1.0, free / (2 * num_replicas))
 
 
-READY_TIMEOUT_S = 600.0  # read by the pools at each wait, so that a test can shorten it
+READY_TIMEOUT_S = 600.0  # read at each wait (not bound as a default), so that a test can shorten it
 
 
-def wait_for_actors(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until every actor answers `ready`; fail with the reason instead of hanging.
+def wait_for_actors(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float | None = None) -> None:
+    """Wait until every actor answers `ready` (within `timeout_s`, default READY_TIMEOUT_S);
+    fail with the reason instead of hanging.
 
     Ray keeps an actor pending forever when its resources are never free; this names the
     pool, how many replicas are missing and the CPUs asked for and free.
     """
+    timeout_s = READY_TIMEOUT_S if timeout_s is None else timeout_s
     refs = [a.ready.remote() for a in actors]
     done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
@@ -161,8 +163,7 @@ class ReplicaPoolBase:
         if self.first_info is not None:
             return
         with self._killed_on_failure():
-            wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica,
-                            timeout_s=READY_TIMEOUT_S)
+            wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica)
             self.first_info = ray.get(self.replicas[0].determinism_info.remote())
         if self.backend == "vllm":
             from reprorl.rollout.vllm_replica import warn_if_serialized
@@ -195,7 +196,7 @@ class ReplicaPoolBase:
     def _start_ready(self, replica_id: int) -> Any:
         """A replacement, started and ready (`replace_dead` kills it if this raises)."""
         actor = self._start(replica_id)
-        wait_for_actors([actor], f"{self.KIND} {replica_id}", self.num_cpus_per_replica, timeout_s=READY_TIMEOUT_S)
+        wait_for_actors([actor], f"{self.KIND} {replica_id}", self.num_cpus_per_replica)
         return actor
 
     def determinism_info(self) -> dict[int, dict[str, Any]]:
