@@ -15,6 +15,9 @@ from torch import Tensor
 from reprorl.kernels.gpu.launch import PINNED
 
 BLOCK = 1024
+# (token, head) rows of the rotary a program: one row of a 64-wide head is 128 bytes in bf16,
+# far too little work for a program (one a row ran at a tenth of the memory bandwidth).
+ROTARY_ROWS = 32
 
 
 @triton.jit
@@ -65,20 +68,22 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Ten
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xt, stride_xh, stride_ct, stride_st,
-                   D: tl.constexpr):
-    # One program per (token, head): out = x * cos + roll(x, D/2) * sin_rot, products in x's dtype.
-    pid = tl.program_id(0).to(tl.int64)
-    t, h = pid // H, pid % H
-    d = tl.arange(0, D)
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, stride_xt, stride_xh, stride_ct, stride_st,
+                   D: tl.constexpr, BLOCK_R: tl.constexpr):
+    # BLOCK_R (token, head) rows a program: out = x * cos + roll(x, D/2) * sin_rot, products
+    # in x's dtype. Each entry's arithmetic is its own, so the block moves no bit.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    mask = r < R
+    t, h = r // H, r % H
+    d = tl.arange(0, D)[None, :]
     x_row = x_ptr + t * stride_xt + h * stride_xh
-    x = tl.load(x_row + d).to(tl.float32)
-    rolled = tl.load(x_row + (d + D // 2) % D).to(tl.float32)
+    x = tl.load(x_row + d, mask=mask).to(tl.float32)
+    rolled = tl.load(x_row + (d + D // 2) % D, mask=mask).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    c = tl.load(cos_ptr + t * stride_ct + d).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + d).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=mask).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + d, mask=mask).to(dt).to(tl.float32)
     y = (x * c).to(dt).to(tl.float32) + (rolled * s).to(dt).to(tl.float32)
-    tl.store(out_ptr + pid * D + d, y.to(dt))
+    tl.store(out_ptr + r * D + d, y.to(dt), mask=mask)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
@@ -92,35 +97,38 @@ def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
 
 
 def _rotary_launch(kernel, src: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
-    """`kernel` (the rotation or its gradient) over src [..., H, D], one program per (token,
-    head), into a new tensor of src's shape and dtype."""
+    """`kernel` (the rotation or its gradient) over src [..., H, D], ROTARY_ROWS (token, head)
+    rows a program, into a new tensor of src's shape and dtype."""
     *_, h, d = src.shape
     rows = src.reshape(-1, h, d)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     c, s = cos.reshape(-1, d).contiguous(), sin_rot.reshape(-1, d).contiguous()
     out = torch.empty(rows.shape, dtype=src.dtype, device=src.device)
-    if rows.numel():
-        kernel[(rows.shape[0] * h,)](rows, c, s, out, h, rows.stride(0), rows.stride(1), c.stride(0), s.stride(0), D=d)
+    n = rows.shape[0] * h
+    if n:
+        kernel[(triton.cdiv(n, ROTARY_ROWS),)](rows, c, s, out, n, h, rows.stride(0), rows.stride(1), c.stride(0),
+                                               s.stride(0), D=d, BLOCK_R=ROTARY_ROWS, **PINNED)
     return out.reshape(src.shape)
 
 
 @triton.jit
-def _rotary_backward_kernel(g_ptr, cos_ptr, sin_ptr, dx_ptr, H, stride_gt, stride_gh, stride_ct, stride_st,
-                            D: tl.constexpr):
+def _rotary_backward_kernel(g_ptr, cos_ptr, sin_ptr, dx_ptr, R, H, stride_gt, stride_gh, stride_ct, stride_st,
+                            D: tl.constexpr, BLOCK_R: tl.constexpr):
     # y[i] = x[i] c[i] + x[i + D/2] s[i] (indices mod D), so
     # dx[j] = g[j] c[j] + g[j + D/2] s[j + D/2]: the forward's pattern with sin read rolled.
-    pid = tl.program_id(0).to(tl.int64)
-    t, h = pid // H, pid % H
-    d = tl.arange(0, D)
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
+    mask = r < R
+    t, h = r // H, r % H
+    d = tl.arange(0, D)[None, :]
     rolled = (d + D // 2) % D
     g_row = g_ptr + t * stride_gt + h * stride_gh
     dt = dx_ptr.dtype.element_ty
-    g = tl.load(g_row + d).to(tl.float32)
-    g_rolled = tl.load(g_row + rolled).to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_ct + d).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + t * stride_st + rolled).to(dt).to(tl.float32)
-    tl.store(dx_ptr + pid * D + d, (g * c + g_rolled * s).to(dt))
+    g = tl.load(g_row + d, mask=mask).to(tl.float32)
+    g_rolled = tl.load(g_row + rolled, mask=mask).to(tl.float32)
+    c = tl.load(cos_ptr + t * stride_ct + d, mask=mask).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_st + rolled, mask=mask).to(dt).to(tl.float32)
+    tl.store(dx_ptr + r * D + d, (g * c + g_rolled * s).to(dt), mask=mask)
 
 
 def apply_rotary_backward(grad: Tensor, x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
