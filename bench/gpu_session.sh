@@ -3,7 +3,8 @@
 # packed into $OUT/session.tgz (a call brings back at most 8 files) and a summary in
 # $OUT/summary.txt, both rewritten after each step. Steps (default: all):
 #   tests    the gpu kernel tests, and the kernel tests on CUDA and on the host CPU
-#   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep)
+#   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep, at the row counts
+#            SWEEP_ROWS, e.g. "64"; SKIP_OPS=1 leaves out the single ops)
 #   xeon     the kernel benchmarks on the host CPU
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
@@ -58,7 +59,7 @@ for step in $steps; do
       run_tests test_gpu tests/kernels/test_gpu.py
       run_tests test_kernels tests/kernels/test_invariant_kernels.py ;;
     bench)
-      python3 bench/kernels.py ${SWEEP:+--sweep} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
+      python3 bench/kernels.py ${SWEEP:+--sweep} ${SWEEP_ROWS:+--sweep-rows $SWEEP_ROWS} ${SKIP_OPS:+--skip-ops} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
       tail -75 "$LOGS/bench_cuda.log" | summary ;;
     tilebits)
       python3 bench/tile_bits.py --out "$LOGS/tile_bits.json" > "$LOGS/tile_bits.log" 2>&1

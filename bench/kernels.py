@@ -179,24 +179,22 @@ def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype
     return out
 
 
-def sweep_tiles(results: dict) -> None:
-    """Time candidate tiles for each bf16 linear shape at M = 64, 256, 4096 (over cuBLAS's
-    time): the data behind `matmul.tile_for`, which takes the fastest per row bucket."""
+def sweep_tiles(results: dict, row_counts=(64, 256, 4096)) -> None:
+    """Time the candidate tiles (`matmul.CANDIDATE_TILES`) for each bf16 linear shape at each
+    row count (over cuBLAS's time): the data behind `matmul.tile_for`, which takes the fastest
+    per row bucket."""
     import triton
 
     from reprorl.kernels.gpu import matmul as tl_matmul
 
-    candidates = [tl_matmul.Tile(bm, bn, bk, w, s, tma=tma) for bm, bn, bk, w, s in (
-        (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-        (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 3))
-        for tma in (False, True)]
+    candidates = tl_matmul.CANDIDATE_TILES
     rows = []
     original = tl_matmul.tile_for
     try:
         for model in QWEN:
             for name, (k, n) in linear_shapes(model).items():
                 w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-                xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in (64, 256, 4096)}
+                xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in row_counts}
                 stock = {m: gpu_time_ms(lambda: F.linear(x, w)) for m, x in xs.items()}
                 for tile in candidates:
                     tl_matmul.tile_for = lambda n_, k_, d_, m_, tile=tile: tile
@@ -222,6 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--sweep", action="store_true", help="time candidate Triton tiles per linear shape")
+    parser.add_argument("--sweep-rows", type=int, nargs="+", default=[64, 256, 4096], help="row counts the sweep times")
     parser.add_argument("--skip-ops", action="store_true", help="only the whole forwards")
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/kernels_<device>.json)")
     args = parser.parse_args()
@@ -234,7 +233,7 @@ def main() -> None:
         results.update(gpu=torch.cuda.get_device_name(), triton=triton.__version__)
         torch.backends.cuda.matmul.allow_tf32 = False
         if args.sweep:
-            sweep_tiles(results)
+            sweep_tiles(results, args.sweep_rows)
         if not args.skip_ops:
             bench_ops_cuda(results)
         results["forward"] = (whole_forward("qwen2.5-0.5b", None, "cuda", torch.bfloat16, (64, 256, 4096), gpu_time_ms)

@@ -2,7 +2,7 @@
 
 The batch-invariant linear (reprorl/kernels/gpu/matmul.py) keeps one tile per (N, K, dtype)
 so that a row's arithmetic never depends on M. This probe computes the same product with
-every candidate tile of the sweep, on both kernels, and groups the tiles whose outputs are
+every candidate tile (`matmul.CANDIDATE_TILES`, both kernels), and groups the tiles whose outputs are
 bitwise equal: the evidence for or against choosing tiles by M as well.
 
     python bench/tile_bits.py [--out bench/results/tile_bits.json]
@@ -20,9 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHAPES = {"0.5b q": (896, 896), "0.5b gate": (896, 4864), "7b k/v": (3584, 512), "7b down": (18944, 3584)}
-TILES = [(64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-         (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 3), (64, 32, 64, 4, 4),
-         (64, 16, 64, 4, 4)]
+
 
 
 def main() -> None:
@@ -41,21 +39,20 @@ def main() -> None:
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
             groups: list[tuple[torch.Tensor, list[str]]] = []
-            for bm, bn, bk, warps, stages in TILES:
-                for tma in (True, False):
-                    tile = tl_matmul.Tile(bm, bn, bk, warps, stages, tma=tma)
-                    tl_matmul.tile_for = lambda n_, k_, d_, m_, tile=tile: tile
-                    try:
-                        out = tl_matmul.matmul(x, w)
-                    except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
-                        continue
-                    name = f"{bm}x{bn}x{bk} w{warps} s{stages} {'tma' if tma else 'ptr'}"
-                    for ref, names in groups:
-                        if torch.equal(ref, out):
-                            names.append(name)
-                            break
-                    else:
-                        groups.append((out, [name]))
+            for tile in tl_matmul.CANDIDATE_TILES:
+                tl_matmul.tile_for = lambda n_, k_, d_, m_, tile=tile: tile
+                try:
+                    out = tl_matmul.matmul(x, w)
+                except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError):
+                    continue
+                name = (f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.num_warps} s{tile.num_stages} "
+                        f"{'tma' if tile.tma else 'ptr'}")
+                for ref, names in groups:
+                    if torch.equal(ref, out):
+                        names.append(name)
+                        break
+                else:
+                    groups.append((out, [name]))
             print(f"{label} {k}->{n}: {len(groups)} distinct results", flush=True)
             for _, names in groups:
                 print(f"    {', '.join(names)}")

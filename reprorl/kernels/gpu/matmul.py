@@ -11,7 +11,7 @@ sequences or in a 4096-token training micro-batch. cuBLAS picks its kernel and i
 from M, which is why it is not row-invariant at every shape (ENVIRONMENT.md).
 
 That tiles do not change bits is also measured, not only argued: bench/tile_bits.py found
-the outputs of 11 tiles (16..128 rows x 16..256 columns x 64..128 k) on both kernels
+the outputs of 11 tiles (64..128 rows x 16..256 columns x 64..128 k) on both kernels
 bitwise equal at four Qwen shapes (H200, triton 3.6); tests/kernels/test_gpu.py compares
 rows alone with rows inside batches of up to 4096, across all the row buckets below, at
 every linear of four Qwen models; and the start-up check (`reprorl.kernels.check`) puts a
@@ -56,6 +56,16 @@ class Tile:
     tma: bool = True
     """16-bit inputs on Hopper: the TMA persistent kernel (else the plain one)."""
 
+
+CANDIDATE_TILES = tuple(Tile(bm, bn, bk, warps, stages, tma=tma) for bm, bn, bk, warps, stages in (
+    (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 8, 3), (64, 64, 128, 4, 3),
+    # Narrow: one row of 64-wide tiles is 14 programs for 132 SMs at 0.5B's down projection.
+    (64, 32, 64, 4, 4), (64, 16, 64, 4, 4), (64, 32, 128, 4, 3), (64, 16, 128, 4, 3), (64, 32, 256, 4, 3),
+    (64, 16, 256, 4, 3)) for tma in (False, True))
+"""The tiles `tile_for` may choose from: the ones bench/kernels.py --sweep times and
+bench/tile_bits.py checks for equal bits (tests/kernels/test_matmul_tiles.py holds the table
+to it)."""
 
 ROW_BUCKETS = (128, 1024)
 """Row counts where the 16-bit tile changes: M <= 128, M <= 1024, larger."""
