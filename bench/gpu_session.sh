@@ -6,6 +6,8 @@
 #   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep, at the row counts
 #            SWEEP_ROWS, e.g. "64"; SKIP_OPS=1 leaves out the single ops)
 #   xeon     the kernel benchmarks on the host CPU
+#   cpuplans bench/cpu_plans.py on the host CPU, at its 16 threads and at 1: how the CPU linear should
+#            split its work there
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
 #            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
@@ -61,6 +63,10 @@ for step in $steps; do
     bench)
       python3 bench/kernels.py ${SWEEP:+--sweep} ${SWEEP_ROWS:+--sweep-rows $SWEEP_ROWS} ${SKIP_OPS:+--skip-ops} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
       tail -75 "$LOGS/bench_cuda.log" | summary ;;
+    cpuplans)
+      python3 bench/cpu_plans.py --out "$LOGS/cpu_plans_xeon.json" > "$LOGS/cpu_plans.log" 2>&1
+      python3 bench/cpu_plans.py --threads 1 --out "$LOGS/cpu_plans_xeon_1.json" >> "$LOGS/cpu_plans.log" 2>&1
+      grep -v "^wrote" "$LOGS/cpu_plans.log" | summary ;;
     tilebits)
       python3 bench/tile_bits.py --out "$LOGS/tile_bits.json" > "$LOGS/tile_bits.log" 2>&1
       cat "$LOGS/tile_bits.log" | summary ;;

@@ -128,13 +128,17 @@ def bench_ops_cuda(results: dict) -> None:
     results["ops"] = rows
 
 
+def cpu_linear_shapes() -> dict[str, tuple[int, int]]:
+    """(K, N) of the linears the CPU benches time: the width-512 model's, Qwen2.5-0.5B's."""
+    h, i, _, heads, kv, hd, _, _ = WIDE["width-512"]
+    return {"width-512 qkv": (h, (heads + 2 * kv) * hd), "width-512 gate_up": (h, 2 * i), "width-512 down": (i, h),
+            **{f"qwen2.5-0.5b {n}": ks for n, ks in linear_shapes("qwen2.5-0.5b").items() if n != "lm_head"}}
+
+
 def bench_ops_cpu(results: dict) -> None:
     inv = select_kernels("cpu", True)
-    h, i, _, heads, kv, hd, _, _ = WIDE["width-512"]
-    shapes = {"width-512 qkv": (h, (heads + 2 * kv) * hd), "width-512 gate_up": (h, 2 * i), "width-512 down": (i, h),
-              **{f"qwen2.5-0.5b {n}": ks for n, ks in linear_shapes("qwen2.5-0.5b").items() if n != "lm_head"}}
     rows = []
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in cpu_linear_shapes().items():
         w = torch.randn(n, k) * 0.02
         for m in (16, 64, 256):
             x = torch.randn(m, k)

@@ -73,9 +73,22 @@ def _matmuls():
         ) from e
 
 
-def matmul_nt(a: Tensor, b: Tensor) -> Tensor:
-    """a [G, M, K] @ b [G, N, K]^T -> float32 [G, M, N], each entry independent of the rest."""
-    return _matmuls().mm_nt(a, b)
+def matmul_nt(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) -> Tensor:
+    """a [G, M, K] @ b [G, N, K]^T -> float32 [G, M, N], each entry independent of the rest.
+
+    plan: how the work is split, (kc, rows, col_blocks): K in blocks of kc (a multiple of
+    the lanes), tasks of up to `rows` rows (a multiple of the register block's) x
+    `col_blocks` register blocks of columns; None takes `nt_plan`'s. It changes speed, never
+    a bit (bench/cpu_plans.py times plans)."""
+    return _matmuls().mm_nt(a, b) if plan is None else _matmuls().mm_nt_plan(a, b, list(plan))
+
+
+def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:
+    """The plan `matmul_nt` takes for [g, m, k] @ [g, n, k]^T at torch's thread count, with
+    this machine's lanes and register block (rows x columns)."""
+    kc, rows, col_blocks, lanes, block_rows, block_cols = _matmuls().nt_plan(g, m, n, k)
+    return {"kc": kc, "rows": rows, "col_blocks": col_blocks, "lanes": lanes, "block_rows": block_rows,
+            "block_cols": block_cols}
 
 
 def matmul_nn(a: Tensor, b: Tensor) -> Tensor:

@@ -3,21 +3,35 @@
 
 namespace {
 
-template <typename T>
-void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
-  const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
-  if (G == 0 || M == 0 || N == 0) return;  // (the task sizes below divide by these)
-  const int64_t kv = K - K % LANES;
-  // k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
-  // short K is one block, so the lane vectors never leave registers.
-  const int64_t kc = kv <= 768 ? std::max<int64_t>(kv, LANES) : 512;
-  const int64_t br = std::min<int64_t>(64, (M + NT_ROWS - 1) / NT_ROWS * NT_ROWS);  // rows per task
-  const int64_t tm = (M + br - 1) / br;
-  // Columns per task: up to 8 register blocks, fewer when that leaves under 8 tasks a
-  // thread (a decode step's few rows on 16 threads).
-  const int64_t want = (8 * at::get_num_threads() + G * tm - 1) / (G * tm);
+// How mm_nt splits its work: K in blocks of kc, tasks of up to `rows` rows x `col_blocks`
+// register blocks of columns. Only speed depends on it: an entry's arithmetic is the same
+// sequence in any block, task or thread (tests/kernels/test_invariant_kernels.py compares
+// plans bit for bit; bench/cpu_plans.py times them).
+struct NtPlan {
+  int64_t kc, rows, col_blocks;
+};
+
+// The default plan: K in `k_block`s; tasks of up to 64 rows; columns per task: up to 8
+// register blocks, fewer when that leaves under 8 tasks a thread (a decode step's few rows
+// on 16 threads).
+NtPlan default_nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
+  const int64_t kc = k_block(K);
+  const int64_t br = std::clamp<int64_t>((M + NT_ROWS - 1) / NT_ROWS * NT_ROWS, NT_ROWS, 64);
+  const int64_t row_tasks = std::max<int64_t>(1, G * ((M + br - 1) / br));  // (at least 1: an empty call has none)
+  const int64_t want = (8 * at::get_num_threads() + row_tasks - 1) / row_tasks;
   const int64_t bc = std::clamp<int64_t>(((N + want - 1) / want + NT_COLS - 1) / NT_COLS * NT_COLS, NT_COLS,
                                          NT_COLS * 8);
+  return {kc, br, bc / NT_COLS};
+}
+
+template <typename T>
+void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, NtPlan plan) {
+  const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
+  if (G == 0 || M == 0 || N == 0) return;  // (the task sizes below divide by these)
+  const int64_t kc = plan.kc;
+  const int64_t br = std::min<int64_t>(plan.rows, (M + NT_ROWS - 1) / NT_ROWS * NT_ROWS);  // rows per task
+  const int64_t tm = (M + br - 1) / br;
+  const int64_t bc = plan.col_blocks * NT_COLS;  // columns per task
   const int64_t tn = (N + bc - 1) / bc;
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
@@ -56,7 +70,8 @@ void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
   }
 }
 
-torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt) {
+// plan: {kc, rows, col_blocks} for mm_nt, empty for the default; mm_nn has none.
+torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vector<int64_t>& plan = {}) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0), "a [G, M, K] and b [G, ., .] expected");
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a and b must have one dtype");
   a = a.contiguous();
@@ -64,10 +79,17 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt) {
   const int64_t N = nt ? b.size(1) : b.size(2);
   TORCH_CHECK((nt ? b.size(2) : b.size(1)) == a.size(2), "inner dimensions differ");
   auto out = torch::empty({a.size(0), a.size(1), N}, a.options().dtype(torch::kFloat32));
+  NtPlan p = default_nt_plan(a.size(0), a.size(1), N, a.size(2));
+  if (!plan.empty()) {
+    TORCH_CHECK(plan.size() == 3 && plan[0] > 0 && plan[0] % LANES == 0 && plan[1] > 0 && plan[1] % NT_ROWS == 0 &&
+                    plan[2] > 0,
+                "plan: [kc (a multiple of ", LANES, "), rows (a multiple of ", NT_ROWS, "), col_blocks] expected");
+    p = {plan[0], plan[1], plan[2]};
+  }
   if (a.scalar_type() == torch::kFloat32) {
-    nt ? run_nt<float>(a, b, out) : run_nn<float>(a, b, out);
+    nt ? run_nt<float>(a, b, out, p) : run_nn<float>(a, b, out);
   } else if (a.scalar_type() == torch::kBFloat16) {
-    nt ? run_nt<at::BFloat16>(a, b, out) : run_nn<at::BFloat16>(a, b, out);
+    nt ? run_nt<at::BFloat16>(a, b, out, p) : run_nn<at::BFloat16>(a, b, out);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 expected");
   }
@@ -82,11 +104,23 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 
 // a [G, M, K], b [G, N, K] -> float32 [G, M, N]
 torch::Tensor mm_nt(torch::Tensor a, torch::Tensor b) { return launch(a, b, true); }
+// mm_nt with the work split given: [kc, rows, col_blocks] (the bench and the tests)
+torch::Tensor mm_nt_plan(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan) {
+  return launch(a, b, true, plan);
+}
+// The plan mm_nt takes for a [G, M, K] @ b [G, N, K]^T at torch's thread count, and the
+// machine's lanes and register block: [kc, rows, col_blocks, LANES, NT_ROWS, NT_COLS]
+std::vector<int64_t> nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
+  const NtPlan p = default_nt_plan(G, M, N, K);
+  return {p.kc, p.rows, p.col_blocks, LANES, NT_ROWS, NT_COLS};
+}
 // a [G, M, K], b [G, K, N] -> float32 [G, M, N]
 torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, false); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nt", &mm_nt, "a @ b^T, each entry one fixed sequence of fused multiply-adds");
+  m.def("mm_nt_plan", &mm_nt_plan, "mm_nt with its work split given: [kc, rows, col_blocks]");
+  m.def("nt_plan", &nt_plan, "mm_nt's default split and block: [kc, rows, col_blocks, LANES, NT_ROWS, NT_COLS]");
   m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
   m.def("attention", &attention, "causal GQA attention from mm_nt, torch's softmax and mm_nn, one parallel region");
 }

@@ -186,6 +186,33 @@ def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_matmul_plans_change_no_bit(dtype):
+    """How matmul_nt splits its work (k blocks, rows and columns a task) is a speed choice
+    that bench/cpu_plans.py may tune per machine: every plan gives the default's bits, at
+    THREADS threads, at the edges (a K tail, N off the register block, odd M, G > 1)."""
+    from reprorl.kernels import cpu
+
+    gen = torch.Generator().manual_seed(11)
+    threads_before = torch.get_num_threads()
+    lanes = cpu.nt_plan(1, 1, 1, 1)["lanes"]
+    rows = cpu.nt_plan(1, 1, 1, 1)["block_rows"]
+    plans = [(lanes, rows, 1), (4 * lanes, 2 * rows, 3), (256, 16, 2), (512, 64, 8), (2048, 128, 40)]
+    try:
+        for g, m, kk, n in ((1, 1, 1100, 37), (1, 67, 1551, 70), (3, 13, 64, 29), (2, 150, 7, 5)):
+            a, b = rand(gen, g, m, kk, dtype=dtype), rand(gen, g, n, kk, dtype=dtype, scale=0.1)
+            torch.set_num_threads(1)
+            default = cpu.matmul_nt(a, b)
+            for threads in THREADS:
+                torch.set_num_threads(threads)
+                for plan in plans:
+                    assert torch.equal(cpu.matmul_nt(a, b, plan), default), (g, m, kk, n, threads, plan)
+        with pytest.raises(RuntimeError, match="plan: .kc"):
+            cpu.matmul_nt(a, b, (lanes + 1, rows, 1))
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_attention_rows_independent_of_threads_and_layout(dtype):
     """The CPU attention (one extension call, tasks of a head's chunk of queries): a sequence
     alone at 1 thread equals it inside a batch of others with later starts at THREADS threads,
