@@ -198,7 +198,7 @@ class Trainer:
         reward_fn = resolve_reward_fn(self.cfg.reward.fn)  # a bad reward.fn fails before any process starts
         reward_cpus, rollout_cpus = self._replica_cpus()
         # Each part is kept as soon as it exists, so that `_stop_parts` finds it if a later one fails.
-        self.actor, self.ref, self.critic = self._make_workers()
+        self._start_workers()
         self.reward_model = self._make_reward_model(reward_cpus)
         self.pool = self._make_rollout(rollout_cpus)
         self.reward_loop = self._make_reward_loop(reward_fn)  # its rule-reward process starts meanwhile
@@ -255,23 +255,21 @@ class Trainer:
 
         return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
-    def _make_workers(self) -> tuple[WorkerGroup, WorkerGroup | None, WorkerGroup | None]:
-        """(actor, reference or None, critic or None), each a group of `trainer.num_workers`
-        processes: a reference only for a KL term, a critic only for GAE. Started, not waited for."""
+    def _start_workers(self) -> None:
+        """The actor, the reference (only for a KL term) and the critic (only for GAE), each a
+        group of `trainer.num_workers` processes: started, not waited for. Each is kept as it
+        is made, so that a later one's constructor raising leaves `_stop_parts` the earlier."""
         cfg = self.cfg
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
                   "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False}
-        actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
-        ref = None
+        self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
-        critic = None
+            self.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
         if cfg.algorithm.adv_estimator == "gae":
-            critic = WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total),
-                                 **common)
-        return actor, ref, critic
+            self.critic = WorkerGroup("critic", model_path=cfg.model.critic_path,
+                                      optim=_optim_args(cfg.critic, total), **common)
 
     def _policy_loss_args(self) -> PolicyLossArgs:
         actor = self.cfg.actor

@@ -180,6 +180,28 @@ def test_a_part_that_fails_to_start_stops_the_parts_started_with_it(assets, tmp_
     assert alive == [], f"worker processes {alive} still run after the failed start"
 
 
+def test_a_group_whose_constructor_raises_leaves_the_groups_before_it_stopped(assets, tmp_path, monkeypatch):
+    """The worker groups are made one after another, started and not waited for: when the
+    reference's constructor raises, the actor group made before it is stopped too."""
+    from reprorl.config import load_config
+    from reprorl.trainer import fit
+
+    groups = []
+
+    class RecordedGroup(fit.WorkerGroup):
+        def __init__(self, role, *args, **kwargs):
+            if role == "ref":
+                raise RuntimeError("the reference cannot start")
+            super().__init__(role, *args, **kwargs)
+            groups.append(self)
+
+    monkeypatch.setattr(fit, "WorkerGroup", RecordedGroup)
+    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON))
+    with pytest.raises(RuntimeError, match="the reference cannot start"):
+        fit.Trainer(cfg)
+    assert [g.role for g in groups] == ["actor"] and groups[0].workers == []
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
