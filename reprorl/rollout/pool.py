@@ -162,6 +162,8 @@ class ReplicaPoolBase:
         call returns at once."""
         if self.first_info is not None:
             return
+        if not self.replicas:  # a failed start killed them
+            raise RuntimeError(f"the {self.NAME} replicas were stopped when their start failed; make a new pool")
         with self._killed_on_failure():
             wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica)
             self.first_info = ray.get(self.replicas[0].determinism_info.remote())

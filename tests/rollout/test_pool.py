@@ -112,4 +112,6 @@ def test_a_pool_that_ray_cannot_place_in_time_kills_its_replicas_placed_or_not(r
         pool.wait_ready()
     assert [actor_dead(a) for a in started] == [True, True]
     assert pool.replicas == {}
+    with pytest.raises(RuntimeError, match="the rollout replicas were stopped when their start failed"):
+        pool.wait_ready()  # a second wait names what happened
     pool.shutdown()  # what the trainer's `_stop_parts` then does: nothing left to stop
