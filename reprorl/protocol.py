@@ -45,6 +45,17 @@ _SAVEABLE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dty
 _SAVEABLE_CONTAINERS = (list, tuple, set)
 
 
+def tensor_to(t: torch.Tensor, device: torch.device | str, non_blocking: bool = False) -> torch.Tensor:
+    """`t` on `device`. `non_blocking`: a host tensor goes to a GPU through pinned memory
+    without waiting for the GPU's queue (a plain copy from pageable memory waits for every
+    kernel queued before it); torch's pinned allocator keeps the staging buffer until the
+    copy is done. Other moves are plain copies."""
+    target = torch.device(device)
+    if non_blocking and target.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(target, non_blocking=True)
+    return t.to(target)
+
+
 class Batch:
     """Tensors, per-sample non-tensor values and batch-level meta, with a common batch size.
 
@@ -255,9 +266,10 @@ class Batch:
 
     # ---- device and files -----------------------------------------------------------
 
-    def to(self, device: torch.device | str) -> Batch:
-        """The batch with every tensor on `device` (non-tensor columns are unchanged)."""
-        return self._map_rows(lambda t: t.to(device), lambda a: a)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """The batch with every tensor on `device` (non-tensor columns are unchanged);
+        `non_blocking` as `tensor_to`."""
+        return self._map_rows(lambda t: tensor_to(t, device, non_blocking), lambda a: a)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the batch to `path` (tensors as CPU tensors, detached).

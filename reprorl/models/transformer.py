@@ -376,16 +376,19 @@ class Transformer(nn.Module):
         return self.rope_cos[positions], self.rope_sin_rot[positions]
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,
+        position_bound: int | None = None,
     ) -> Tensor:
         """input_ids [B, T], attention_mask [B, T] (1 = real; left or right padding) -> hidden [B, T, H].
 
         position_ids default to the number of real tokens before each token, so a sequence's
         result does not depend on its padding (transformers defaults to 0..T-1 instead).
+        `position_bound`: the largest of the given position_ids, when the caller knows it on
+        the host (`_rope`: the check then reads nothing from the device).
         """
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        bound = None
+        bound = position_bound
         if position_ids is None:  # each below the row's length: at most T - 1
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             bound = input_ids.shape[-1] - 1
@@ -479,16 +482,19 @@ class CausalLM(_BackboneKernels, nn.Module):
         )
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,
+        position_bound: int | None = None,
     ) -> Tensor:
-        """input_ids [B, T], attention_mask [B, T], position_ids [B, T] | None -> logits [B, T, V]."""
-        return self.logits(self.model(input_ids, attention_mask, position_ids))
+        """input_ids [B, T], attention_mask [B, T], position_ids [B, T] | None -> logits [B, T, V]
+        (`position_bound`: as `Transformer.forward`)."""
+        return self.logits(self.model(input_ids, attention_mask, position_ids, position_bound=position_bound))
 
     def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,
+        position_bound: int | None = None,
     ) -> Tensor:
         """The final-normed hidden states [B, T, H] that `logits` maps to the vocabulary."""
-        return self.model(input_ids, attention_mask, position_ids)
+        return self.model(input_ids, attention_mask, position_ids, position_bound=position_bound)
 
     @torch.inference_mode()
     def forward_packed(
@@ -568,16 +574,19 @@ class ValueModel(_BackboneKernels, nn.Module):
         self.score = Linear(args.hidden_size, 1, True, _dtype(args, dtype))
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,
+        position_bound: int | None = None,
     ) -> Tensor:
-        """input_ids [B, T], attention_mask [B, T] -> values [B, T]."""
-        return self.values(self.model(input_ids, attention_mask, position_ids))
+        """input_ids [B, T], attention_mask [B, T] -> values [B, T] (`position_bound`: as
+        `Transformer.forward`)."""
+        return self.values(self.model(input_ids, attention_mask, position_ids, position_bound=position_bound))
 
     def hidden_states(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,
+        position_bound: int | None = None,
     ) -> Tensor:
         """Final-normed hidden states [B, T, H]."""
-        return self.model(input_ids, attention_mask, position_ids)
+        return self.model(input_ids, attention_mask, position_ids, position_bound=position_bound)
 
     def values(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] -> values [...]."""

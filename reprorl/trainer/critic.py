@@ -31,6 +31,8 @@ from reprorl.protocol import Batch
 from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
 from reprorl.trainer.policy import (
+    MAX_POSITION,
+    RESPONSE_WIDTH,
     check_positive,
     dtype_from_name,
     mini_batch_norms,
@@ -106,7 +108,8 @@ class CriticWorker:
 
     def _values(self, micro: Batch) -> torch.Tensor:
         """`[b, R]` float32 values of the states before each response token (differentiable)."""
-        values = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"])  # [b, P+R]
+        values = self.model(micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                            position_bound=micro.meta.get(MAX_POSITION))  # [b, P+R]
         return response_values(values, micro["responses"].shape[1])
 
     def compute_values(self, batch: Batch, *, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
@@ -122,9 +125,9 @@ class CriticWorker:
         out = []
         with torch.no_grad():
             for micro in micros:
-                width = micro["responses"].shape[1]
                 m = trim_padding(micro)
-                out.append(pad_responses(torch.where(m["response_mask"] > 0, self._values(m), 0.0), width))
+                out.append(pad_responses(torch.where(m["response_mask"] > 0, self._values(m), 0.0),
+                                         m.meta[RESPONSE_WIDTH]))
         return out
 
     def update(

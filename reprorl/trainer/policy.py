@@ -98,6 +98,14 @@ def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")  # [b, P+R]
 
 
+RESPONSE_WIDTH = "response_width"
+"""A trimmed micro-batch's meta key: its response width before `trim_padding` cut it (the
+width its outputs are padded back to). A micro-batch that has it is not trimmed again."""
+MAX_POSITION = "max_position"
+"""A trimmed micro-batch's meta key: the largest of its `position_ids`, read where it was
+trimmed, so that the forward's position check reads nothing from the GPU."""
+
+
 def trim_padding(micro: Batch) -> Batch:
     """`micro` without the columns that are padding in every one of its rows: the leading
     prompt columns and the trailing response columns where `attention_mask` is 0 throughout
@@ -108,7 +116,12 @@ def trim_padding(micro: Batch) -> Batch:
     micro_batches.py), and a row's logits do not depend on its padding (each row already has
     its own in a batch), so log-probs keep their bits. Response-width tensors (`[b, R]`, any key)
     keep their first columns; `[b, P+R]` ones (`FULL_WIDTH_KEYS`) and `prompts` are cut alike.
+    The result carries `RESPONSE_WIDTH` and `MAX_POSITION`. Finding them reads the mask and
+    the positions: the workers trim on the host, before a micro-batch goes to the GPU, where
+    each read would wait for the GPU's queue.
     """
+    if RESPONSE_WIDTH in micro.meta:
+        return micro
     response_len = micro["responses"].shape[1]
     prompt_len = micro["input_ids"].shape[1] - response_len
     real = micro["attention_mask"].bool().any(0)  # [P+R]: a real token in some row
@@ -116,8 +129,11 @@ def trim_padding(micro: Batch) -> Batch:
     lead = int(prompt_real[0]) if len(prompt_real) else prompt_len - 1
     response_real = real[prompt_len:].nonzero()
     keep = int(response_real[-1]) + 1 if len(response_real) else 1
+    meta = {**micro.meta, RESPONSE_WIDTH: response_len}
+    if "position_ids" in micro.tensors and micro["position_ids"].numel():
+        meta[MAX_POSITION] = int(micro["position_ids"].max())
     if lead == 0 and keep == response_len:
-        return micro
+        return Batch(micro.tensors, {k: list(v) for k, v in micro.non_tensors.items()}, meta)
     tensors = {}
     for key, t in micro.tensors.items():
         if key in FULL_WIDTH_KEYS:
@@ -128,7 +144,7 @@ def trim_padding(micro: Batch) -> Batch:
             tensors[key] = t[:, :keep]
         else:
             tensors[key] = t
-    return Batch(tensors, {k: list(v) for k, v in micro.non_tensors.items()}, dict(micro.meta))
+    return Batch(tensors, {k: list(v) for k, v in micro.non_tensors.items()}, meta)
 
 
 def pad_responses(t: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -181,7 +197,8 @@ class PolicyWorker:
         distribution or None), float32, differentiable. The model's kernels compute them
         (`token_log_probs`) with the engine's log-softmax arithmetic, or the rollout's and
         the trainer's log-probs part in the last bits."""
-        hidden = self.model.hidden_states(micro["input_ids"], micro["attention_mask"], micro["position_ids"])
+        hidden = self.model.hidden_states(micro["input_ids"], micro["attention_mask"], micro["position_ids"],
+                                          position_bound=micro.meta.get(MAX_POSITION))
         # Only the positions that predict a response token go through the LM head (the same
         # rows' bits as the whole sequence's logits: each row of a linear is its own).
         r = micro["responses"].shape[1]
@@ -209,12 +226,12 @@ class PolicyWorker:
         self, micros: Iterable[Batch], *, temperature: float, with_entropy: bool = False
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch, its `[b, R]` log-probs (and entropies) as `compute_log_probs`
-        gives them; each micro-batch is trimmed first (`trim_padding`). No grad."""
+        gives them; each micro-batch is trimmed first (`trim_padding`), unless it was. No grad."""
         out = []
         with torch.no_grad():
             for micro in micros:
-                width = micro["responses"].shape[1]
                 micro = trim_padding(micro)
+                width = micro.meta[RESPONSE_WIDTH]
                 micro_log_probs, entropy = self._response_log_probs(micro, temperature, with_entropy)  # [b, R']
                 mask = micro["response_mask"] > 0
                 log_probs = pad_responses(torch.where(mask, micro_log_probs, 0.0), width)

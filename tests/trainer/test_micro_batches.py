@@ -130,3 +130,47 @@ def test_on_the_gpu_log_probs_and_values_by_budget_are_the_bits_by_count(tiny_po
                                                     max_token_len=max_token_len), log_probs), max_token_len
         assert torch.equal(critic.compute_values(batch, micro_batch_size=4, max_token_len=max_token_len),
                            values), max_token_len
+
+
+def test_a_trimmed_micro_batch_carries_its_width_and_largest_position_and_is_not_trimmed_again():
+    batch = _batch([3, 1], [2, 4], prompt_width=6, response_width=7)
+    trimmed = trim_padding(batch)
+    assert trimmed["input_ids"].shape == (2, 3 + 4)
+    assert trimmed.meta == {"response_width": 7, "max_position": 4}  # 5 real tokens in each row
+    assert trim_padding(trimmed) is trimmed
+    whole = trim_padding(_batch([2], [3], prompt_width=2, response_width=3))  # nothing to cut
+    assert whole["input_ids"].shape == (1, 5) and whole.meta == {"response_width": 3, "max_position": 4}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_a_micro_batch_trimmed_on_the_host_never_waits_for_the_gpu(tiny_policy_dir, rollout_batch):
+    """Trimmed on the host and copied through pinned memory (what the workers do), a
+    micro-batch's log-probs, its loss and the loss's backward read nothing from the GPU:
+    torch's sync debug mode raises at any read. (Each read lets the GPU's queue run dry
+    while the host waits.)"""
+    from reprorl.trainer.optim import OptimArgs
+    from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
+
+    batch = rollout_batch(8, 12, 16, seed=3)
+    worker = PolicyWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-5), batch_invariant=True, device="cuda",
+                          dtype="bfloat16")
+    loss = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+                          entropy_coeff=0.01, use_kl_loss=False, kl_loss_type="k3", kl_loss_coef=0.0)
+
+    def on_gpu(b):
+        return trim_padding(take(b, range(len(b)))).to("cuda", non_blocking=True)
+
+    warm = worker.micro_batch_log_probs([on_gpu(batch)], temperature=0.7)[0]  # compiles the kernels
+    batch["old_log_probs"] = warm.cpu()
+    norms = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in mini_batch_norms(batch, None).items()}
+    worker.micro_batch_loss(on_gpu(batch), norms, loss=loss, temperature=0.7)[0].backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        log_probs = worker.micro_batch_log_probs([on_gpu(batch)], temperature=0.7)[0]
+        total, _ = worker.micro_batch_loss(on_gpu(batch), norms, loss=loss, temperature=0.7)
+        total.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(log_probs.cpu(), warm.cpu())
