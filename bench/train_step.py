@@ -22,7 +22,8 @@ at full length that measures its overhead only (bench/micro_batching.py measures
 
 Each mode runs a warm-up step first, of the timed step's shapes (compilation, autotuning, and
 the allocator's growth: after a warm-up of 16 new tokens, whichever mode ran first in the
-process took 2.95-3.07 s for its update against 1.53-1.62 s run second, H200, 2026-12-02),
+process took 2.95-3.07 s for its update against 1.53-1.62 s run second, H200, 2026-12-02;
+most likely the allocator growing inside the timed update),
 and is timed on its second step. The JSON is rewritten after each part, so
 a run cut short by `timeout` still leaves what it measured. Both modes run: full
 determinism on (batch-invariant Triton kernels, deterministic algorithms) and off (stock
