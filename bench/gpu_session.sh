@@ -24,6 +24,7 @@
 # engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
+# PARALLEL=1 runs the steps side by side, each into $OUT/<step>, and waits for them all.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
@@ -31,15 +32,30 @@ LOGS=$(mktemp -d)
 mkdir -p "$OUT"
 steps=${*:-tests bench xeon engine gputrain example train}
 summary() { tee -a "$LOGS/summary.txt"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | summary
-python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
-grep -m1 "model name" /proc/cpuinfo | summary
 
 with_ray() {  # the wheels the GPU machine lacks (Ray, math-verify...), installed once per machine
   [ -f /tmp/site/.done ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl && touch /tmp/site/.done; } || return 1
   export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
 }
+
+if [ -n "${PARALLEL:-}" ]; then
+  # The steps side by side (tests, not benchmarks: those want the GPU alone), each in its
+  # own $OUT/<step>; this waits for all of them, then joins their summaries.
+  [ -d .whl ] && with_ray  # once, before the steps would each try to install
+  for step in $steps; do
+    OUT="$OUT/$step" PARALLEL= bash "$0" "$step" > "$LOGS/$step.stdout" 2>&1 &
+  done
+  wait
+  for step in $steps; do cat "$OUT/$step/summary.txt" 2>/dev/null || echo "[$step] no summary"; done \
+    > "$OUT/summary.txt"
+  cat "$OUT/summary.txt"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | summary
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
+grep -m1 "model name" /proc/cpuinfo | summary
+
 run_tests() {  # name, pytest args...
   # Verbose, with the stacks of a test still running after FAULT_S (a slow compile or a hang
   # shows where it is), and SIGINT at the limit so pytest reports what it finished. The log
