@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {"0.5b q": (896, 896), "0.5b gate": (896, 4864), "7b k/v": (3584, 512), "7b down": (18944, 3584)}
 
 
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tile_bits.json"))

@@ -79,12 +79,14 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
   const int64_t N = nt ? b.size(1) : b.size(2);
   TORCH_CHECK((nt ? b.size(2) : b.size(1)) == a.size(2), "inner dimensions differ");
   auto out = torch::empty({a.size(0), a.size(1), N}, a.options().dtype(torch::kFloat32));
-  NtPlan p = default_nt_plan(a.size(0), a.size(1), N, a.size(2));
+  NtPlan p{};  // mm_nt's: the one given, else the default (mm_nn takes none)
   if (!plan.empty()) {
     TORCH_CHECK(plan.size() == 3 && plan[0] > 0 && plan[0] % LANES == 0 && plan[1] > 0 && plan[1] % NT_ROWS == 0 &&
                     plan[2] > 0,
                 "plan: [kc (a multiple of ", LANES, "), rows (a multiple of ", NT_ROWS, "), col_blocks] expected");
     p = {plan[0], plan[1], plan[2]};
+  } else if (nt) {
+    p = default_nt_plan(a.size(0), a.size(1), N, a.size(2));
   }
   if (a.scalar_type() == torch::kFloat32) {
     nt ? run_nt<float>(a, b, out, p) : run_nn<float>(a, b, out);
