@@ -11,8 +11,8 @@ sequences or in a 4096-token training micro-batch. cuBLAS picks its kernel and i
 from M, which is why it is not row-invariant at every shape (ENVIRONMENT.md).
 
 That tiles do not change bits is also measured, not only argued: bench/tile_bits.py found
-the outputs of 11 tiles (64..128 rows x 16..256 columns x 64..128 k) on both kernels
-bitwise equal at four Qwen shapes (H200, triton 3.6); tests/kernels/test_gpu.py compares
+the outputs of all 16 candidate tiles (64..128 rows x 16..256 columns x 64..256 k) on both
+kernels bitwise equal at four Qwen shapes (H200, triton 3.6, 2026-12-02); tests/kernels/test_gpu.py compares
 rows alone with rows inside batches of up to 4096, across all the row buckets below, at
 every linear of four Qwen models; and the start-up check (`reprorl.kernels.check`) puts a
 row in a batch past each bucket.
@@ -74,16 +74,21 @@ ROW_BUCKETS = (128, 1024)
 def tile_for(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
     """The tile for M rows of an output of width n over a reduction of length k.
 
-    bf16, per row bucket of `ROW_BUCKETS`: at each Qwen2.5-0.5B/7B linear, the fastest of 20
-    candidates (10 tiles, each with the TMA and the plain kernel) at M = 64, 256 and 4096
-    (H200, CUDA-graph replays over cuBLAS's time, bench/kernels.py --sweep, 2026-12-01).
+    bf16, per row bucket of `ROW_BUCKETS`: at each Qwen2.5-0.5B/7B linear, the fastest
+    candidate (H200, CUDA-graph replays over cuBLAS's time, bench/kernels.py --sweep): of the
+    32 in `CANDIDATE_TILES` at M = 64 (2026-12-02: 0.92-1.12x cuBLAS), of the first 20 at
+    M = 256 and 4096 (2026-12-01).
     """
     if dtype == torch.float32:  # IEEE fp32 on the CUDA cores: small tiles
         return Tile(64, 64, 32, 4, 3, tma=False)
     if m <= ROW_BUCKETS[0]:  # one row of tiles: as many programs as the SMs can take
         if n >= 16384:  # LM heads, 7B's gate/up (whose plain kernel was 1.09x cuBLAS, the TMA one 1.37x)
             return Tile(64, 128, 64, 4, 4, tma=k < 2048)
-        return Tile(64, 64, 128, 4, 3)
+        if n >= 4096:  # 0.5B's gate/up: 76 programs of 64 columns
+            return Tile(64, 64, 128, 4, 3)
+        if n >= 2048:  # 7B's q, o, down: 112 programs of 32 columns (64 columns: 1.33-1.70x)
+            return Tile(64, 32, 256, 4, 3)
+        return Tile(64, 16, 256, 4, 3)  # 0.5B's q, k, v, o, down, 7B's k, v (64 columns: 1.11-1.57x)
     if m <= ROW_BUCKETS[1]:
         if n >= 65536:  # LM heads
             return Tile(128, 256, 64, 8, 3)
