@@ -21,7 +21,8 @@ with_entropy)` (the log-softmax of logits / T at the tokens, and the entropy: wh
 trainer's log-probs are), `apply_rotary(x, cos, sin_rot)`,
 `batched_attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], q_start [B])` (causal, GQA; a
 query at position p sees keys 0..p; keys past it must only be finite) and
-`padded_attention(q, k, v [B, T, H, D], attention_mask [B, T])`; and `name` and
+`padded_attention(q, k, v [B, T, H, D], padding)` (a `shared.Padding`, made once a forward
+from the attention mask [B, T], or the mask itself); and `name` and
 `batch_invariant`. A model holds the backend it runs with (`CausalLM.kernels`); the
 engine, the trainer's workers and the reward model choose it once with `select_kernels`.
 """

@@ -40,7 +40,9 @@ import torch
 from torch import Tensor
 
 from reprorl.kernels.autograd import linear_with_matmul_backward, with_torch_backward
-from reprorl.kernels.shared import KEY_BLOCK, apply_rotary, check_batched_attention, padded_as_sequences
+from reprorl.kernels.shared import (
+    KEY_BLOCK, Padding, apply_rotary, check_batched_attention, padded_as_sequences, unpadded_attention,
+)
 from reprorl.kernels.torch_ops import TorchKernels, math_attention
 
 logger = logging.getLogger(__name__)
@@ -142,8 +144,8 @@ class CpuInvariantKernels:
     batched_attention = staticmethod(with_torch_backward(_batched_attention, math_attention))
 
     @classmethod
-    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> Tensor:
-        if bool(attention_mask.all()):  # no padding: the moves to the front and back are the identity
-            return cls.batched_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         q.new_zeros(q.shape[0], dtype=torch.long)).transpose(1, 2)
-        return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)
+    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
+        padding = Padding.of(padding)
+        if padding.mask is None or bool(padding.mask.all()):  # (a host read costs nothing here)
+            return unpadded_attention(cls.batched_attention, q, k, v)
+        return padded_as_sequences(cls.batched_attention, q, k, v, padding)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from reprorl.kernels.shared import apply_rotary, check_batched_attention, padded_as_sequences
+from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, padded_as_sequences
 
 
 def _d(x: Tensor | None) -> Tensor | None:
@@ -71,5 +71,5 @@ class ReferenceKernels:
         return torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1) @ v
 
     @classmethod
-    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> Tensor:
-        return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)
+    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
+        return padded_as_sequences(cls.batched_attention, q, k, v, padding)

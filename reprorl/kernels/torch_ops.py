@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reprorl.kernels.shared import apply_rotary, check_batched_attention, scale_logits
+from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, scale_logits
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
@@ -92,11 +92,16 @@ class TorchKernels:
         return F.scaled_dot_product_attention(q, k[:, :, :nk], v[:, :, :nk], attn_mask=allowed, enable_gqa=True)
 
     @staticmethod
-    def padded_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Tensor) -> Tensor:
-        """Causal attention of a padded batch: q [B, T, Hq, D], k/v [B, T, Hkv, D], mask [B, T]
-        -> [B, T, Hq, D]; outputs at padding positions are not meaningful."""
+    def padded_attention(q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
+        """Causal attention of a padded batch: q [B, T, Hq, D], k/v [B, T, Hkv, D], padding: a
+        `Padding` or its mask [B, T] -> [B, T, Hq, D]; outputs at padding positions are not
+        meaningful."""
+        real = Padding.of(padding).mask
+        if real is None:
+            return F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
+            ).transpose(1, 2)
         t = q.shape[1]
-        real = attention_mask.bool()
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         # Padding queries see only themselves, so no row is all -inf (which would give NaN).
         mask = (causal & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reprorl.kernels import KEY_BLOCK, TorchKernels, rope_tables
-from reprorl.kernels.shared import write_rows
+from reprorl.kernels.shared import Padding, write_rows
 from reprorl.models.arch import ModelArgs
 
 
@@ -205,10 +205,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_mask: Tensor, kern) -> Tensor:
-        """x [B, T, H], cos/sin [B, T, D], attention_mask [B, T] -> [B, T, H]."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kern) -> Tensor:
+        """x [B, T, H], cos/sin [B, T, D], padding (the batch's, `Transformer.forward`) -> [B, T, H]."""
         q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)
-        x = x + self.self_attn.o_proj(kern.padded_attention(q, k, v, attention_mask).flatten(-2), kern)
+        x = x + self.self_attn.o_proj(kern.padded_attention(q, k, v, padding).flatten(-2), kern)
         return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
@@ -386,20 +386,21 @@ class Transformer(nn.Module):
         `position_bound`: the largest of the given position_ids, when the caller knows it on
         the host (`_rope`: the check then reads nothing from the device).
         """
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+        padding = Padding(attention_mask)  # its sorts once, for every layer
         bound = position_bound
         if position_ids is None:  # each below the row's length: at most T - 1
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+            if attention_mask is None:
+                position_ids = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+            else:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             bound = input_ids.shape[-1] - 1
         cos, sin = self._rope(position_ids, bound)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for layer in self.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, attention_mask, self.kernels,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, padding, self.kernels, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, attention_mask, self.kernels)
+                x = layer(x, cos, sin, padding, self.kernels)
         return self.norm(x, self.kernels)
 
     def forward_packed(

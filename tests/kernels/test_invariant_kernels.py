@@ -18,6 +18,7 @@ import torch
 from kernel_backends import BACKENDS, INTERPRETED, backend, backend_and_device  # noqa: F401  (the fixture)
 from reprorl.kernels import BatchInvarianceError, ReferenceKernels, TorchKernels, rope_tables, verify_batch_invariance
 from reprorl.kernels import check as kernel_check
+from reprorl.kernels.shared import Padding
 from reprorl.models.arch import ModelArgs
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -338,6 +339,24 @@ def test_padded_attention_equals_sequences(backend, side):
                                     vv[i, real].transpose(0, 1)[None], torch.zeros(1, dtype=torch.long, device=dev))
         assert torch.equal(out[i, real], alone[0].transpose(0, 1)), i
         assert n == 0 or torch.equal(out[i, ~real], torch.zeros_like(out[i, ~real]))
+
+
+def test_padding_made_once_or_absent_gives_the_masks_bits(backend):
+    """The model makes one `Padding` a forward and passes it to every layer, or none when
+    the caller gave no mask: the same bits as the mask itself, and an all-real mask's."""
+    k, dev = backend
+    skip_interpreted_dots(k)
+    b, t, hq, hkv, d = 2, 9, 4, 2, 16
+    g = torch.Generator().manual_seed(11)
+    q, kk, vv = (rand(g, b, t, h, d, device=dev) for h in (hq, hkv, hkv))
+    mask = torch.ones(b, t, dtype=torch.long, device=dev)
+    mask[1, :3] = 0
+    padding = Padding(mask)
+    for _ in range(2):  # the second call reuses the first's sorts
+        assert torch.equal(k.padded_attention(q, kk, vv, padding), k.padded_attention(q, kk, vv, mask))
+    all_real = torch.ones(b, t, dtype=torch.long, device=dev)
+    assert torch.equal(k.padded_attention(q, kk, vv, Padding(None)), k.padded_attention(q, kk, vv, all_real))
+    assert torch.equal(k.padded_attention(q, kk, vv, None), k.padded_attention(q, kk, vv, all_real))
 
 
 # ---- gradients -------------------------------------------------------------------------

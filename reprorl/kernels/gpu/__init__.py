@@ -25,6 +25,8 @@ a GPU.
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from reprorl.kernels.autograd import linear_with_matmul_backward, with_backward, with_torch_backward
 from reprorl.kernels.gpu import attention as tl_attention
 from reprorl.kernels.gpu import elementwise as tl_elementwise
@@ -32,7 +34,7 @@ from reprorl.kernels.gpu import log_probs as tl_log_probs
 from reprorl.kernels.gpu import matmul as tl_matmul
 from reprorl.kernels.gpu import rms_norm as tl_rms_norm
 from reprorl.kernels.gpu import softmax as tl_softmax
-from reprorl.kernels.shared import padded_as_sequences
+from reprorl.kernels.shared import Padding, padded_as_sequences
 from reprorl.kernels.torch_ops import TorchKernels
 
 
@@ -55,8 +57,8 @@ class TritonKernels:
     batched_attention = staticmethod(tl_attention.batched_attention)  # its own backward kernels
 
     @classmethod
-    def padded_attention(cls, q, k, v, attention_mask):
-        return padded_as_sequences(cls.batched_attention, q, k, v, attention_mask)
+    def padded_attention(cls, q, k, v, padding: Padding | Tensor | None):
+        return padded_as_sequences(cls.batched_attention, q, k, v, padding)
 
 
 class FastCudaKernels(TorchKernels):
