@@ -11,16 +11,20 @@ struct NtPlan {
   int64_t kc, rows, col_blocks;
 };
 
-// The default plan: K in `k_block`s; tasks of up to 64 rows; columns per task: up to 8
-// register blocks, fewer when that leaves under 8 tasks a thread (a decode step's few rows
-// on 16 threads).
+// The default plan: K in `k_block`s; tasks of up to 64 rows; columns per task: up to 16
+// register blocks, fewer when that leaves under 4 tasks a thread (a decode step's few rows
+// on 16 threads). From bench/cpu_plans.py (2026-12-02) over the bench linears at 16, 64 and
+// 256 rows: the time summed over them came to 1.10x the best plan's per linear on the GPU
+// machine's Xeon at 16 threads and at 1, 1.04-1.14x on the AMD EPYC at 1 and 2 (the old
+// rule, 8 blocks and 8 tasks a thread: 1.13, 1.13, 1.11-1.15x). 16-row tasks were best on
+// the Xeon at 16 threads (1.07x) but worst on the EPYC (1.16x at 1 thread).
 NtPlan default_nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
   const int64_t kc = k_block(K);
   const int64_t br = std::clamp<int64_t>((M + NT_ROWS - 1) / NT_ROWS * NT_ROWS, NT_ROWS, 64);
   const int64_t row_tasks = std::max<int64_t>(1, G * ((M + br - 1) / br));  // (at least 1: an empty call has none)
-  const int64_t want = (8 * at::get_num_threads() + row_tasks - 1) / row_tasks;
+  const int64_t want = (4 * at::get_num_threads() + row_tasks - 1) / row_tasks;
   const int64_t bc = std::clamp<int64_t>(((N + want - 1) / want + NT_COLS - 1) / NT_COLS * NT_COLS, NT_COLS,
-                                         NT_COLS * 8);
+                                         NT_COLS * 16);
   return {kc, br, bc / NT_COLS};
 }
 
