@@ -4,7 +4,8 @@
 # $OUT/summary.txt, both rewritten after each step. Steps (default: all):
 #   tests    the gpu kernel tests, and the kernel tests on CUDA and on the host CPU
 #   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep, at the row counts
-#            SWEEP_ROWS, e.g. "64"; SKIP_OPS=1 leaves out the single ops)
+#            SWEEP_ROWS, e.g. "64"; SKIP_OPS=1 leaves out the single ops; KERNEL_ARGS: more arguments,
+#            e.g. "--profile-tokens 64 256")
 #   xeon     the kernel benchmarks on the host CPU
 #   cpuplans bench/cpu_plans.py on the host CPU, at its 16 threads and at 1: how the CPU linear should
 #            split its work there
@@ -77,8 +78,8 @@ for step in $steps; do
       run_tests test_gpu tests/kernels/test_gpu.py
       run_tests test_kernels tests/kernels/test_invariant_kernels.py ;;
     bench)
-      python3 bench/kernels.py ${SWEEP:+--sweep} ${SWEEP_ROWS:+--sweep-rows $SWEEP_ROWS} ${SKIP_OPS:+--skip-ops} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
-      tail -75 "$LOGS/bench_cuda.log" | summary ;;
+      python3 bench/kernels.py ${SWEEP:+--sweep} ${SWEEP_ROWS:+--sweep-rows $SWEEP_ROWS} ${SKIP_OPS:+--skip-ops} ${KERNEL_ARGS:-} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
+      grep -v "^  sweep" "$LOGS/bench_cuda.log" | tail -250 | summary ;;
     cpuplans)
       python3 bench/cpu_plans.py --out "$LOGS/cpu_plans_xeon.json" > "$LOGS/cpu_plans.log" 2>&1
       python3 bench/cpu_plans.py --threads 1 --out "$LOGS/cpu_plans_xeon_1.json" >> "$LOGS/cpu_plans.log" 2>&1

@@ -156,7 +156,26 @@ def _pair(op: str, m: int, stock, ours) -> dict:
     return {"op": op, "M": m, "stock_ms": s, "invariant_ms": o, "ratio": o / s}
 
 
-def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype, row_counts, timer) -> list[dict]:
+def profile_forward(forward, title: str, calls: int = 5) -> dict:
+    """The forward's CUDA kernels under torch.profiler, per forward (eager: the GPU-busy share
+    counts launch gaps that a CUDA graph does not have; the kernel times are the graph's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from profiling import kernel_summary, print_summary
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            forward()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    summary = kernel_summary(prof, wall, per=calls, top=12)
+    print_summary(title, summary, lines=12)
+    return summary
+
+
+def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype, row_counts, timer,
+                  profile_tokens=()) -> list[dict]:
     args = model_args(name, layers)
     with torch.device(device):
         model = CausalLM(args, dtype).eval()
@@ -168,16 +187,20 @@ def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype
     for tokens in row_counts:
         b = 1 if tokens <= 256 else tokens // 512
         ids = torch.randint(0, args.vocab_size, (b, tokens // b), device=device)
-        times, eager = {}, {}
+        times, eager, profiles = {}, {}, {}
         for invariant in (False, True):
             model.kernels = select_kernels(device, invariant)
             with torch.no_grad():
                 times[invariant] = timer(lambda: model(ids))
                 if device == "cuda":
                     eager[invariant] = gpu_eager_ms(lambda: model(ids))
+                if tokens in profile_tokens:
+                    profiles["invariant" if invariant else "stock"] = profile_forward(
+                        lambda: model(ids), f"{name} forward, {tokens} tokens, {'invariant' if invariant else 'stock'}")
         out.append({"model": name, "layers": args.num_hidden_layers, "tokens": tokens, "batch": b,
                     "stock_ms": times[False], "invariant_ms": times[True], "ratio": times[True] / times[False],
-                    **({"eager_stock_ms": eager[False], "eager_invariant_ms": eager[True]} if eager else {})})
+                    **({"eager_stock_ms": eager[False], "eager_invariant_ms": eager[True]} if eager else {}),
+                    **({"profile": profiles} if profiles else {})})
         print(f"  forward {name} x{args.num_hidden_layers} layers, {tokens} tokens: stock {times[False]:.2f} ms, "
               f"invariant {times[True]:.2f} ms ({times[True] / times[False]:.2f}x)", flush=True)
     return out
@@ -226,6 +249,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time candidate Triton tiles per linear shape")
     parser.add_argument("--sweep-rows", type=int, nargs="+", default=[64, 256, 4096], help="row counts the sweep times")
     parser.add_argument("--skip-ops", action="store_true", help="only the whole forwards")
+    parser.add_argument("--profile-tokens", type=int, nargs="*", default=[],
+                        help="CUDA: profile the whole forwards at these token counts (kernels by group)")
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/kernels_<device>.json)")
     args = parser.parse_args()
     out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{args.device}.json")
@@ -240,8 +265,9 @@ def main() -> None:
             sweep_tiles(results, args.sweep_rows)
         if not args.skip_ops:
             bench_ops_cuda(results)
-        results["forward"] = (whole_forward("qwen2.5-0.5b", None, "cuda", torch.bfloat16, (64, 256, 4096), gpu_time_ms)
-                              + whole_forward("qwen2.5-7b", None, "cuda", torch.bfloat16, (64, 256, 4096), gpu_time_ms))
+        results["forward"] = [row for model in ("qwen2.5-0.5b", "qwen2.5-7b")
+                              for row in whole_forward(model, None, "cuda", torch.bfloat16, (64, 256, 4096), gpu_time_ms,
+                                                       args.profile_tokens)]
     else:
         from reprorl.kernels.check import device_name
 
