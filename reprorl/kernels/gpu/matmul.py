@@ -76,8 +76,9 @@ def tile_for(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
 
     bf16, per row bucket of `ROW_BUCKETS`: at each Qwen2.5-0.5B/7B linear, the fastest
     candidate (H200, CUDA-graph replays over cuBLAS's time, bench/kernels.py --sweep): of the
-    32 in `CANDIDATE_TILES` at M = 64 (2026-12-02: 0.92-1.12x cuBLAS), of the first 20 at
-    M = 256 and 4096 (2026-12-01).
+    32 in `CANDIDATE_TILES` at M = 64 and 256 (2026-12-02: 0.92-1.12x cuBLAS at 64,
+    0.96-1.44x at 256, where 7B's gate/up and down have no tile under 1.30x), of the first
+    20 at M = 4096 (2026-12-01).
     """
     if dtype == torch.float32:  # IEEE fp32 on the CUDA cores: small tiles
         return Tile(64, 64, 32, 4, 3, tma=False)
@@ -96,7 +97,11 @@ def tile_for(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
             return Tile(128, 128, 64, 4, 4)
         if n >= 2048 and k >= 2048:  # 7B's q, o, down
             return Tile(64, 128, 64, 4, 4)
-        return Tile(64, 64, 128, 4, 3)  # 0.5B's q, k, v, o, down; 7B's k, v
+        if n <= 512:  # k, v: 0.96-1.04x at 256 rows (64 columns: 1.11-1.24x)
+            return Tile(64, 16, 256, 4, 3)
+        if k >= 2048:  # 0.5B's down: 1.09x (64 columns: 1.26x)
+            return Tile(64, 32, 256, 4, 3)
+        return Tile(64, 64, 128, 4, 3)  # 0.5B's q, o
     if n <= 256:  # 0.5B's k, v
         return Tile(64, 64, 128, 4, 3)
     if n >= 16384 or 512 < n <= 1024:  # LM heads, 7B's gate/up; 0.5B's q, o, down
