@@ -6,7 +6,7 @@
 #   bench    the kernel benchmarks on CUDA (SWEEP=1 adds the Triton tile sweep, at the row counts
 #            SWEEP_ROWS, e.g. "64"; SKIP_OPS=1 leaves out the single ops; KERNEL_ARGS: more arguments,
 #            e.g. "--profile-tokens 64 256")
-#   xeon     the kernel benchmarks on the host CPU
+#   xeon     the kernel benchmarks on the host CPU (XEON_ARGS: more arguments, e.g. "--profile-tokens 16 256")
 #   cpuplans bench/cpu_plans.py on the host CPU, at its 16 threads and at 1: how the CPU linear should
 #            split its work there
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
@@ -88,8 +88,10 @@ for step in $steps; do
       python3 bench/tile_bits.py --out "$LOGS/tile_bits.json" > "$LOGS/tile_bits.log" 2>&1
       cat "$LOGS/tile_bits.log" | summary ;;
     xeon)
-      python3 bench/kernels.py --device cpu --out "$LOGS/kernels_xeon.json" > "$LOGS/bench_xeon.log" 2>&1
-      tail -12 "$LOGS/bench_xeon.log" | summary ;;
+      # 15 timings each (the 5 of 2026-12-02 gave single linears from 0.12x to 5.95x MKL in one run)
+      python3 bench/kernels.py --device cpu --repeats 15 ${XEON_ARGS:-} --out "$LOGS/kernels_xeon.json" \
+        > "$LOGS/bench_xeon.log" 2>&1
+      grep -v "^USDT\|warn" "$LOGS/bench_xeon.log" | tail -100 | summary ;;
     engine)
       with_ray || echo "no .whl: the engine tests that need Ray skip" | summary
       run_tests test_engine_gpu tests/rollout/test_engine_gpu.py

@@ -23,6 +23,7 @@ Prints a table and writes every figure as JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -135,14 +136,14 @@ def cpu_linear_shapes() -> dict[str, tuple[int, int]]:
             **{f"qwen2.5-0.5b {n}": ks for n, ks in linear_shapes("qwen2.5-0.5b").items() if n != "lm_head"}}
 
 
-def bench_ops_cpu(results: dict) -> None:
+def bench_ops_cpu(results: dict, repeats: int = 5) -> None:
     inv = select_kernels("cpu", True)
     rows = []
     for name, (k, n) in cpu_linear_shapes().items():
         w = torch.randn(n, k) * 0.02
         for m in (16, 64, 256):
             x = torch.randn(m, k)
-            stock, ours = cpu_time_ms(lambda: F.linear(x, w)), cpu_time_ms(lambda: inv.linear(x, w))
+            stock, ours = cpu_time_ms(lambda: F.linear(x, w), repeats), cpu_time_ms(lambda: inv.linear(x, w), repeats)
             flops = 2 * m * k * n
             rows.append({"op": f"linear {name} {k}->{n}", "M": m, "stock_ms": stock, "invariant_ms": ours,
                          "ratio": ours / stock, "stock_gflops": flops / stock / 1e6, "invariant_gflops": flops / ours / 1e6})
@@ -156,22 +157,34 @@ def _pair(op: str, m: int, stock, ours) -> dict:
     return {"op": op, "M": m, "stock_ms": s, "invariant_ms": o, "ratio": o / s}
 
 
-def profile_forward(forward, title: str, calls: int = 5) -> dict:
-    """The forward's CUDA kernels under torch.profiler, per forward (eager: the GPU-busy share
-    counts launch gaps that a CUDA graph does not have; the kernel times are the graph's)."""
+def profile_forward(forward, title: str, device: str, calls: int = 5) -> dict:
+    """The forward under torch.profiler, per forward. CUDA: its kernels by group (eager: the
+    GPU-busy share counts launch gaps that a CUDA graph does not have; the kernel times are
+    the graph's). CPU: the ops by their own time, where a slow forward spends it."""
     from torch.profiler import ProfilerActivity, profile
 
-    from profiling import kernel_summary, print_summary
+    from profiling import host_summary, kernel_summary, print_summary
 
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(calls):
             forward()
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    summary = kernel_summary(prof, wall, per=calls, top=12)
-    print_summary(title, summary, lines=12)
-    return summary
+    if device == "cuda":
+        summary = kernel_summary(prof, wall, per=calls, top=12)
+        print_summary(title, summary, lines=12)
+        return summary
+    ops = host_summary(prof, per=calls, top=12)
+    torch_ms = sum(e.self_cpu_time_total for e in prof.key_averages()) / calls / 1e3
+    # The CPU extension's calls (matmuls, attention) are not torch ops: they are the rest.
+    print(f"\n{title}: {wall / calls * 1e3:.3f} ms a forward under the profiler, torch's ops {torch_ms:.3f} ms "
+          "(the rest: the CPU extension's calls and Python)")
+    for h in ops:
+        print(f"  {h['self_cpu_ms']:9.3f} ms  x{h['calls']:<6g} {h['op']}")
+    return {"wall_ms": wall / calls * 1e3, "torch_ops_ms": torch_ms, "ops": ops}
 
 
 def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype, row_counts, timer,
@@ -196,7 +209,8 @@ def whole_forward(name: str, layers: int | None, device: str, dtype: torch.dtype
                     eager[invariant] = gpu_eager_ms(lambda: model(ids))
                 if tokens in profile_tokens:
                     profiles["invariant" if invariant else "stock"] = profile_forward(
-                        lambda: model(ids), f"{name} forward, {tokens} tokens, {'invariant' if invariant else 'stock'}")
+                        lambda: model(ids), f"{name} forward, {tokens} tokens, {'invariant' if invariant else 'stock'}",
+                        device)
         out.append({"model": name, "layers": args.num_hidden_layers, "tokens": tokens, "batch": b,
                     "stock_ms": times[False], "invariant_ms": times[True], "ratio": times[True] / times[False],
                     **({"eager_stock_ms": eager[False], "eager_invariant_ms": eager[True]} if eager else {}),
@@ -250,7 +264,8 @@ def main() -> None:
     parser.add_argument("--sweep-rows", type=int, nargs="+", default=[64, 256, 4096], help="row counts the sweep times")
     parser.add_argument("--skip-ops", action="store_true", help="only the whole forwards")
     parser.add_argument("--profile-tokens", type=int, nargs="*", default=[],
-                        help="CUDA: profile the whole forwards at these token counts (kernels by group)")
+                        help="profile the whole forwards at these token counts (CUDA: kernels by group; CPU: ops)")
+    parser.add_argument("--repeats", type=int, default=5, help="CPU: timings per op and forward (the median is kept)")
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/kernels_<device>.json)")
     args = parser.parse_args()
     out = Path(args.out or Path(__file__).parent / "results" / f"kernels_{args.device}.json")
@@ -273,9 +288,11 @@ def main() -> None:
 
         results["cpu"] = device_name(torch.device("cpu"))
         if not args.skip_ops:
-            bench_ops_cpu(results)
-        results["forward"] = (whole_forward("width-512", None, "cpu", torch.float32, (16, 64, 256), cpu_time_ms)
-                              + whole_forward("qwen2.5-0.5b", 2, "cpu", torch.float32, (16, 64, 256), cpu_time_ms))
+            bench_ops_cpu(results, args.repeats)
+        timer = functools.partial(cpu_time_ms, repeats=args.repeats)
+        results["forward"] = [row for name, layers in (("width-512", None), ("qwen2.5-0.5b", 2))
+                              for row in whole_forward(name, layers, "cpu", torch.float32, (16, 64, 256), timer,
+                                                       args.profile_tokens)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"\n{'op':48s} {'M':>6s} {'stock ms':>10s} {'invariant ms':>13s} {'ratio':>7s}")
