@@ -73,8 +73,10 @@ class Padding:
     `front_real` [B, T] marks the real ones after the move.
     """
 
-    def __init__(self, attention_mask: Tensor | None) -> None:
+    def __init__(self, attention_mask: Tensor | None, *, in_front: bool = False) -> None:
         self.mask = None if attention_mask is None else attention_mask.bool()
+        self.in_front = in_front
+        """Each row's real tokens already come first (`front`): attention needs no moves."""
         self._moves: tuple[Tensor, Tensor, Tensor] | None = None
 
     @staticmethod
@@ -89,6 +91,24 @@ class Padding:
             inverse = torch.argsort(order, dim=-1)  # inverse[b, order[b, t]] = t
             self._moves = order, inverse, self.mask.gather(1, order)
         return self._moves
+
+    def front(self) -> Padding:
+        """This batch with each row's real tokens moved to its front, in order: what a model
+        whose every other op is batch-invariant can run its layers on, so that attention needs
+        no moves (one gather in and one out a forward, `to_front` and `from_front`, instead
+        of eight a layer with the backward; a row's bits do not change, since no invariant op
+        reads where its row sits)."""
+        return Padding(self.moves[2], in_front=True)
+
+    def to_front(self, x: Tensor) -> Tensor:
+        """x [B, T, ...] in this batch's layout -> its rows' real tokens first (`front`)."""
+        order, inverse, _ = self.moves
+        return _Permute.apply(x, order, inverse)
+
+    def from_front(self, x: Tensor) -> Tensor:
+        """The inverse of `to_front`."""
+        order, inverse, _ = self.moves
+        return _Permute.apply(x, inverse, order)
 
 
 def unpadded_attention(batched_attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -113,6 +133,8 @@ def padded_as_sequences(batched_attention: Callable[..., Tensor], q: Tensor, k: 
     padding = Padding.of(padding)
     if padding.mask is None:
         return unpadded_attention(batched_attention, q, k, v)
+    if padding.in_front:
+        return unpadded_attention(batched_attention, q, k, v).masked_fill(~padding.mask[:, :, None, None], 0.0)
     b = q.shape[0]
     order, inverse, front_real = padding.moves
 

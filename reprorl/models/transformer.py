@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         `position_bound`: the largest of the given position_ids, when the caller knows it on
         the host (`_rope`: the check then reads nothing from the device).
         """
-        padding = Padding(attention_mask)  # its sorts once, for every layer
+        padding = original = Padding(attention_mask)  # its sorts once, for every layer
         bound = position_bound
         if position_ids is None:  # each below the row's length: at most T - 1
             if attention_mask is None:
@@ -394,6 +394,9 @@ class Transformer(nn.Module):
             else:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             bound = input_ids.shape[-1] - 1
+        front = self.kernels.batch_invariant and padding.mask is not None
+        if front:  # the layers run on each row's real tokens first (`Padding.front` says why)
+            input_ids, position_ids, padding = padding.to_front(input_ids), padding.to_front(position_ids), padding.front()
         cos, sin = self._rope(position_ids, bound)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for layer in self.layers:
@@ -401,7 +404,8 @@ class Transformer(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, padding, self.kernels, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, padding, self.kernels)
-        return self.norm(x, self.kernels)
+        x = self.norm(x, self.kernels)
+        return original.from_front(x) if front else x
 
     def forward_packed(
         self, input_ids: Tensor, seq_lens: list[int], cache: KVCache, slots: list[int] | None = None

@@ -5,8 +5,10 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernel_modes import on_kernels
+from reprorl.kernels.shared import Padding
 from reprorl.models.arch import ModelArgs
 from reprorl.models.tiny import init_weights
 from reprorl.models.transformer import CausalLM, KVCache, SequenceClassifier, ValueModel
@@ -152,6 +154,27 @@ def test_forward_is_padding_invariant():
         out = model(ids, mask)
         assert torch.equal(out[2, 5:], alone)
         assert torch.equal(out[4, :6], alone)
+
+
+def test_layers_on_real_tokens_first_give_every_positions_bits():
+    """In batch-invariant mode the layers run on each row's real tokens moved to its front
+    (`Padding.front`): the same bits at every position, padding included, as running them in
+    the caller's layout with attention moving each row in every layer."""
+    model = build(seed=5)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    mask[1, 7:] = 0  # right padding
+    mask[2, :2], mask[2, 8:] = 0, 0  # both
+    with on_kernels(model) as kern, torch.no_grad():
+        t = model.model
+        padding = Padding(mask)
+        cos, sin = t._rope((mask.cumsum(-1) - 1).clamp(min=0), ids.shape[1] - 1)
+        x = F.embedding(ids, t.embed_tokens.weight)
+        for layer in t.layers:
+            x = layer(x, cos, sin, padding, kern)
+        assert torch.equal(model.hidden_states(ids, mask), t.norm(x, kern))
 
 
 def test_forward_is_differentiable_in_both_modes():
