@@ -2,10 +2,10 @@
 
 One kernel serves every path: the engine's decode steps and prefill chunks over its KV
 cache, many sequences of different lengths in one launch, and the trainer's padded batches
-(`padded_as_sequences` moves each sequence's real tokens to the front). A program takes
-BLOCK_M rows of one (sequence, kv head): row r is query t = r // G with head g = r % G of
-the G query heads that share the kv head, so the keys and values are read once for all of
-them. It walks the keys from key 0 in blocks of BLOCK_N with an online softmax (running
+(whose layers run on each row's real tokens moved to its front, `shared.Padding.front`).
+A program takes BLOCK_M rows of one (sequence, kv head): row r is query t = r // G with
+head g = r % G of the G query heads that share the kv head, so the keys and values are read
+once for all of them. It walks the keys from key 0 in blocks of BLOCK_N with an online softmax (running
 max and sum, rescaled as the max grows; Dao et al. 2022, FlashAttention).
 
 Why a query's output is the same bits whatever computed it: its scores, its block sums and
