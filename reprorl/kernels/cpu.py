@@ -147,6 +147,6 @@ class CpuInvariantKernels:
     def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
         padding = Padding.of(padding)
         # An all-real mask skips the moves too (a host read costs nothing here).
-        if padding.mask is None or (not padding.in_front and bool(padding.mask.all())):
+        if padding.mask is None or bool(padding.mask.all()):
             return unpadded_attention(cls.batched_attention, q, k, v)
         return padded_as_sequences(cls.batched_attention, q, k, v, padding)

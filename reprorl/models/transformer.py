@@ -386,7 +386,7 @@ class Transformer(nn.Module):
         `position_bound`: the largest of the given position_ids, when the caller knows it on
         the host (`_rope`: the check then reads nothing from the device).
         """
-        padding = original = Padding(attention_mask)  # its sorts once, for every layer
+        padding = Padding(attention_mask)  # its sorts once, for every layer
         bound = position_bound
         if position_ids is None:  # each below the row's length: at most T - 1
             if attention_mask is None:
@@ -394,18 +394,20 @@ class Transformer(nn.Module):
             else:
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
             bound = input_ids.shape[-1] - 1
-        front = self.kernels.batch_invariant and padding.mask is not None
-        if front:  # the layers run on each row's real tokens first (`Padding.front` says why)
-            input_ids, position_ids, padding = padding.to_front(input_ids), padding.to_front(position_ids), padding.front()
+        # An invariant backend's layers run on each row's real tokens first (`Padding.front` says why).
+        front = padding.front() if self.kernels.batch_invariant and padding.mask is not None else None
+        if front is not None:
+            input_ids, position_ids = padding.to_front(input_ids), padding.to_front(position_ids)
+        layout = padding if front is None else front
         cos, sin = self._rope(position_ids, bound)
         x = F.embedding(input_ids, self.embed_tokens.weight)
         for layer in self.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, padding, self.kernels, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, self.kernels, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, padding, self.kernels)
+                x = layer(x, cos, sin, layout, self.kernels)
         x = self.norm(x, self.kernels)
-        return original.from_front(x) if front else x
+        return x if front is None else padding.from_front(x)
 
     def forward_packed(
         self, input_ids: Tensor, seq_lens: list[int], cache: KVCache, slots: list[int] | None = None
