@@ -354,9 +354,18 @@ def test_padding_made_once_or_absent_gives_the_masks_bits(backend):
     padding = Padding(mask)
     for _ in range(2):  # the second call reuses the first's sorts
         assert torch.equal(k.padded_attention(q, kk, vv, padding), k.padded_attention(q, kk, vv, mask))
+    # In the front layout (the model's, with an invariant backend): the moved rows' bits.
+    front = [padding.to_front(x) for x in (q, kk, vv)]
+    assert torch.equal(k.padded_attention(*front, padding.front()),
+                       padding.to_front(k.padded_attention(q, kk, vv, mask)))
+    # No padding: the bits of the same rows behind one padding token, which takes the moves.
     all_real = torch.ones(b, t, dtype=torch.long, device=dev)
-    assert torch.equal(k.padded_attention(q, kk, vv, Padding(None)), k.padded_attention(q, kk, vv, all_real))
-    assert torch.equal(k.padded_attention(q, kk, vv, None), k.padded_attention(q, kk, vv, all_real))
+    unpadded = k.padded_attention(q, kk, vv, Padding(None))
+    behind = [torch.cat([x[:, :1], x], dim=1) for x in (q, kk, vv)]
+    one_pad = torch.cat([torch.zeros_like(all_real[:, :1]), all_real], dim=1)
+    assert torch.equal(k.padded_attention(*behind, one_pad)[:, 1:], unpadded)
+    assert torch.equal(k.padded_attention(q, kk, vv, None), unpadded)
+    assert torch.equal(k.padded_attention(q, kk, vv, all_real), unpadded)
 
 
 # ---- gradients -------------------------------------------------------------------------
