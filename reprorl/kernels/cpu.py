@@ -82,7 +82,28 @@ def matmul_nt(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) ->
     the lanes), tasks of up to `rows` rows (a multiple of the register block's) x
     `col_blocks` register blocks of columns; None takes `nt_plan`'s. It changes speed, never
     a bit (bench/cpu_plans.py times plans)."""
-    return _matmuls().mm_nt(a, b) if plan is None else _matmuls().mm_nt_plan(a, b, list(plan))
+    if plan is None:
+        return _matmuls().mm_nt(a, b)
+    _check_plan(plan)
+    return _matmuls().mm_nt_plan(a, b, list(plan))
+
+
+@functools.cache
+def _register_block() -> dict[str, int]:  # (constants of the build: cached, so a timed call pays no lookup)
+    return nt_plan(1, 1, 1, 1)
+
+
+def _check_plan(plan: tuple[int, int, int]) -> None:
+    """A plan's fields checked here, by name (the extension's own check cannot say which)."""
+    if len(plan) != 3:
+        raise ValueError(f"matmul_nt plan: (kc, rows, col_blocks) expected, got {tuple(plan)}")
+    block = _register_block()
+    units = ((block["lanes"], f"a positive multiple of the lanes ({block['lanes']})"),
+             (block["block_rows"], f"a positive multiple of the register block's rows ({block['block_rows']})"),
+             (1, "a positive integer"))
+    for name, value, (unit, expected) in zip(("kc", "rows", "col_blocks"), plan, units):
+        if not (isinstance(value, int) and value > 0 and value % unit == 0):
+            raise ValueError(f"matmul_nt plan: {name} = {value!r}; {expected} expected")
 
 
 def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:

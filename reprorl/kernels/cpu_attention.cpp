@@ -18,7 +18,7 @@ void nn_attention(const T* a, const T* b, float* out, int64_t K, int64_t lda, in
         case 4: nn_rows<T, 4>(a, b, out, K, lda, ldb, D, i, j, nv); break;
         case 5: nn_rows<T, 5>(a, b, out, K, lda, ldb, D, i, j, nv); break;
         case 6: nn_rows<T, 6>(a, b, out, K, lda, ldb, D, i, j, nv); break;
-        default: TORCH_CHECK(false, "nn_attention: ", nr, " rows in a register block");
+        default: TORCH_CHECK(false, "nn_attention: more rows than a register block");
       }
     }
   }

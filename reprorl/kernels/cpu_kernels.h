@@ -20,14 +20,19 @@
 // Speed without touching that arithmetic (each entry's sequence is the same in any block,
 // task or thread):
 //   mm_nt: register blocks of NT_ROWS x NT_COLS entries (one vector of lanes each), a's and
-//          b's vectors pinned in registers; a thread's task is up to 64 rows x 8 column
-//          blocks with the row tasks innermost, so at <= 64 rows each weight row is read
-//          from memory once; K in blocks of 512 (the lane vectors wait in a per-thread
+//          b's vectors pinned in registers; a thread's task is a plan's rows x column blocks
+//          (default_nt_plan in cpu_matmul.cpp: up to 64 x 16) with the row tasks innermost,
+//          so at <= 64 rows each weight row is read from memory once; K in blocks of 512 (the lane vectors wait in a per-thread
 //          buffer, stored and reloaded exactly, and the sums go on in k order).
 //   mm_nn: vectorised across columns (a[i, k] broadcast, b's row k loaded), so each lane is
 //          one entry's running sum; NN_ROWS x NN_VECS vectors a register block.
 // Work is split over threads by tasks of rows and columns, never of K: each entry is
 // computed by one thread from start to end.
+//
+// Every TORCH_CHECK here has a literal message: on the GPU machine (torch 2.11+cu130, g++
+// 13.3) a check whose message is formatted (c10::str, a std::string) segfaulted when it
+// failed, in any extension built there, while a literal one raised (2026-12-02). The Python
+// callers (cpu.py) check their arguments first and name the values.
 #pragma once
 
 #include <torch/extension.h>
@@ -217,7 +222,7 @@ inline void nt_any(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0,
     case 3: nt_rows<T, 3>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
     case 4: nt_rows<T, 4>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
 #endif
-    default: TORCH_CHECK(false, "nt_any: ", nr, " rows in a register block");
+    default: TORCH_CHECK(false, "nt_any: more rows than a register block");
   }
 }
 
@@ -315,7 +320,7 @@ void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i
         case 4: nn_rows<T, 4>(a, b, out, K, K, N, N, i, j, nv); break;
         case 5: nn_rows<T, 5>(a, b, out, K, K, N, N, i, j, nv); break;
         case 6: nn_rows<T, 6>(a, b, out, K, K, N, N, i, j, nv); break;
-        default: TORCH_CHECK(false, "nn_task: ", nr, " rows in a register block");
+        default: TORCH_CHECK(false, "nn_task: more rows than a register block");
       }
     }
   }

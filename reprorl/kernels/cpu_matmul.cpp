@@ -85,9 +85,10 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
   auto out = torch::empty({a.size(0), a.size(1), N}, a.options().dtype(torch::kFloat32));
   NtPlan p{};  // mm_nt's: the one given, else the default (mm_nn takes none)
   if (!plan.empty()) {
+    // (cpu.matmul_nt checks a plan first and names the field; this message stays a literal, see cpu_kernels.h)
     TORCH_CHECK(plan.size() == 3 && plan[0] > 0 && plan[0] % LANES == 0 && plan[1] > 0 && plan[1] % NT_ROWS == 0 &&
                     plan[2] > 0,
-                "plan: [kc (a multiple of ", LANES, "), rows (a multiple of ", NT_ROWS, "), col_blocks] expected");
+                "plan: [kc (a multiple of the lanes), rows (a multiple of the register block's), col_blocks] expected");
     p = {plan[0], plan[1], plan[2]};
   } else if (nt) {
     p = default_nt_plan(a.size(0), a.size(1), N, a.size(2));

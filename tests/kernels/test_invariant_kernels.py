@@ -207,8 +207,10 @@ def test_cpu_matmul_plans_change_no_bit(dtype):
                 torch.set_num_threads(threads)
                 for plan in plans:
                     assert torch.equal(cpu.matmul_nt(a, b, plan), default), (g, m, kk, n, threads, plan)
-        with pytest.raises(RuntimeError, match="plan: .kc"):
+        with pytest.raises(ValueError, match=rf"plan: kc = {lanes + 1}; a positive multiple of the lanes \({lanes}\)"):
             cpu.matmul_nt(a, b, (lanes + 1, rows, 1))
+        with pytest.raises(ValueError, match=r"plan: rows = 0"):
+            cpu.matmul_nt(a, b, (lanes, 0, 1))
     finally:
         torch.set_num_threads(threads_before)
 
