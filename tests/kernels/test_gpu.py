@@ -133,6 +133,50 @@ def _forward_digest(model_dir: str, dtype: str) -> str:
     return hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_padded_forward_rows_equal_each_sequence_alone(dtype):
+    """The trainer's padded forward on the GPU, two layers at Qwen2.5-0.5B's width: each row's
+    logits, behind left, right or both-sided padding among other rows, are the bits of its
+    sequence alone (the layers run on real tokens moved to the front, `Padding.front`), and
+    the same bits as the layers in the caller's layout, each attention moving the rows."""
+    import torch.nn.functional as F
+
+    from reprorl.kernels import select_kernels
+    from reprorl.kernels.shared import Padding
+    from reprorl.models.arch import ModelArgs
+    from reprorl.models.tiny import init_weights
+    from reprorl.models.transformer import CausalLM
+
+    hidden, inter, heads, kv, hd, _ = MODELS["qwen2.5-0.5b"]
+    args = ModelArgs(model_type="qwen2", vocab_size=4096, hidden_size=hidden, intermediate_size=inter,
+                     num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                     qkv_bias=True, max_position_embeddings=512)
+    model = CausalLM(args)
+    init_weights(model, 0, std=0.05)
+    model = model.to("cuda", dtype).eval()
+    model.kernels = select_kernels("cuda", True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 4096, (5, 96), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, :30] = 0  # left padding
+    mask[1, 70:] = 0  # right padding
+    mask[2, :5], mask[2, 90:] = 0, 0  # both
+    mask[4, 1:] = 0  # one real token
+    with torch.no_grad():
+        batch = model(ids, mask)
+        for row in range(5):
+            real = mask[row].bool()
+            alone = model(ids[row][real][None])[0]
+            assert torch.equal(batch[row][real], alone), f"row {row}"
+        t = model.model
+        padding = Padding(mask)
+        cos, sin = t._rope((mask.cumsum(-1) - 1).clamp(min=0), ids.shape[1] - 1)
+        x = F.embedding(ids, t.embed_tokens.weight)
+        for layer in t.layers:
+            x = layer(x, cos, sin, padding, model.kernels)
+        assert torch.equal(model.hidden_states(ids, mask), t.norm(x, model.kernels))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_two_processes_give_the_same_bits(tiny_dir, dtype):
     here = _forward_digest(str(tiny_dir), dtype)
