@@ -102,7 +102,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, batch, full_determinism:
     log_probs = {}
     for way, max_token_len in (("padded", None), ("budget", budget)):
         worker = start_rank(model_dir, env, dtype="bfloat16" if args.device == "cuda" else "float32",
-                            batch_invariant=full_determinism, device=args.device)
+                            batch_invariant=full_determinism, device=args.device, total_steps=1 + args.repeats)
         micro = {"micro_batch_size": args.micro_batch, "max_token_len": max_token_len}
         try:
             times = []

@@ -24,7 +24,9 @@ Each mode runs a warm-up step first, of the timed step's shapes (compilation, au
 the allocator's growth: after a warm-up of 16 new tokens, whichever mode ran first in the
 process took 2.95-3.07 s for its update against 1.53-1.62 s run second, H200, 2026-12-02;
 most likely the allocator growing inside the timed update),
-and is timed on its second step. The JSON is rewritten after each part, so
+and is timed on the steps after it (`--timed-steps`, 3): the step of median time is reported
+(the warm-up and the one timed step of a run gave "on" generations of 1.26 and 2.16 s, H200,
+2026-12-02, for the same 256 engine steps). The JSON is rewritten after each part, so
 a run cut short by `timeout` still leaves what it measured. Both modes run: full
 determinism on (batch-invariant Triton kernels, deterministic algorithms) and off (stock
 torch). Reported per mode: seconds per phase,
@@ -87,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="micro-batches by this token budget instead of --micro-batch samples (every response has "
                         "full length here, so this measures the budget's overhead; bench/micro_batching.py its gain)")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--timed-steps", type=int, default=3, help="steps timed after the warm-up; the median is reported")
     p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
@@ -197,13 +200,13 @@ def enter_mode(full_determinism: bool) -> dict[str, str]:
 
 
 def start_rank(model_dir: Path, env: dict[str, str], *, dtype: str, batch_invariant: bool, device: str,
-               **options):
+               total_steps: int, **options):
     """The actor's one rank (`ShardWorker`, in this process; AdamW at lr 1e-6), joined to its
     process group of one on a free local port. `options`: more `ShardWorker` keywords."""
     from reprorl.trainer.optim import OptimArgs
     from reprorl.workers.worker import ShardWorker
 
-    worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=2), dtype=dtype,
+    worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=total_steps), dtype=dtype,
                          batch_invariant=batch_invariant, seed=SEED, expected_env=env, device=device, **options)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -213,7 +216,7 @@ def start_rank(model_dir: Path, env: dict[str, str], *, dtype: str, batch_invari
 
 
 def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determinism: bool) -> dict:
-    """Two GRPO steps in one mode; the second's timings."""
+    """A warm-up step and `--timed-steps` GRPO steps in one mode; the median timed step as "timed"."""
     from reprorl.rollout.replica import build_engine
     from reprorl.trainer.micro_batches import in_sample_order
     from reprorl.trainer.policy import PolicyLossArgs
@@ -225,7 +228,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                           max_num_batched_tokens=max(args.prompts * args.n, 8192))
     engine.eos_token_ids = frozenset()  # random weights: every response runs to full length
     worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
-                        gradient_checkpointing=args.gradient_checkpointing)
+                        total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing)
     g = torch.Generator().manual_seed(SEED)
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n
@@ -233,7 +236,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     loop = asyncio.new_event_loop()  # the engine's step loop lives on it, for the whole mode
     try:
         new_tokens = args.new_tokens  # step 1, the warm-up, at the timed step's shapes too (module doc)
-        for step in (1, 2):
+        for step in range(1, 2 + args.timed_steps):
             prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -277,7 +280,9 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                 f"{k} {v:.3g}" for k, v in record[f"step{step}"].items() if v is not None), flush=True)
             record[f"step{step}"]["engine"] = counters
             print(f"      engine: {counters}", flush=True)
-        timed = record["step2"]
+        steps = sorted(range(2, 2 + args.timed_steps), key=lambda i: record[f"step{i}"]["step_s"])
+        record["timed_step"] = steps[len(steps) // 2]  # the median (the upper one of an even count)
+        record["timed"] = timed = record[f"step{record['timed_step']}"]
         flops = update_flops(shape, samples, args.prompt_len + args.new_tokens)
         record["update_tflops"] = flops / timed["update_s"] / 1e12
         record["update_mfu"] = record["update_tflops"] / args.peak_tflops
@@ -403,7 +408,7 @@ def main(argv: list[str] | None = None) -> dict:
             write(args.out, result)
     modes = result["modes"]
     if "on" in modes and "off" in modes:
-        on, off = modes["on"]["step2"]["step_s"], modes["off"]["step2"]["step_s"]
+        on, off = modes["on"]["timed"]["step_s"], modes["off"]["timed"]["step_s"]
         result["determinism_cost"] = on / off - 1.0
     if args.skip_trl:
         result["trl"] = {"ran": False, "why": "--skip-trl"}
@@ -414,11 +419,12 @@ def main(argv: list[str] | None = None) -> dict:
             result["trl"] = {"ran": False, "why": f"{type(err).__name__}: {err}"}
     trl_step = result["trl"].get("timed_step_s")
     if trl_step and "on" in modes:
-        result["trl_over_reprorl_on"] = trl_step / modes["on"]["step2"]["step_s"]
+        result["trl_over_reprorl_on"] = trl_step / modes["on"]["timed"]["step_s"]
     result["wall_s"] = time.perf_counter() - t_start
     for mode, rec in modes.items():
-        s = rec["step2"]
-        print(f"determinism {mode}: step {s['step_s']:.2f} s (generation {s['generation_s']:.2f}, log-probs "
+        s = rec["timed"]
+        times = ", ".join(f"{rec[f'step{i}']['step_s']:.2f}" for i in range(2, 2 + args.timed_steps))
+        print(f"determinism {mode}: steps {times} s; median step {s['step_s']:.2f} s (generation {s['generation_s']:.2f}, log-probs "
               f"{s['log_probs_s']:.2f}, update {s['update_s']:.2f}, sync+wake {s['weight_sync_and_wake_s']:.2f}), "
               f"update MFU {rec['update_mfu']:.1%}, peak {s['peak_gpu_gib']} GiB, log-prob gap {s['log_prob_max_gap']}")
     if "determinism_cost" in result:
