@@ -78,6 +78,7 @@ class Padding:
         self.in_front = in_front
         """Each row's real tokens already come first (`front`): attention needs no moves."""
         self._moves: tuple[Tensor, Tensor, Tensor] | None = None
+        self._sdpa_mask: Tensor | None = None
 
     @staticmethod
     def of(padding: Padding | Tensor | None) -> Padding:
@@ -91,6 +92,17 @@ class Padding:
             inverse = torch.argsort(order, dim=-1)  # inverse[b, order[b, t]] = t
             self._moves = order, inverse, self.mask.gather(1, order)
         return self._moves
+
+    @property
+    def sdpa_mask(self) -> Tensor:
+        """[B, 1, T, T] bool, True where a query attends: causal, real keys only, and each
+        padding query sees itself, so no row is all -inf (which would give NaN). The stock
+        backend's mask, made on first use and then shared by every layer."""
+        if self._sdpa_mask is None:
+            t, device = self.mask.shape[1], self.mask.device
+            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+            self._sdpa_mask = (causal & self.mask[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=device)
+        return self._sdpa_mask
 
     def front(self) -> Padding:
         """This batch with each row's real tokens moved to its front, in order: what a model

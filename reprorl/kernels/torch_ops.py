@@ -96,16 +96,12 @@ class TorchKernels:
         """Causal attention of a padded batch: q [B, T, Hq, D], k/v [B, T, Hkv, D], padding: a
         `Padding` or its mask [B, T] -> [B, T, Hq, D]; outputs at padding positions are not
         meaningful."""
-        real = Padding.of(padding).mask
-        if real is None:
+        padding = Padding.of(padding)
+        if padding.mask is None:
             return F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
             ).transpose(1, 2)
-        t = q.shape[1]
-        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-        # Padding queries see only themselves, so no row is all -inf (which would give NaN).
-        mask = (causal & real[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=q.device)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=padding.sdpa_mask, enable_gqa=True
         )  # [B, Hq, T, D]
         return out.transpose(1, 2)

@@ -343,6 +343,27 @@ def test_padded_attention_equals_sequences(backend, side):
         assert n == 0 or torch.equal(out[i, ~real], torch.zeros_like(out[i, ~real]))
 
 
+def test_stock_padded_attention_shares_one_mask_and_matches_each_sequence():
+    """The stock backend (no promise of bits) attends through SDPA with the `Padding`'s one
+    mask, made on first use for every layer: each row's real outputs match its sequence
+    alone (to float32 rounding: another kernel sums them), and padding rows stay finite."""
+    b, t, hq, hkv, d = 3, 10, 4, 2, 16
+    g = torch.Generator().manual_seed(13)
+    q, kk, vv = (rand(g, b, t, h, d) for h in (hq, hkv, hkv))
+    mask = torch.ones(b, t, dtype=torch.long)
+    mask[0, :4] = 0  # left
+    mask[1, 7:] = 0  # right
+    padding = Padding(mask)
+    out = TorchKernels.padded_attention(q, kk, vv, padding)
+    shared = padding.sdpa_mask
+    assert torch.equal(TorchKernels.padded_attention(q, kk, vv, padding), out) and padding.sdpa_mask is shared
+    assert torch.isfinite(out).all()
+    for i in range(b):
+        real = mask[i].bool()
+        alone = TorchKernels.padded_attention(q[i, real][None], kk[i, real][None], vv[i, real][None], None)
+        torch.testing.assert_close(out[i, real], alone[0], rtol=1e-5, atol=1e-6)
+
+
 def test_padding_made_once_or_absent_gives_the_masks_bits(backend):
     """The model makes one `Padding` a forward and passes it to every layer, or none when
     the caller gave no mask: the same bits as the mask itself, and an all-real mask's."""
