@@ -22,8 +22,9 @@
 //   mm_nt: register blocks of NT_ROWS x NT_COLS entries (one vector of lanes each), a's and
 //          b's vectors pinned in registers; a thread's task is a plan's rows x column blocks
 //          (default_nt_plan in cpu_matmul.cpp: up to 64 x 16) with the row tasks innermost,
-//          so at <= 64 rows each weight row is read from memory once; K in blocks of 512 (the lane vectors wait in a per-thread
-//          buffer, stored and reloaded exactly, and the sums go on in k order).
+//          so at <= 64 rows each weight row is read from memory once; K in blocks of 512
+//          (the lane vectors wait in a per-thread buffer, stored and reloaded exactly, and
+//          the sums go on in k order).
 //   mm_nn: vectorised across columns (a[i, k] broadcast, b's row k loaded), so each lane is
 //          one entry's running sum; NN_ROWS x NN_VECS vectors a register block.
 // Work is split over threads by tasks of rows and columns, never of K: each entry is

@@ -70,7 +70,8 @@ class Padding:
     `mask` [B, T] bool (True = real; left or right padding), or None: no padding. `moves`,
     worked out on first use: `order` [B, T] moves each row's real tokens to its front, in
     order (a stable sort puts real before padding), `inverse` moves them back, and
-    `front_real` [B, T] marks the real ones after the move.
+    `front_real` [B, T] marks the real ones after the move. `sdpa_mask`, also on first use:
+    the stock backend's [B, 1, T, T] attention mask.
     """
 
     def __init__(self, attention_mask: Tensor | None, *, in_front: bool = False) -> None:
