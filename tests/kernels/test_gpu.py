@@ -139,10 +139,8 @@ def test_padded_forward_rows_equal_each_sequence_alone(dtype):
     logits, behind left, right or both-sided padding among other rows, are the bits of its
     sequence alone (the layers run on real tokens moved to the front, `Padding.front`), and
     the same bits as the layers in the caller's layout, each attention moving the rows."""
-    import torch.nn.functional as F
-
+    from padded_layers import hidden_states_moving_in_each_layer
     from reprorl.kernels import select_kernels
-    from reprorl.kernels.shared import Padding
     from reprorl.models.arch import ModelArgs
     from reprorl.models.tiny import init_weights
     from reprorl.models.transformer import CausalLM
@@ -168,13 +166,7 @@ def test_padded_forward_rows_equal_each_sequence_alone(dtype):
             real = mask[row].bool()
             alone = model(ids[row][real][None])[0]
             assert torch.equal(batch[row][real], alone), f"row {row}"
-        t = model.model
-        padding = Padding(mask)
-        cos, sin = t._rope((mask.cumsum(-1) - 1).clamp(min=0), ids.shape[1] - 1)
-        x = F.embedding(ids, t.embed_tokens.weight)
-        for layer in t.layers:
-            x = layer(x, cos, sin, padding, model.kernels)
-        assert torch.equal(model.hidden_states(ids, mask), t.norm(x, model.kernels))
+        assert torch.equal(model.hidden_states(ids, mask), hidden_states_moving_in_each_layer(model, ids, mask))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])

@@ -5,10 +5,9 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernel_modes import on_kernels
-from reprorl.kernels.shared import Padding
+from padded_layers import hidden_states_moving_in_each_layer
 from reprorl.models.arch import ModelArgs
 from reprorl.models.tiny import init_weights
 from reprorl.models.transformer import CausalLM, KVCache, SequenceClassifier, ValueModel
@@ -167,14 +166,8 @@ def test_layers_on_real_tokens_first_give_every_positions_bits():
     mask[0, :4] = 0  # left padding
     mask[1, 7:] = 0  # right padding
     mask[2, :2], mask[2, 8:] = 0, 0  # both
-    with on_kernels(model) as kern, torch.no_grad():
-        t = model.model
-        padding = Padding(mask)
-        cos, sin = t._rope((mask.cumsum(-1) - 1).clamp(min=0), ids.shape[1] - 1)
-        x = F.embedding(ids, t.embed_tokens.weight)
-        for layer in t.layers:
-            x = layer(x, cos, sin, padding, kern)
-        assert torch.equal(model.hidden_states(ids, mask), t.norm(x, kern))
+    with on_kernels(model), torch.no_grad():
+        assert torch.equal(model.hidden_states(ids, mask), hidden_states_moving_in_each_layer(model, ids, mask))
 
 
 def test_forward_is_differentiable_in_both_modes():
