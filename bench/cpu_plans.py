@@ -1,8 +1,8 @@
 """How the CPU linear should split its work on this machine: each plan timed, with MKL's time.
 
-`reprorl.kernels.cpu.matmul_nt` cuts a linear into tasks of rows x register blocks of
+`reprorl.kernels.cpu.matmul_rows` (the linear) cuts its work into tasks of row vectors x
 columns and K into blocks (its plan); the plan changes speed, never a bit
-(tests/kernels/test_invariant_kernels.py::test_cpu_matmul_plans_change_no_bit). This times
+(tests/kernels/test_invariant_kernels.py::test_cpu_linear_plans_change_no_bit). This times
 every plan of a small grid at each CPU bench linear (bench/kernels.py: the width-512
 model's and Qwen2.5-0.5B's) at 16, 64 and 256 rows, float32, at the machine's threads, and
 prints the default plan's time, the best plan's and MKL's (F.linear). A machine whose best
@@ -32,13 +32,13 @@ from bench.kernels import cpu_linear_shapes, cpu_time_ms  # noqa: E402
 from reprorl.kernels import cpu  # noqa: E402
 
 
-def plans(k: int, lanes: int, block_rows: int) -> list[tuple[int, int, int]]:
-    """(kc, rows, col_blocks): k blocks of the default's, 256 or 128 floats (L1 or L2 sized
-    panels), tasks of 16..64 rows, 1..16 register blocks of columns."""
-    default_kc = cpu.nt_plan(1, 1, 1, k)["kc"]
-    kcs = sorted({default_kc, *(c for c in (128, 256) if c < default_kc)})
-    rows = [r for r in (16, 32, 64) if r % block_rows == 0]
-    return [(kc, r, c) for kc, r, c in itertools.product(kcs, rows, (1, 2, 4, 8, 16)) if kc % lanes == 0]
+def plans(k: int, n: int, threads: int) -> list[tuple[int, int, int]]:
+    """(kc, vecs, cols): K whole or in blocks of 128-512, tasks of 4..16 row vectors and of
+    256 columns up to an even share of N a thread."""
+    kcs = sorted({k, *(c for c in (128, 256, 512) if c < k)})
+    share = -(-n // threads)
+    cols = sorted({share, *(c for c in (256, 512, 1024) if c < share)})
+    return list(itertools.product(kcs, (4, 8, 16), cols))
 
 
 def main() -> None:
@@ -51,32 +51,30 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    machine = cpu.nt_plan(1, 1, 1, 1)
-    results = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-               "torch": torch.__version__, "lanes": machine["lanes"],
-               "register_block": [machine["block_rows"], machine["block_cols"]], "rows": []}
-    print(f"{torch.get_num_threads()} threads, {machine['lanes']} lanes, register block "
-          f"{machine['block_rows']}x{machine['block_cols']}", flush=True)
-    print(f"{'linear':32s} {'M':>4s} {'MKL ms':>8s} {'default':>8s} {'best':>8s}  best plan (kc, rows, col blocks)"
-          "   default plan")
+    threads = torch.get_num_threads()
+    results = {"machine": platform.processor() or platform.machine(), "threads": threads,
+               "torch": torch.__version__, "lanes": cpu.rows_plan(16, 1, 1)["lanes"], "rows": []}
+    print(f"{threads} threads, {results['lanes']} lanes", flush=True)
+    print(f"{'linear':32s} {'M':>4s} {'MKL ms':>8s} {'default':>8s} {'best':>8s}  best plan (kc, vecs, cols)"
+          "   default plan, register block")
     torch.manual_seed(0)
     for name, (k, n) in cpu_linear_shapes().items():
-        w = torch.randn(1, n, k) * 0.02
+        w = torch.randn(n, k) * 0.02
         for m in args.rows:
-            x = torch.randn(1, m, k)
-            default = cpu.nt_plan(1, m, n, k)
-            default_plan = (default["kc"], default["rows"], default["col_blocks"])
-            times = {p: cpu_time_ms(lambda p=p: cpu.matmul_nt(x, w, p), args.repeats)
-                     for p in plans(k, machine["lanes"], machine["block_rows"])}
-            times[default_plan] = cpu_time_ms(lambda: cpu.matmul_nt(x, w), args.repeats)
-            mkl = cpu_time_ms(lambda: F.linear(x, w[0]), args.repeats)
+            x = torch.randn(m, k)
+            default = cpu.rows_plan(m, n, k)
+            default_plan = (default["kc"], default["vecs"], default["cols"])
+            block = f"{default['block_vecs']}x{default['block_cols']}"
+            times = {p: cpu_time_ms(lambda p=p: cpu.matmul_rows(x, w, p), args.repeats) for p in plans(k, n, threads)}
+            times[default_plan] = cpu_time_ms(lambda: cpu.matmul_rows(x, w), args.repeats)
+            mkl = cpu_time_ms(lambda: F.linear(x, w), args.repeats)
             best = min(times, key=times.get)
             row = {"linear": f"{name} {k}->{n}", "M": m, "mkl_ms": mkl, "default_plan": default_plan,
                    "default_ms": times[default_plan], "best_plan": best, "best_ms": times[best],
-                   "plans": [{"plan": p, "ms": t} for p, t in times.items()]}
+                   "register_block": block, "plans": [{"plan": p, "ms": t} for p, t in times.items()]}
             results["rows"].append(row)
             print(f"{row['linear']:32s} {m:4d} {mkl:8.3f} {times[default_plan]:8.3f} {times[best]:8.3f}  "
-                  f"{str(best):28s} {default_plan}", flush=True)
+                  f"{str(best):22s} {default_plan} {block}", flush=True)
     gain = [r["default_ms"] / r["best_ms"] for r in results["rows"]]
     print(f"best plan over the default: {min(gain):.2f}-{max(gain):.2f}x faster "
           f"({time.perf_counter() - start:.0f} s)")

@@ -9,6 +9,8 @@
 #   xeon     the kernel benchmarks on the host CPU (XEON_ARGS: more arguments, e.g. "--profile-tokens 16 256")
 #   cpuplans bench/cpu_plans.py on the host CPU, at its 16 threads and at 1: how the CPU linear should
 #            split its work there
+#   cpublocks bench/cpu_blocks.py on the host CPU, at its 16 threads and at 1: which register blocks
+#            the CPU linear should run there (BLOCKS: the block sets, e.g. "8,12,8,6 8,14,8,6:2")
 #   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
 #            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
@@ -84,6 +86,10 @@ for step in $steps; do
       python3 bench/cpu_plans.py --out "$LOGS/cpu_plans_xeon.json" > "$LOGS/cpu_plans.log" 2>&1
       python3 bench/cpu_plans.py --threads 1 --out "$LOGS/cpu_plans_xeon_1.json" >> "$LOGS/cpu_plans.log" 2>&1
       grep -v "^wrote" "$LOGS/cpu_plans.log" | summary ;;
+    cpublocks)
+      python3 bench/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --out "$LOGS/cpu_blocks_xeon.json" > "$LOGS/cpu_blocks.log" 2>&1
+      python3 bench/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --threads 1 --out "$LOGS/cpu_blocks_xeon_1.json" >> "$LOGS/cpu_blocks.log" 2>&1
+      grep -v "^wrote" "$LOGS/cpu_blocks.log" | summary ;;
     tilebits)
       python3 bench/tile_bits.py --out "$LOGS/tile_bits.json" > "$LOGS/tile_bits.log" 2>&1
       cat "$LOGS/tile_bits.log" | summary ;;

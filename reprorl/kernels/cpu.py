@@ -57,7 +57,8 @@ QUERY_BLOCK = KEY_BLOCK
 def _matmuls():
     from torch.utils.cpp_extension import load
 
-    sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp", "cpu_kernels.h")]
+    sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
+                                                                  "cpu_kernels.h")]
     # One build per checkout and source version: torch rebuilds an extension whose sources
     # moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
     digest = hashlib.sha256()
@@ -65,7 +66,7 @@ def _matmuls():
         digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
     logger.info("building reprorl's CPU kernels (%s), once per machine, about 40 s", ", ".join(p.name for p in sources))
     try:
-        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:2]],
+        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:3]],
                     verbose=False, extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
@@ -114,6 +115,31 @@ def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:
             "block_cols": block_cols}
 
 
+def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) -> Tensor:
+    """a [M, K] @ b [N, K]^T -> float32 [M, N] (the linear layer), rows of a as the vector
+    lanes: each entry one running sum over k in order, the bits of `matmul_nn(a, b^T)`,
+    with b read in place (`cpu_linear.cpp`).
+
+    plan: how the work is split, (kc, vecs, cols): K in blocks of kc, tasks of up to `vecs`
+    vectors of rows x about `cols` columns; None takes `rows_plan`'s. It changes speed,
+    never a bit (bench/cpu_plans.py times plans)."""
+    if plan is None:
+        return _matmuls().mm_rows(a, b, [])
+    if len(plan) != 3:
+        raise ValueError(f"matmul_rows plan: (kc, vecs, cols) expected, got {tuple(plan)}")
+    for name, value in zip(("kc", "vecs", "cols"), plan):
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"matmul_rows plan: {name} = {value!r}; a positive integer expected")
+    return _matmuls().mm_rows(a, b, list(plan))
+
+
+def rows_plan(m: int, n: int, k: int) -> dict[str, int]:
+    """The plan `matmul_rows` takes for [m, k] @ [n, k]^T at torch's thread count, with this
+    machine's lanes and the register block it runs (vectors of rows x columns)."""
+    kc, vecs, cols, lanes, block_vecs, block_cols = _matmuls().rows_plan(m, n, k)
+    return {"kc": kc, "vecs": vecs, "cols": cols, "lanes": lanes, "block_vecs": block_vecs, "block_cols": block_cols}
+
+
 def matmul_nn(a: Tensor, b: Tensor) -> Tensor:
     """a [G, M, K] @ b [G, K, N] -> float32 [G, M, N], each entry independent of the rest."""
     return _matmuls().mm_nn(a, b)
@@ -122,7 +148,7 @@ def matmul_nn(a: Tensor, b: Tensor) -> Tensor:
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x [..., K] @ weight [N, K].T + bias -> [..., N] in x's dtype, accumulated in float32;
     the bias is added in float32 before the one rounding."""
-    out = matmul_nt(x.reshape(1, -1, x.shape[-1]), weight[None])[0]
+    out = matmul_rows(x.reshape(-1, x.shape[-1]), weight)
     if bias is not None:
         out.add_(bias.float())  # in place: the kernel's fresh output (a new [M, N] costs page faults)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

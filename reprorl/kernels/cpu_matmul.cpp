@@ -109,6 +109,10 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, double scale,
                         int64_t query_block, int64_t key_block);
 
+// a [M, K] @ b [N, K]^T -> float32 [M, N] with rows as lanes, plan [kc, vecs, cols] or empty (cpu_linear.cpp)
+torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan);
+std::vector<int64_t> rows_plan(int64_t M, int64_t N, int64_t K);
+
 // a [G, M, K], b [G, N, K] -> float32 [G, M, N]
 torch::Tensor mm_nt(torch::Tensor a, torch::Tensor b) { return launch(a, b, true); }
 // mm_nt with the work split given: [kc, rows, col_blocks] (the bench and the tests)
@@ -129,5 +133,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nt_plan", &mm_nt_plan, "mm_nt with its work split given: [kc, rows, col_blocks]");
   m.def("nt_plan", &nt_plan, "mm_nt's default split and block: [kc, rows, col_blocks, LANES, NT_ROWS, NT_COLS]");
   m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
+  m.def("mm_rows", &mm_rows, "the linear's a @ b^T with rows as lanes: mm_nn's arithmetic, b in place");
+  m.def("rows_plan", &rows_plan, "mm_rows's default split and block: [kc, vecs, cols, LANES, block vecs, block cols]");
   m.def("attention", &attention, "causal GQA attention from mm_nt, torch's softmax and mm_nn, one parallel region");
 }

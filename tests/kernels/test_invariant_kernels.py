@@ -170,8 +170,11 @@ CPU_MATMUL_SHAPES = [(1100, 37), (1551, 70), (64, 29), (7, 5)]  # (K, N)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
-    """matmul_nt and matmul_nn: a row alone (1 thread) equals it inside batches of 2..150 rows
-    at THREADS threads, bit for bit, and both agree with float64."""
+    """matmul_nt, matmul_nn and matmul_rows (the linear): a row alone (1 thread) equals it
+    inside batches of 2..150 rows at THREADS threads, bit for bit, and all agree with float64.
+    matmul_rows takes its few-rows path (columns as lanes) up to 8 rows and rows as lanes
+    above, so a row alone and in a batch of 66 went through different loops; matmul_rows's
+    bits are matmul_nn's on the weight transposed (one running sum over k in order)."""
     from reprorl.kernels import cpu
 
     gen = torch.Generator().manual_seed(5)
@@ -180,6 +183,8 @@ def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
     empty = torch.zeros(1, 0, 8, dtype=dtype)
     assert cpu.matmul_nt(empty, torch.ones(1, 3, 8, dtype=dtype)).shape == (1, 0, 3)
     assert cpu.matmul_nn(empty, torch.ones(1, 8, 3, dtype=dtype)).shape == (1, 0, 3)
+    assert cpu.matmul_rows(empty[0], torch.ones(3, 8, dtype=dtype)).shape == (0, 3)
+    assert torch.equal(cpu.matmul_rows(torch.ones(2, 0, dtype=dtype), torch.ones(3, 0, dtype=dtype)), torch.zeros(2, 3))
     try:
         check_cpu_matmul_rows(cpu, dtype, gen, rng)
     finally:
@@ -211,6 +216,34 @@ def test_cpu_matmul_plans_change_no_bit(dtype):
             cpu.matmul_nt(a, b, (lanes + 1, rows, 1))
         with pytest.raises(ValueError, match=r"plan: rows = 0"):
             cpu.matmul_nt(a, b, (lanes, 0, 1))
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_linear_plans_change_no_bit(dtype):
+    """How matmul_rows (the linear) splits its work (k blocks, row vectors and columns a
+    task) is a speed choice that bench/cpu_plans.py may tune per machine: every plan gives
+    the default's bits, at THREADS threads, at the edges (a K tail, N off the register
+    block, rows off the vectors, one k block or many)."""
+    from reprorl.kernels import cpu
+
+    gen = torch.Generator().manual_seed(12)
+    threads_before = torch.get_num_threads()
+    plans = [(1, 1, 1), (16, 1, 5), (7, 3, 13), (256, 4, 64), (512, 16, 1000), (10**6, 10**6, 10**6)]
+    try:
+        for m, kk, n in ((9, 1100, 37), (67, 1551, 70), (150, 7, 5), (300, 64, 29)):
+            a, b = rand(gen, m, kk, dtype=dtype), rand(gen, n, kk, dtype=dtype, scale=0.1)
+            torch.set_num_threads(1)
+            default = cpu.matmul_rows(a, b)
+            for threads in THREADS:
+                torch.set_num_threads(threads)
+                for plan in plans:
+                    assert torch.equal(cpu.matmul_rows(a, b, plan), default), (m, kk, n, threads, plan)
+        with pytest.raises(ValueError, match=r"matmul_rows plan: vecs = 0; a positive integer expected"):
+            cpu.matmul_rows(a, b, (16, 0, 1))
+        with pytest.raises(ValueError, match=r"matmul_rows plan: \(kc, vecs, cols\) expected, got \(16, 1\)"):
+            cpu.matmul_rows(a, b, (16, 1))
     finally:
         torch.set_num_threads(threads_before)
 
@@ -248,18 +281,22 @@ def check_cpu_matmul_rows(cpu, dtype, gen, rng):
         b_nt, b_nn = rand(gen, 1, n, kk, dtype=dtype, scale=0.1), rand(gen, 1, kk, n, dtype=dtype, scale=0.1)
         row = rand(gen, 1, 1, kk, dtype=dtype)
         torch.set_num_threads(1)
-        alone = cpu.matmul_nt(row, b_nt)[0, 0], cpu.matmul_nn(row, b_nn)[0, 0]
+        alone = cpu.matmul_nt(row, b_nt)[0, 0], cpu.matmul_nn(row, b_nn)[0, 0], cpu.matmul_rows(row[0], b_nt[0])[0]
         ref = row.double() @ b_nt.double().transpose(1, 2), row.double() @ b_nn.double()
         assert rel_err(alone[0], ref[0][0, 0]) < TOL[torch.float32]  # float32 sums of bf16 products too
         assert rel_err(alone[1], ref[1][0, 0]) < TOL[torch.float32]
+        assert rel_err(alone[2], ref[0][0, 0]) < TOL[torch.float32]
         for threads in THREADS:
             torch.set_num_threads(threads)
-            for m in (2, 3, 4, 5, 6, 7, 66, 150):
+            for m in (2, 3, 4, 5, 6, 7, 8, 9, 17, 66, 150):
                 batch = rand(gen, 1, m, kk, dtype=dtype)
                 pos = rng.randrange(m)
                 batch[0, pos] = row[0, 0]
                 assert torch.equal(cpu.matmul_nt(batch, b_nt)[0, pos], alone[0]), ("nt", kk, n, threads, m, pos)
                 assert torch.equal(cpu.matmul_nn(batch, b_nn)[0, pos], alone[1]), ("nn", kk, n, threads, m, pos)
+                rows = cpu.matmul_rows(batch[0], b_nt[0])
+                assert torch.equal(rows[pos], alone[2]), ("rows", kk, n, threads, m, pos)
+                assert torch.equal(rows, cpu.matmul_nn(batch, b_nt.transpose(1, 2).contiguous())[0]), ("rows", kk, n, m)
 
 
 def test_plain_torch_is_not_row_invariant_here():
