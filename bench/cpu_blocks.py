@@ -18,7 +18,6 @@ import argparse
 import json
 import platform
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,32 +30,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels import cpu_linear_shapes, cpu_time_ms  # noqa: E402
 from reprorl.kernels import cpu  # noqa: E402
 
-KERNELS = Path(cpu.__file__).parent
-BINDING = """#include <torch/extension.h>
-torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm_rows", &mm_rows); }
-"""
 
-
-def build(blocks: str, build_dir: Path):
+def build(blocks: str):
     """cpu_linear.cpp alone with register blocks `blocks`: "RL1,RL2,RL3,RL4" and optionally
     ":R", the most row vectors a block (4 by default)."""
-    from torch.utils.cpp_extension import load
-
     cols, _, most = blocks.partition(":")
-    cols = [int(c) for c in cols.split(",")]
-    binding = build_dir / "binding.cpp"
-    binding.write_text(BINDING)
-    flags = [f"-DRL{i + 1}={c}" for i, c in enumerate(cols)] + ([f"-DRL_MAX={int(most)}"] if most else [])
-    return load(name="reprorl_blocks_" + "_".join(map(str, cols)) + (f"_max{most}" if most else ""), sources=[str(binding), str(KERNELS / "cpu_linear.cpp")],
-                extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp",
-                              f"-I{KERNELS}", *flags], extra_ldflags=["-fopenmp"], verbose=False)
+    flags = [f"-DRL{i + 1}={int(c)}" for i, c in enumerate(cols.split(","))] + ([f"-DRL_MAX={int(most)}"] if most else [])
+    return cpu.build_linear_variant("blocks", flags)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--blocks", nargs="+", default=["8,12,8,6", "12,12,8,6", "8,12,8,6:3", "8,12,8,6:2", "8,12,9,6:3", "8,14,8,6:2"],
+    parser.add_argument("--blocks", nargs="+",
+                        default=["8,12,8,6", "12,12,8,6", "8,12,8,6:3", "8,12,8,6:2", "8,12,9,6:3", "8,14,8,6:2"],
                         help="RL1,RL2,RL3,RL4[:R]: the columns of the 1..4-vector blocks (AVX-512), and the most "
                              "vectors a block")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -66,9 +53,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    build_dir = Path(tempfile.mkdtemp(prefix="reprorl_blocks_"))
     with ThreadPoolExecutor(len(args.blocks)) as pool:  # (the compilers run as processes)
-        modules = dict(zip(args.blocks, pool.map(lambda b: build(b, build_dir), args.blocks)))
+        modules = dict(zip(args.blocks, pool.map(build, args.blocks)))
     print(f"built {len(modules)} block sets in {time.perf_counter() - start:.0f} s; "
           f"{torch.get_num_threads()} threads", flush=True)
     torch.manual_seed(0)

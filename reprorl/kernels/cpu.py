@@ -3,14 +3,15 @@
 Each output row depends only on that row's inputs: not on how many rows are in the call,
 where the row sits, what the other rows hold, or the number of threads. How:
 
-- matmul (linear, and attention's two products): our own kernels (`cpu_matmul.cpp`), not a
-  BLAS. A BLAS picks its kernels, its edge paths and its thread split from the call's shape
-  and the machine: padding M to MKL's kernel quanta held on an AMD EPYC and failed on an
-  Intel Xeon, and even fixed-shape single-threaded MKL calls gave a row different bits at
-  places 0 and 1 of a tile there. Our kernels write each entry's arithmetic out as one
-  fixed sequence of fused multiply-adds (a @ b^T: 8 lane sums in k order with AVX2, 16
-  with AVX-512, then a fixed tree; a @ b: one running sum in k order), so vectorisation,
-  blocking and threads cannot change a bit.
+- matmul (the linear, and attention's two products): our own kernels, not a BLAS. A BLAS
+  picks its kernels, its edge paths and its thread split from the call's shape and the
+  machine: padding M to MKL's kernel quanta held on an AMD EPYC and failed on an Intel
+  Xeon, and even fixed-shape single-threaded MKL calls gave a row different bits at places
+  0 and 1 of a tile there. Our kernels write each entry's arithmetic out as one fixed
+  sequence of fused multiply-adds, so vectorisation, blocking and threads cannot change a
+  bit: the linear (`cpu_linear.cpp`) and attention's p v (`cpu_matmul.cpp`'s mm_nn) one
+  running sum in k order, with rows (or, up to 8 rows, columns) as the vector lanes;
+  attention's scores 8 lane sums in k order with AVX2, 16 with AVX-512, then a fixed tree.
 - attention: scores and p v are such products; a row's keys past its position get
   probability exactly 0, so extra keys add exact zeros. The whole attention is one call
   into the extension (`cpu_attention.cpp`: scores, mask, torch's own softmax kernel, p v,
@@ -25,8 +26,8 @@ where the row sits, what the other rows hold, or the number of threads. How:
 - +, -, *, /, sqrt, max and gathers are exact, so they never depend on the batch.
 
 The matmul and attention kernels are a small C++ extension built on first use for this
-machine (-march=native; about 40 s, then cached by torch in ~/.cache/torch_extensions); it needs a
-C++ compiler and ninja.
+machine (-march=native; about 40-75 s, then cached by torch in ~/.cache/torch_extensions); it
+needs a C++ compiler and ninja.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _matmuls():
     digest = hashlib.sha256()
     for p in sources:
         digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
-    logger.info("building reprorl's CPU kernels (%s), once per machine, about 40 s", ", ".join(p.name for p in sources))
+    logger.info("building reprorl's CPU kernels (%s), once per machine, about a minute", ", ".join(p.name for p in sources))
     try:
         return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:3]],
                     verbose=False, extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
@@ -113,6 +114,31 @@ def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:
     kc, rows, col_blocks, lanes, block_rows, block_cols = _matmuls().nt_plan(g, m, n, k)
     return {"kc": kc, "rows": rows, "col_blocks": col_blocks, "lanes": lanes, "block_rows": block_rows,
             "block_cols": block_cols}
+
+
+_LINEAR_BINDING = """#include <torch/extension.h>
+torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm_rows", &mm_rows); }
+"""
+
+
+def build_linear_variant(name: str, flags: list[str]):
+    """`cpu_linear.cpp` alone, built with other compiler flags (other register blocks with
+    `-DRL1=..`, another instruction set with `-march=..`), as a module whose `mm_rows(a, b,
+    plan)` is `matmul_rows`'s kernel: bench/cpu_blocks.py times blocks with it, and a test
+    checks that AVX2 and scalar builds give the native build's bits."""
+    import tempfile
+
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name("cpu_linear.cpp")
+    binding = Path(tempfile.mkdtemp(prefix="reprorl_linear_")) / "binding.cpp"
+    binding.write_text(_LINEAR_BINDING)
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    march = [] if any(f.startswith("-march=") for f in flags) else ["-march=native"]
+    return load(name=f"reprorl_linear_{name}_{digest}", sources=[str(binding), str(source)], verbose=False,
+                extra_cflags=["-O3", *march, "-fno-fast-math", "-ffp-contract=off", "-fopenmp", f"-I{source.parent}",
+                              *flags], extra_ldflags=["-fopenmp"])
 
 
 def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) -> Tensor:

@@ -1,14 +1,15 @@
-// The CPU batch-invariant matmuls' register blocks and tasks (cpu_matmul.cpp runs them as
-// the linear's a @ b^T and a @ b, cpu_attention.cpp as attention's two products; each
-// file compiles its own copy, so GCC's inlining of the linear's kernels does not move
-// with the attention code: in one file it spilled an accumulator of the AVX2 4x3 block
-// and a linear took twice as long). Every output entry is one fixed sequence of IEEE
-// operations, whatever the batch, the entry's place in it or the thread count.
+// The CPU batch-invariant matmuls' vector type, register blocks and tasks (cpu_matmul.cpp
+// runs them as a @ b^T and a @ b, cpu_attention.cpp as attention's two products, and
+// cpu_linear.cpp builds the linear's own kernel from the vector type). Each file compiles
+// its own copy, so GCC's inlining of one file's kernels does not move with another's code
+// (in one file it spilled an accumulator of the AVX2 4x3 block and a matmul took twice as
+// long). Every output entry is one fixed sequence of IEEE operations, whatever the batch,
+// the entry's place in it or the thread count.
 //
 // No BLAS: a BLAS picks its kernels (and which rows of a tile take an edge path) from the
 // call's shape and the machine; an Intel Xeon gave a row different bits at place 0 and 1
 // of one fixed-shape single-threaded call. Here the arithmetic is written out:
-//   mm_nt: out[i, j] = sum_k a[i, k] * b[j, k]    (a linear layer; attention's scores)
+//   mm_nt: out[i, j] = sum_k a[i, k] * b[j, k]    (attention's scores)
 //          LANES lane sums, lane l over k = l, l+LANES, ... in order (fused multiply-adds),
 //          then the lanes added in one fixed tree (LANES: 16 with AVX-512, 8 with AVX2).
 //   mm_nn: out[i, j] = sum_k a[i, k] * b[k, j]    (attention's p v)

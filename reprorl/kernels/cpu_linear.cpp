@@ -11,9 +11,9 @@
 // sync). A register block of RV vectors x NC columns takes RV + NC loads for RV * NC FMAs
 // (2 x 12: 14 for 24), as a BLAS micro-kernel does.
 //
-// Below LANES rows, lanes go unused (a decode step's one row fills 1 of 16). A CPU decode is
-// bound by reading the weights, and one broadcast a column keeps that read at the speed of
-// the loads.
+// Up to FEW_ROWS rows (a decode step) most lanes of a row vector would go unused, so there
+// the lanes hold columns instead: tiles of the weight are transposed into an L1 buffer and
+// a[i, k] is broadcast against them (`few_block`), the same running sums in the same order.
 //
 // Speed without touching the arithmetic (each entry's sequence is the same in any block,
 // task, k block or thread):
@@ -30,15 +30,20 @@ namespace {
 // Register blocks: RV vectors of rows x NC columns (RV * NC accumulators, RV vectors of a and
 // a broadcast of b: 32 zmm with AVX-512, 16 ymm with AVX2). The widest RV that the rows fill
 // sets the columns of a block; fewer row vectors at a task's end take the same columns.
+// AVX-512: 1 x 8 and 2 x 12, from bench/cpu_blocks.py on the GPU machine's Xeon (2026-12-02,
+// summed over the bench linears): at 16 rows 1 x 8 took 0.70-0.76x MKL's time on one core
+// (1 x 24, whose 24 weight pointers spill: 1.14x); at 256 rows 2 x 12 took 1.15x MKL's time
+// on one core against 1.38x for 4 x 6 and 1.22x for 3 x 9, and 1.12x against 1.10x at 16
+// threads. (-D RL1=.. RL4=.., RL_MAX=..: the blocks bench/cpu_blocks.py builds to time.)
 #if defined(__AVX512F__)
-#ifndef RL1  // (-D RL1=.. RL4=..: bench/cpu_blocks.py builds other blocks to time them)
+#ifndef RL1
 #define RL1 8
 #define RL2 12
 #define RL3 8
 #define RL4 6
 #endif
 #ifndef RL_MAX
-#define RL_MAX 4
+#define RL_MAX 2
 #endif
 constexpr int64_t RL_MAX_VECS = RL_MAX;
 constexpr int64_t rl_cols(int64_t rv) { return rv == 1 ? RL1 : rv == 2 ? RL2 : rv == 3 ? RL3 : RL4; }
