@@ -4,12 +4,15 @@ sum over k in order, so `cpu_linear.cpp` built for AVX2 (8 lanes) and with no ve
 lanes, the weight transposed in tiles) and with rows as lanes. (Attention's scores still sum in
 lanes, so a whole forward may differ between an AVX2 and an AVX-512 CPU.)"""
 
+import platform
+
 import pytest
 import torch
 
 from reprorl.kernels import cpu
 
-pytestmark = pytest.mark.slow  # two builds of the linear's source, about 30 s each
+pytestmark = [pytest.mark.slow,  # two builds of the linear's source, about 30 s each
+              pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")]
 
 
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
