@@ -54,6 +54,11 @@ logger = logging.getLogger(__name__)
 QUERY_BLOCK = KEY_BLOCK
 
 
+# No fast-math and no contraction: every multiply-add in the sources is the one written
+# (the bits the kernels promise); every build of them takes these.
+_EXACT_CFLAGS = ["-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
+
+
 @functools.cache
 def _matmuls():
     from torch.utils.cpp_extension import load
@@ -68,8 +73,7 @@ def _matmuls():
     logger.info("building reprorl's CPU kernels (%s), once per machine, about a minute", ", ".join(p.name for p in sources))
     try:
         return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:3]],
-                    verbose=False, extra_cflags=["-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"])
+                    verbose=False, extra_cflags=["-O3", "-march=native", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
             f"full_determinism on the CPU needs reprorl's kernels ({sources[0].parent}/cpu_*.cpp), built with a C++ "
@@ -83,7 +87,7 @@ def matmul_nt(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) ->
     plan: how the work is split, (kc, rows, col_blocks): K in blocks of kc (a multiple of
     the lanes), tasks of up to `rows` rows (a multiple of the register block's) x
     `col_blocks` register blocks of columns; None takes `nt_plan`'s. It changes speed, never
-    a bit (bench/cpu_plans.py times plans)."""
+    a bit (tests compare plans; attention's scores take the default)."""
     if plan is None:
         return _matmuls().mm_nt(a, b)
     _check_plan(plan)
@@ -137,8 +141,7 @@ def build_linear_variant(name: str, flags: list[str]):
     digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
     march = [] if any(f.startswith("-march=") for f in flags) else ["-march=native"]
     return load(name=f"reprorl_linear_{name}_{digest}", sources=[str(binding), str(source)], verbose=False,
-                extra_cflags=["-O3", *march, "-fno-fast-math", "-ffp-contract=off", "-fopenmp", f"-I{source.parent}",
-                              *flags], extra_ldflags=["-fopenmp"])
+                extra_cflags=["-O3", *march, *_EXACT_CFLAGS, f"-I{source.parent}", *flags], extra_ldflags=["-fopenmp"])
 
 
 def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) -> Tensor:
@@ -148,7 +151,8 @@ def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) 
 
     plan: how the work is split, (kc, vecs, cols): K in blocks of kc, tasks of up to `vecs`
     vectors of rows x about `cols` columns; None takes `rows_plan`'s. It changes speed,
-    never a bit (bench/cpu_plans.py times plans)."""
+    never a bit (bench/cpu_plans.py times plans). Up to 8 rows the columns are the lanes
+    instead (tiles of b transposed in L1), with no plan to take."""
     if plan is None:
         return _matmuls().mm_rows(a, b, [])
     if len(plan) != 3:
@@ -161,7 +165,8 @@ def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) 
 
 def rows_plan(m: int, n: int, k: int) -> dict[str, int]:
     """The plan `matmul_rows` takes for [m, k] @ [n, k]^T at torch's thread count, with this
-    machine's lanes and the register block it runs (vectors of rows x columns)."""
+    machine's lanes and the register block it runs (vectors of rows x columns; 0 vectors up
+    to 8 rows, where the columns are the lanes)."""
     kc, vecs, cols, lanes, block_vecs, block_cols = _matmuls().rows_plan(m, n, k)
     return {"kc": kc, "vecs": vecs, "cols": cols, "lanes": lanes, "block_vecs": block_vecs, "block_cols": block_cols}
 

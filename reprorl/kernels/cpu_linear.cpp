@@ -55,6 +55,7 @@ constexpr int64_t RL_MAX_VECS = 2;
 constexpr int64_t rl_cols(int64_t rv) { return rv == 1 ? 4 : 2; }
 #endif
 constexpr int64_t TASK_VECS = 4, TASK_COLS = 256;  // a task's row vectors and columns at most (default_rows_plan)
+constexpr int64_t FEW_ROWS = 8;  // up to this many rows the lanes hold columns (few_block)
 
 // One register block: row vectors [0, RV) of the panel `x` (vector v at x + v * panel), columns
 // j0.. (C of them, <= NC; NC known at compile time keeps the accumulators in registers; DYN
@@ -214,18 +215,14 @@ RowsPlan default_rows_plan(int64_t M, int64_t N, int64_t K, int64_t nc, int64_t 
   return {K <= 512 ? std::max<int64_t>(K, 1) : 512, std::max<int64_t>(tv, 1), cols};
 }
 
-int64_t block_cols(int64_t M) {
-  const int64_t vecs = (M + LANES - 1) / LANES;
-  return rl_cols(std::clamp<int64_t>(vecs, 1, RL_MAX_VECS));
-}
+// The register block rows as lanes run at M rows: its row vectors and columns.
+int64_t block_vecs(int64_t M) { return std::clamp<int64_t>((M + LANES - 1) / LANES, 1, RL_MAX_VECS); }
+int64_t block_cols(int64_t M) { return rl_cols(block_vecs(M)); }
 
 // A few rows (a decode step): most lanes of a row vector would go unused, so the lanes hold
 // columns instead. A task's weights are transposed FEW_VECS vectors of columns x FEW_KC k at a
 // time into an L1 buffer, and a[i, k] is broadcast against them. Each lane is still one
 // entry's running sum over k in order, so the bits are the same as with rows as lanes.
-#ifndef FEW_ROWS
-#define FEW_ROWS 8
-#endif
 constexpr int64_t FEW_VECS = 2, FEW_KC = 128, FEW_COLS = FEW_VECS * LANES;
 
 #if defined(__AVX512F__)
@@ -323,7 +320,7 @@ void run_few_mr(const T* a, const T* b, float* out, int64_t K, int64_t N) {
 
 template <typename T>
 void run_few(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
-  static_assert(FEW_ROWS <= 8, "run_few dispatches 1..8 rows");
+  static_assert(FEW_ROWS == 8, "run_few dispatches 1..8 rows");
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
   float* po = out.data_ptr<float>();
@@ -344,9 +341,7 @@ void run_few(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out)
 template <typename T>
 void run_rows(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, RowsPlan plan) {
   if (a.size(0) <= FEW_ROWS) return run_few<T>(a, b, out);
-  const int64_t vecs = (a.size(0) + LANES - 1) / LANES;
-  const int64_t rv = std::clamp<int64_t>(vecs, 1, RL_MAX_VECS);
-  switch (rv) {
+  switch (block_vecs(a.size(0))) {
     case 1: run_rows_nc<T, rl_cols(1), 1>(a, b, out, plan); break;
     case 2: run_rows_nc<T, rl_cols(2), 2>(a, b, out, plan); break;
 #if defined(__AVX512F__)
@@ -387,9 +382,10 @@ torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> pla
 }
 
 // The default plan and block for a [M, K] @ b [N, K]^T at torch's thread count:
-// [kc, vecs, cols, LANES, block row vectors, block columns]
+// [kc, vecs, cols, LANES, block row vectors, block columns]. Up to FEW_ROWS rows the
+// few-rows path runs instead, with no plan: its block is given as 0 row vectors x FEW_COLS.
 std::vector<int64_t> rows_plan(int64_t M, int64_t N, int64_t K) {
   const RowsPlan p = default_rows_plan(M, N, K, block_cols(M), at::get_num_threads());
-  const int64_t vecs = (M + LANES - 1) / LANES;
-  return {p.kc, p.vecs, p.cols, LANES, std::clamp<int64_t>(vecs, 1, RL_MAX_VECS), block_cols(M)};
+  if (M <= FEW_ROWS) return {p.kc, p.vecs, p.cols, LANES, 0, FEW_COLS};
+  return {p.kc, p.vecs, p.cols, LANES, block_vecs(M), block_cols(M)};
 }

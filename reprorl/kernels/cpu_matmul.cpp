@@ -1,4 +1,4 @@
-// mm_nt (the linear; a @ b^T) and mm_nn (a @ b) over threads (the kernels: cpu_kernels.h).
+// mm_nt (attention's scores; a @ b^T) and mm_nn (a @ b) over threads (the kernels: cpu_kernels.h), and the module's bindings.
 #include "cpu_kernels.h"
 
 namespace {
@@ -6,14 +6,15 @@ namespace {
 // How mm_nt splits its work: K in blocks of kc, tasks of up to `rows` rows x `col_blocks`
 // register blocks of columns. Only speed depends on it: an entry's arithmetic is the same
 // sequence in any block, task or thread (tests/kernels/test_invariant_kernels.py compares
-// plans bit for bit; bench/cpu_plans.py times them).
+// plans bit for bit).
 struct NtPlan {
   int64_t kc, rows, col_blocks;
 };
 
 // The default plan: K in `k_block`s; tasks of up to 64 rows; columns per task: up to 16
 // register blocks, fewer when that leaves under 4 tasks a thread (a decode step's few rows
-// on 16 threads). From bench/cpu_plans.py (2026-12-02) over the bench linears at 16, 64 and
+// on 16 threads). Chosen when mm_nt was the linear too, from bench/cpu_plans.py (2026-12-02;
+// it now times the linear's own kernel, cpu_linear.cpp) over the bench linears at 16, 64 and
 // 256 rows: the time summed over them came to 1.10x the best plan's per linear on the GPU
 // machine's Xeon at 16 threads and at 1, 1.04-1.14x on the AMD EPYC at 1 and 2 (the old
 // rule, 8 blocks and 8 tasks a thread: 1.13, 1.13, 1.11-1.15x). 16-row tasks were best on
