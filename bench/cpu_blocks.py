@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import cpu_linear_shapes, cpu_time_ms  # noqa: E402
+from bench.kernels import cpu_linear_shapes, cpu_times_ms  # noqa: E402
 from reprorl.kernels import cpu  # noqa: E402
 
 
@@ -65,11 +65,12 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k)
             reference = cpu.matmul_rows(x, w)
-            times = {"mkl": cpu_time_ms(lambda: F.linear(x, w), args.repeats)}
             for blocks, module in modules.items():
                 if not torch.equal(module.mm_rows(x, w, []), reference):
                     raise AssertionError(f"blocks {blocks} changed a bit at {name} M={m}")
-                times[blocks] = cpu_time_ms(lambda module=module: module.mm_rows(x, w, []), args.repeats)
+            fns = {"mkl": lambda: F.linear(x, w),
+                   **{blocks: (lambda module=module: module.mm_rows(x, w, [])) for blocks, module in modules.items()}}
+            times = dict(zip(fns, cpu_times_ms(list(fns.values()), args.repeats, min_s=0.1)))
             for b, t in times.items():
                 summed[b][m] += t
             rows.append({"linear": f"{name} {k}->{n}", "M": m, "ms": times})

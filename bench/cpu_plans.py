@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels import cpu_linear_shapes, cpu_time_ms  # noqa: E402
+from bench.kernels import cpu_linear_shapes, cpu_times_ms  # noqa: E402
 from reprorl.kernels import cpu  # noqa: E402
 
 
@@ -65,9 +65,11 @@ def main() -> None:
             default = cpu.rows_plan(m, n, k)
             default_plan = (default["kc"], default["vecs"], default["cols"])
             block = f"{default['block_vecs']}x{default['block_cols']}"
-            times = {p: cpu_time_ms(lambda p=p: cpu.matmul_rows(x, w, p), args.repeats) for p in plans(k, n, threads)}
-            times[default_plan] = cpu_time_ms(lambda: cpu.matmul_rows(x, w), args.repeats)
-            mkl = cpu_time_ms(lambda: F.linear(x, w), args.repeats)
+            fns = {p: (lambda p=p: cpu.matmul_rows(x, w, p)) for p in plans(k, n, threads)}
+            fns[default_plan] = lambda: cpu.matmul_rows(x, w)
+            fns["mkl"] = lambda: F.linear(x, w)
+            times = dict(zip(fns, cpu_times_ms(list(fns.values()), args.repeats, min_s=0.05)))
+            mkl = times.pop("mkl")
             best = min(times, key=times.get)
             row = {"linear": f"{name} {k}->{n}", "M": m, "mkl_ms": mkl, "default_plan": default_plan,
                    "default_ms": times[default_plan], "best_plan": best, "best_ms": times[best],
