@@ -69,7 +69,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
-#pragma omp parallel num_threads(threads_for(tasks))
+#pragma omp parallel num_threads(team_threads())
   {
     std::vector<float> acc(((CHUNK + NT_ROWS - 1) / NT_ROWS) * (COLS / NT_COLS) * NT_ROWS * NT_COLS * LANES);
     std::vector<float> scores(CHUNK * nb_max), probs(CHUNK * nb_max), result(CHUNK * D);

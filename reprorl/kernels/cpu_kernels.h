@@ -333,9 +333,14 @@ void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i
 // inline parallel_for would run serially in an extension built without it). The split into
 // tasks follows the shape and the thread count, which only changes speed: each entry is
 // computed by one thread from start to end, K is never split between threads.
-inline int threads_for(int64_t tasks) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks)));
-}
+//
+// Every region takes the whole team, even with fewer tasks than threads (those threads wait
+// at its end): a team of another size than the last region's makes OpenMP move threads in
+// or out of it, and at 16 rows on the Xeon's 16 threads that cost more than the work. With
+// the linear's packing split over k as well (one change, both measured together), the
+// width-512 forward of 16 tokens went from 1.49-1.52x stock's time to 0.94-0.95x there
+// (bench/kernels.py, 2026-12-03).
+inline int team_threads() { return std::max(1, at::get_num_threads()); }
 
 // k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
 // short K is one block, so the lane vectors never leave registers.

@@ -134,20 +134,21 @@ void rl_task(const float* ap, const T* b, float* out, int64_t M, int64_t K, int6
     for (int64_t j = j0; j < j1; ++j) out[i * N + j] = acc[(j - j0) * ldacc + (i - g0 * LANES)];
 }
 
-// Rows g of a [M, K] (one thread's share), transposed into row vectors:
+// Row vector g of a [M, K] at k in [k0, k1) (one thread's share), transposed:
 // ap[(g * K + k) * LANES + l] = a[g * LANES + l, k], 0 past M.
 template <typename T>
-void pack_rows(const T* a, float* ap, int64_t M, int64_t K, int64_t g) {
+void pack_rows(const T* a, float* ap, int64_t M, int64_t K, int64_t g, int64_t k0, int64_t k1) {
   float* dst = ap + g * K * LANES;
   for (int64_t l = 0; l < LANES; ++l) {
     const int64_t i = g * LANES + l;
     if (i < M) {
-      for (int64_t k = 0; k < K; ++k) dst[k * LANES + l] = f(a[i * K + k]);
+      for (int64_t k = k0; k < k1; ++k) dst[k * LANES + l] = f(a[i * K + k]);
     } else {
-      for (int64_t k = 0; k < K; ++k) dst[k * LANES + l] = 0.f;
+      for (int64_t k = k0; k < k1; ++k) dst[k * LANES + l] = 0.f;
     }
   }
 }
+constexpr int64_t PACK_K = 256;  // a packing share: one row vector x PACK_K of k
 
 // How the work is split (speed only): K in blocks of kc; tasks of up to `vecs` row vectors x
 // `cols` columns (a multiple of the register block's).
@@ -176,15 +177,21 @@ void run_rows_nc(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& 
   const T* pb = b.data_ptr<T>();
   float* po = out.data_ptr<float>();
   const int64_t tasks = tm * tn;
-#pragma omp parallel num_threads(threads_for(tasks))
+#pragma omp parallel num_threads(team_threads())
   {
     thread_local std::vector<float> acc_buffer;
     float* acc = nullptr;
     // The packing in the same parallel region, by the same threads: a region of another
     // thread count before it cost about 0.6 ms a call on the Xeon's 16 threads (64 rows:
     // 4 threads packing, then 16).
+    // In shares of a row vector x PACK_K of k, so that at 16 rows (one row vector) not one
+    // thread packs all of K while the others wait.
+    const int64_t k_shares = (K + PACK_K - 1) / PACK_K;
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < vecs; ++g) pack_rows<T>(pa, ap, M, K, g);
+    for (int64_t s = 0; s < vecs * k_shares; ++s) {
+      const int64_t g = s / k_shares, k0 = s % k_shares * PACK_K;
+      pack_rows<T>(pa, ap, M, K, g, k0, std::min(K, k0 + PACK_K));
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < tasks; ++t) {
       // Column tasks are the slow index: a thread's consecutive tasks share their weights.
@@ -308,7 +315,7 @@ void few_block(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t
 template <typename T, int64_t MR>
 void run_few_mr(const T* a, const T* b, float* out, int64_t K, int64_t N) {
   const int64_t blocks = (N + FEW_COLS - 1) / FEW_COLS;
-#pragma omp parallel num_threads(threads_for(blocks))
+#pragma omp parallel num_threads(team_threads())
   {
     thread_local std::vector<float> wt_buffer;
     float* wt = scratch(wt_buffer, FEW_KC * FEW_COLS);

@@ -43,7 +43,7 @@ void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, 
   float* po = out.data_ptr<float>();
   const int64_t tasks = G * tm * tn;
   const int64_t scratch = (br / NT_ROWS) * (bc / NT_COLS) * NT_ROWS * NT_COLS * LANES;
-#pragma omp parallel num_threads(threads_for(tasks))
+#pragma omp parallel num_threads(team_threads())
   {
     std::vector<float> acc(scratch);
     // Task t: the row task is the fastest index, so a thread's consecutive tasks share
@@ -67,7 +67,7 @@ void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
   const T* pb = b.data_ptr<T>();
   float* po = out.data_ptr<float>();
   const int64_t tasks = G * tm * tn;
-#pragma omp parallel for schedule(static) num_threads(threads_for(tasks))
+#pragma omp parallel for schedule(static) num_threads(team_threads())
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t g = t / (tm * tn), rest = t % (tm * tn), ti = rest / tn, tj = rest % tn;
     nn_task<T>(pa + g * M * K, pb + g * K * N, po + g * M * N, K, N, ti * br, std::min(M, (ti + 1) * br), tj * bc,
