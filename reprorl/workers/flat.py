@@ -170,9 +170,32 @@ def fixed_order_reduce_scatter(full: torch.Tensor, layout: FlatLayout, group: di
     over rank index: an all-to-all hands rank r every rank's piece r, then `tree_sum`."""
     world = layout.world_size
     send = list(full.view(world, layout.shard_size).unbind(0))
+    if world == 1:
+        return send[0].clone()
     received = [torch.empty_like(send[0]) for _ in range(world)]
-    dist.all_to_all(received, send, group=group)
+    exchange_pieces(received, send, group)
     return tree_sum(received)
+
+
+def exchange_pieces(received: list[torch.Tensor], send: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """An all-to-all (rank r's `send[q]` lands in rank q's `received[r]`). Gloo has none in
+    some torch versions ("Backend gloo does not support alltoall" from torch 2.11 on the GPU
+    machine's CPU; 2.13 has one), so on gloo each pair of ranks sends and receives point to
+    point. The pieces are moved, never added: the bits do not depend on how."""
+    if dist.get_backend(group) != "gloo":
+        dist.all_to_all(received, send, group=group)
+        return
+    rank = dist.get_rank(group)
+    ops = []
+    for peer in range(len(send)):
+        if peer == rank:
+            received[peer].copy_(send[peer])
+            continue
+        global_peer = dist.get_global_rank(group, peer)
+        ops += [dist.P2POp(dist.isend, send[peer], global_peer, group),
+                dist.P2POp(dist.irecv, received[peer], global_peer, group)]
+    for work in dist.batch_isend_irecv(ops) if ops else ():
+        work.wait()
 
 
 def all_gather_shards(shard: torch.Tensor, flat: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> None:
