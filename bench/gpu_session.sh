@@ -149,7 +149,8 @@ for step in $steps; do
       cp runs/reprorl/gpu-grpo/metrics.jsonl "$LOGS/example_metrics.jsonl" 2>/dev/null ;;
     train)
       with_ray || { echo "no .whl: skipping train" | summary; continue; }
-      timeout 420 python3 -m reprorl.cli train > "$LOGS/train_xeon.log" 2>&1
+      # resources.device=cpu: left to auto, the run would take the GPU
+      timeout 420 python3 -m reprorl.cli train resources.device=cpu > "$LOGS/train_xeon.log" 2>&1
       echo "default run on the host CPU: exit $?, $((SECONDS - start)) s" | summary
       tail -6 "$LOGS/train_xeon.log" | summary
       cp runs/reprorl/tiny-grpo/determinism.txt "$LOGS/" 2>/dev/null
