@@ -181,11 +181,10 @@ void run_rows_nc(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& 
   {
     thread_local std::vector<float> acc_buffer;
     float* acc = nullptr;
-    // The packing in the same parallel region, by the same threads: a region of another
-    // thread count before it cost about 0.6 ms a call on the Xeon's 16 threads (64 rows:
-    // 4 threads packing, then 16).
-    // In shares of a row vector x PACK_K of k, so that at 16 rows (one row vector) not one
-    // thread packs all of K while the others wait.
+    // The packing in the same parallel region, by the same threads (a region of another
+    // thread count before it cost about 0.6 ms a call on the Xeon's 16 threads), in shares
+    // of a row vector x PACK_K of k, so that at 16 rows (one row vector) not one thread
+    // packs all of K while the others wait.
     const int64_t k_shares = (K + PACK_K - 1) / PACK_K;
 #pragma omp for schedule(static)
     for (int64_t s = 0; s < vecs * k_shares; ++s) {

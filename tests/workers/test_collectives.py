@@ -1,6 +1,6 @@
 """The fixed-order reduce-scatter across real processes (gloo, torch.multiprocessing, no Ray):
 each rank's shard is the rank-index tree sum of every rank's piece, whichever way the
-pieces travel (gloo's point-to-point exchange; torch 2.11's gloo has no all-to-all)."""
+pieces travel. The processes run as if on torch 2.11, whose gloo has no all-to-all."""
 
 import socket
 
@@ -17,8 +17,13 @@ def full_gradient(rank: int, layout: FlatLayout) -> torch.Tensor:
     return torch.randn(layout.padded, generator=g) * 10.0 ** torch.randint(-3, 4, (layout.padded,), generator=g)
 
 
+def _gloo_without_all_to_all(*args, **kwargs):
+    raise RuntimeError("Backend gloo does not support alltoall")  # torch 2.11's gloo
+
+
 def _rank(rank: int, world: int, port: int, layout: FlatLayout, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.all_to_all = _gloo_without_all_to_all  # as on the GPU machine, whatever this torch's gloo has
     try:
         shard = fixed_order_reduce_scatter(full_gradient(rank, layout), layout, dist.group.WORLD)
         send = [torch.full((3,), float(10 * rank + q)) for q in range(world)]
