@@ -4,15 +4,23 @@ Layout under the run directory:
 
     run_dir/checkpoints/step_<N>/<component>.pt   one file per top-level key of the state
     run_dir/checkpoints/step_<N>/<name>/          directories others fill (a worker group's shards)
-    run_dir/checkpoints/step_<N>/meta.json        step and component names, written last
+    run_dir/checkpoints/step_<N>/meta.json        step, component names, the size and SHA-256 of
+                                                  every other file, the caller's extras; written last
     run_dir/checkpoints/latest                    "step_<N>": the newest complete checkpoint
 
 A checkpoint is written into a temp directory beside the others (`.tmp-step_<N>-*`), every
 file and the directory fsynced, then renamed to `step_<N>` in one `os.rename`: a crash
 leaves either no `step_<N>` or a complete one, never half of one. `latest` is updated
 afterwards with `reprorl.io.atomic_write`, so it always names a complete
-checkpoint. Temp directories left by a crash are ignored when loading and removed by the
-next save.
+checkpoint. A checkpoint that goes (keep-last-K, a step saved again) is first renamed to a
+temp name, then deleted, so a crash mid-delete never leaves a `step_<N>` with files
+missing. Temp directories left by a crash are ignored when loading and removed by the
+next save (one writer per run directory: reprorl/trainer/run_dir.py).
+
+Loading checks each file against the sizes and digests in `meta.json` first (a file
+truncated or changed on disk after the save): `load_checkpoint` and
+`find_valid_checkpoint` skip a damaged checkpoint with a warning naming it and take the
+newest intact one.
 
 The state is a dict of components (e.g. {"actor": ..., "critic": ..., "rng": ...,
 "trainer": ...}), each a nested structure of tensors and plain Python values (dict, list,
@@ -23,7 +31,9 @@ refuses anything else up front, naming where it sits in the state.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -38,6 +48,8 @@ import torch
 
 from reprorl.errors import ReproRLError
 from reprorl.io import TMP_PREFIX, atomic_write, fsync_dir
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
@@ -59,7 +71,7 @@ class CheckpointNotFoundError(ReproRLError, FileNotFoundError):
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any],
                     *, max_to_keep: int | None = None, write_dirs: dict[str, Callable[[Path], None]] | None = None,
-                    ) -> Path:
+                    meta: dict[str, Any] | None = None) -> Path:
     """Write `state` as `run_dir/checkpoints/step_<step>/`, atomically; return that path.
 
     `write_dirs` maps a directory name to a function that fills it (other processes may
@@ -68,7 +80,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
 
     Then point `latest` at it and delete the oldest checkpoints beyond `max_to_keep`
     (None = keep all; the one just written is always kept). Saving a step that already
-    has a checkpoint replaces it.
+    has a checkpoint replaces it. `meta`: JSON values stored in `meta.json` besides the
+    step, components and file digests (`read_meta` returns them).
     """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
@@ -84,6 +97,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
 
     final = root / f"step_{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}step_{step}-", dir=root))
+    old = None
     try:
         for name, value in state.items():
             _write_file(tmp / f"{name}.pt", lambda f, v=value: torch.save(v, f))
@@ -91,21 +105,20 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
             (tmp / name).mkdir()
             fill(tmp / name)
             fsync_dir(tmp / name)
-        meta = {"step": step, "components": list(state)}
-        _write_file(tmp / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        record = {**(meta or {}), "step": step, "components": list(state), "files": _file_digests(tmp)}
+        _write_file(tmp / META, lambda f: f.write(json.dumps(record, indent=1).encode()))
         fsync_dir(tmp)
-        if final.exists():
-            # Re-saving a step (after a resume): move the old one out of the way first. A
-            # crash between the two renames leaves no step_<N>; `latest` then names a
-            # missing directory and loading falls back to the newest complete one.
-            old = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-step_{step}-", dir=root))
-            os.rename(final, old / final.name)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+        # Re-saving a step (after a resume): move the old one out of the way first. A crash
+        # between the renames leaves no step_<N>; `latest` then names a missing directory
+        # and loading falls back to the newest complete one.
+        old = _move_aside(root, final.name) if final.exists() else None
+        os.rename(tmp, final)
         fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old)
     except BaseException:
+        if old is not None and not final.exists():
+            os.rename(old / final.name, final)  # the new one did not take its place: the old one stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
@@ -114,8 +127,31 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
     if max_to_keep is not None:
         for old_step in _complete_steps(root)[:-max_to_keep]:
             if old_step != step:
-                shutil.rmtree(root / f"step_{old_step}")
+                shutil.rmtree(_move_aside(root, f"step_{old_step}"))
     return final
+
+
+def _move_aside(root: Path, name: str) -> Path:
+    """Rename `root/name` to a temp directory (removed by the next save if a crash
+    interrupts its deletion) and return that: a step directory goes in one rename."""
+    aside = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}old-{name}-", dir=root))
+    os.rename(root / name, aside / name)
+    fsync_dir(root)
+    return aside
+
+
+def _file_digests(ckpt: Path) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of every file under `ckpt` but `meta.json`."""
+    return {p.relative_to(ckpt).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(ckpt.rglob("*")) if p.is_file() and p.name != META}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _check_plain(value: Any, where: str) -> None:
@@ -165,39 +201,100 @@ def _complete_steps(root: Path) -> list[int]:
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The checkpoint directory `path` names, or None when a run has none yet.
+    """The checkpoint directory `path` names, or None when a run has none yet; unverified.
 
     `path` may be a run directory (its `checkpoints/` is searched), a `checkpoints/`
     directory, or one `step_<N>` directory (returned as it is). In a run, the checkpoint
     `latest` names is taken; if `latest` is missing or names a directory that is gone
     (a crash between the writes), the complete checkpoint with the highest step.
     """
-    path = Path(path)
+    candidates = _candidates(Path(path))
+    return candidates[0] if candidates else None
+
+
+def find_valid_checkpoint(path: str | os.PathLike) -> Path | None:
+    """As `find_checkpoint`, but the newest checkpoint whose files match their digests.
+
+    A damaged one is skipped with a warning naming it and what is wrong; when every
+    checkpoint there is damaged, raises `CheckpointError` naming each. None: no checkpoint.
+    """
+    candidates = _candidates(Path(path))
+    damaged = []
+    for ckpt in candidates:
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            for bad, why in damaged:
+                logger.warning("checkpoint %s is damaged (%s): skipped; using %s, the newest intact one",
+                               bad, why, ckpt)
+            return ckpt
+        damaged.append((ckpt, problem))
+    if damaged:
+        listed = "; ".join(f"{str(bad)!r}: {why}" for bad, why in damaged)
+        raise CheckpointError(f"no intact checkpoint under {str(path)!r} ({listed}): restore them from a copy, "
+                              "or move them away to train from the start")
+    return None
+
+
+def _candidates(path: Path) -> list[Path]:
+    """The complete checkpoints `path` holds, the one to load first: `path` itself if it is
+    one, else the one `latest` names, then the others by step, newest first."""
     if (path / META).is_file():
-        return path
+        return [path]
     root = path / CHECKPOINTS_DIR if (path / CHECKPOINTS_DIR).is_dir() else path
     if not root.is_dir():
-        return None
+        return []
+    ckpts = [root / f"step_{step}" for step in reversed(_complete_steps(root))]
     latest = root / LATEST
-    if latest.is_file():
-        name = latest.read_text().strip()
-        if _STEP_DIR.match(name) and (root / name / META).is_file():
-            return root / name
-    steps = _complete_steps(root)
-    return root / f"step_{steps[-1]}" if steps else None
+    name = latest.read_text().strip() if latest.is_file() else ""
+    if root / name in ckpts:
+        ckpts.remove(root / name)
+        ckpts.insert(0, root / name)
+    return ckpts
+
+
+def checkpoint_problem(ckpt: str | os.PathLike) -> str | None:
+    """What is wrong with checkpoint directory `ckpt` (a file missing, of another size or
+    digest than `meta.json` recorded at save time), or None when it is intact."""
+    ckpt = Path(ckpt)
+    try:
+        meta = read_meta(ckpt)
+    except CheckpointError as err:
+        return str(err)
+    for rel, saved in meta.get("files", {}).items():  # no "files": saved before digests were kept
+        file = ckpt / rel
+        if not file.is_file():
+            return f"{rel} is missing"
+        size = file.stat().st_size
+        if size != saved["size"]:
+            return f"{rel} has {size} bytes, {saved['size']} when saved"
+        if _sha256(file) != saved["sha256"]:
+            return f"{rel} differs from the file saved (SHA-256)"
+    return None
+
+
+def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
+    """The `meta.json` of checkpoint directory `ckpt`: step, components, files, the extras."""
+    path = Path(ckpt) / META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {str(path)!r}: {err}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "components" not in meta:
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint's {META}")
+    return meta
 
 
 def load_checkpoint(path: str | os.PathLike, which: str | int = "auto") -> tuple[int, dict[str, Any]]:
     """Read a checkpoint back: `(step, state)` with `state` as it was saved.
 
-    `which="auto"`: the checkpoint `find_checkpoint(path)` picks (the newest complete one
-    of a run, or `path` itself if it is a checkpoint directory); an int: that step of the
-    run at `path`. Raises `CheckpointNotFoundError` (a FileNotFoundError) naming the path
-    when there is none, `CheckpointError` when a file cannot be read.
+    `which="auto"`: the checkpoint `find_valid_checkpoint(path)` picks (the newest intact
+    one of a run, or `path` itself if it is a checkpoint directory); an int: that step of
+    the run at `path`. Raises `CheckpointNotFoundError` (a FileNotFoundError) naming the
+    path when there is none, `CheckpointError` naming the checkpoint when it is damaged.
     """
     path = Path(path)
     if which == "auto":
-        ckpt = find_checkpoint(path)
+        ckpt = find_valid_checkpoint(path)
         if ckpt is None:
             raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: expected a run directory with "
                                   f"{CHECKPOINTS_DIR}/step_<N>/ or a step_<N> directory with {META}")
@@ -207,7 +304,11 @@ def load_checkpoint(path: str | os.PathLike, which: str | int = "auto") -> tuple
         if not (ckpt / META).is_file():
             raise CheckpointNotFoundError(f"no checkpoint for step {which} under {str(root)!r}; "
                                   f"complete steps there: {_complete_steps(root)}")
-    meta = json.loads((ckpt / META).read_text())
+    if which != "auto":  # "auto" took an intact one
+        problem = checkpoint_problem(ckpt)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {str(ckpt)!r} is damaged: {problem}")
+    meta = read_meta(ckpt)
     state = {}
     for name in meta["components"]:
         file = ckpt / f"{name}.pt"

@@ -1,11 +1,14 @@
 """Checkpoints: round trip, atomic writes under a crash, keep-last-K, `latest`, RNG states."""
 
+import hashlib
 import json
+import logging
 import os
 import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,10 +16,14 @@ import torch
 
 from reprorl.trainer import checkpoint as ckpt
 from reprorl.trainer.checkpoint import (
+    CheckpointError,
     CheckpointNotFoundError,
     capture_rng_state,
+    checkpoint_problem,
     find_checkpoint,
+    find_valid_checkpoint,
     load_checkpoint,
+    read_meta,
     restore_rng_state,
     save_checkpoint,
 )
@@ -50,7 +57,10 @@ def test_round_trip_and_layout(tmp_path):
     path = save_checkpoint(tmp_path, 3, _state(3))
     assert path == tmp_path / "checkpoints" / "step_3"
     assert sorted(p.name for p in path.iterdir()) == ["actor.pt", "meta.json", "trainer.pt"]
-    assert json.loads((path / "meta.json").read_text()) == {"step": 3, "components": ["actor", "trainer"]}
+    meta = json.loads((path / "meta.json").read_text())
+    assert {k: meta[k] for k in ("step", "components")} == {"step": 3, "components": ["actor", "trainer"]}
+    assert meta["files"]["actor.pt"] == {"size": (path / "actor.pt").stat().st_size,
+                                         "sha256": hashlib.sha256((path / "actor.pt").read_bytes()).hexdigest()}
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_3"
     step, state = load_checkpoint(tmp_path)
     assert step == 3
@@ -175,3 +185,97 @@ def test_files_are_fsynced(tmp_path, monkeypatch):
     names = [os.path.basename(p) for p in synced]
     assert {"actor.pt", "trainer.pt", "meta.json"} <= set(names)
     assert any(n.startswith(".tmp-latest") for n in names)
+
+
+# ------------------------------------------------------------------------------ damaged checkpoints
+
+
+def _save_with_shards(run_dir, step):
+    def fill(d):
+        for rank in range(2):
+            torch.save({"w": torch.full((64,), float(step + rank))}, d / f"rank_{rank}.pt")
+    return save_checkpoint(run_dir, step, _state(step), write_dirs={"actor.shards": fill}, meta={"note": "extra"})
+
+
+def _truncate(path, keep=10):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def test_shard_files_are_listed_and_extras_kept(tmp_path):
+    path = _save_with_shards(tmp_path, 1)
+    meta = read_meta(path)
+    assert sorted(meta["files"]) == ["actor.pt", "actor.shards/rank_0.pt", "actor.shards/rank_1.pt", "trainer.pt"]
+    assert meta["note"] == "extra" and meta["step"] == 1
+
+
+def test_a_truncated_shard_of_the_newest_falls_back_to_the_previous(tmp_path, caplog):
+    """A shard file cut short after the save (a full disk, a bad copy): the newest intact
+    checkpoint is taken, with a warning naming the damaged one, not a torch.load error."""
+    _save_with_shards(tmp_path, 1)
+    newest = _save_with_shards(tmp_path, 2)
+    _truncate(newest / "actor.shards" / "rank_1.pt")
+    with caplog.at_level(logging.WARNING, logger="reprorl.trainer.checkpoint"):
+        assert find_valid_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"
+        step, state = load_checkpoint(tmp_path)
+    assert step == 1
+    _assert_state_equal(state, _state(1))
+    assert f"checkpoint {newest} is damaged (actor.shards/rank_1.pt has 10 bytes, " in caplog.text
+    assert find_checkpoint(tmp_path) == newest  # the cheap lookup does not read the files
+
+
+def test_same_size_corruption_and_missing_files_are_found(tmp_path):
+    first = _save_with_shards(tmp_path, 1)
+    second = _save_with_shards(tmp_path, 2)
+    data = bytearray((second / "actor.pt").read_bytes())
+    data[-20] ^= 1  # one bit, same size
+    (second / "actor.pt").write_bytes(bytes(data))
+    (first / "actor.shards" / "rank_0.pt").unlink()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(tmp_path)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"no intact checkpoint under {str(tmp_path)!r} (")
+    assert f"{str(second)!r}: actor.pt differs from the file saved (SHA-256)" in message
+    assert f"{str(first)!r}: actor.shards/rank_0.pt is missing" in message
+    assert "restore them from a copy, or move them away to train from the start" in message
+    # A step asked for by number, or a step directory itself, is checked too.
+    with pytest.raises(CheckpointError, match=r"checkpoint .*step_2' is damaged: actor.pt differs"):
+        load_checkpoint(tmp_path, 2)
+    with pytest.raises(CheckpointError, match=r"step_2'.*actor.pt differs"):
+        load_checkpoint(second)
+
+
+def test_checkpoints_without_digests_still_load(tmp_path):
+    """Checkpoints saved before digests were kept have nothing to check against."""
+    path = save_checkpoint(tmp_path, 1, _state(1))
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["files"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    _assert_state_equal(load_checkpoint(tmp_path)[1], _state(1))
+
+
+@pytest.mark.parametrize("when", ["rotation", "resave"])
+def test_a_crash_mid_delete_leaves_no_half_checkpoint(tmp_path, monkeypatch, when):
+    """Deleting a checkpoint (keep-last-K, or the old copy of a step saved again) dies half
+    way: what is left is never a step_<N> that counts as complete."""
+    save_checkpoint(tmp_path, 1, _state(1))
+    save_checkpoint(tmp_path, 2, _state(2))
+    real_rmtree = ckpt.shutil.rmtree
+
+    def dying_rmtree(path, *args, **kwargs):
+        for p in sorted(Path(path).rglob("*.pt")):  # the files go first, the meta stays: a crash here
+            p.unlink()
+        raise KeyboardInterrupt("killed mid-delete (simulated)")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", dying_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        if when == "rotation":
+            save_checkpoint(tmp_path, 3, _state(3), max_to_keep=2)
+        else:
+            save_checkpoint(tmp_path, 2, _state(20))
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    root = tmp_path / "checkpoints"
+    steps = sorted(p.name for p in root.iterdir() if p.name.startswith("step_"))
+    assert steps == (["step_2", "step_3"] if when == "rotation" else ["step_1", "step_2"])
+    for name in steps:  # every step directory left is whole
+        assert checkpoint_problem(root / name) is None
+    _assert_state_equal(load_checkpoint(tmp_path)[1], _state(3) if when == "rotation" else _state(20))
