@@ -8,6 +8,9 @@ usually differs only as a consequence. When both runs kept raw tensors for that 
 also names the first differing element (sample and token for a `[B, T]` field) and both
 values with their exact bits.
 
+A run that crashed while writing a step leaves a torn last line in fingerprints.jsonl:
+its complete steps are compared and the report says which line was torn.
+
 Exit codes (`compare_main`): 0 identical, 1 different; a missing or unreadable run is a
 `ReproRLError` (the CLI prints `error: ...` and exits 2).
 """
@@ -24,7 +27,7 @@ import torch
 
 from reprorl.determinism import encode
 from reprorl.errors import ReproRLError
-from reprorl.fingerprint import load_raw, read_fingerprints
+from reprorl.fingerprint import FINGERPRINTS_FILE, load_raw, read_complete_fingerprints
 from reprorl.trainer.tracking import METRICS_FILE, read_metrics
 
 # Curves of the overlay plot; a panel is drawn when either run has the metric.
@@ -65,6 +68,8 @@ class CompareResult:
     only_in_b: list[int]
     divergence: Divergence | None  # first divergence over the common steps
     digests_compared: int  # digests found equal, up to the divergence if any
+    torn_line_a: int | None = None  # the line number of run_a's torn last record (a crash mid-write), if any
+    torn_line_b: int | None = None
 
     @property
     def identical(self) -> bool:
@@ -77,7 +82,7 @@ class CompareResult:
 def compare_runs(run_a: str | Path, run_b: str | Path) -> CompareResult:
     """Compare the fingerprints of two run directories, step by step."""
     run_a, run_b = Path(run_a), Path(run_b)
-    records_a, records_b = read_fingerprints(run_a), read_fingerprints(run_b)
+    (records_a, torn_a), (records_b, torn_b) = read_complete_fingerprints(run_a), read_complete_fingerprints(run_b)
     for run, records in ((run_a, records_a), (run_b, records_b)):
         if not records:  # nothing recorded proves nothing: never report "identical over 0 steps"
             raise ReproRLError(f"{run}: fingerprints.jsonl records no steps")
@@ -103,6 +108,8 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> CompareResult:
         only_in_b=sorted(set(records_b) - set(records_a)),
         divergence=divergence,
         digests_compared=compared,
+        torn_line_a=torn_a,
+        torn_line_b=torn_b,
     )
 
 
@@ -237,6 +244,13 @@ def format_steps(steps: list[int]) -> str:
 
 def format_result(result: CompareResult) -> str:
     """The text `reprorl compare` prints."""
+    torn = [f"  {run}: line {line} of {FINGERPRINTS_FILE} is torn (the run stopped while writing it): "
+            "compared its complete steps" for run, line in ((result.run_a, result.torn_line_a),
+                                                            (result.run_b, result.torn_line_b)) if line is not None]
+    return "\n".join([_verdict(result), *torn])
+
+
+def _verdict(result: CompareResult) -> str:
     a, b = result.run_a, result.run_b
     if result.identical:
         return (f"bitwise identical over {len(result.common_steps)} steps "

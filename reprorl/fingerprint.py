@@ -255,7 +255,13 @@ def read_fingerprints(run_dir: str | os.PathLike) -> dict[int, dict[str, Any]]:
     Raises `ReproRLError` naming the path when the directory or the file is missing or
     unreadable, and the file and line number when a line is not a fingerprint record.
     """
-    return _read(_fingerprints_path(run_dir), drop_torn_tail=False)
+    return _read(_fingerprints_path(run_dir), drop_torn_tail=False)[0]
+
+
+def read_complete_fingerprints(run_dir: str | os.PathLike) -> tuple[dict[int, dict[str, Any]], int | None]:
+    """As `read_fingerprints`, but a torn last line (a run that crashed mid-write) is left
+    out: (the complete records by step, that line's number or None)."""
+    return _read(_fingerprints_path(run_dir), drop_torn_tail=True)
 
 
 def _fingerprints_path(run_dir: str | os.PathLike) -> Path:
@@ -270,7 +276,8 @@ def _fingerprints_path(run_dir: str | os.PathLike) -> Path:
     return path
 
 
-def _read(path: Path, *, drop_torn_tail: bool) -> dict[int, dict[str, Any]]:
+def _read(path: Path, *, drop_torn_tail: bool) -> tuple[dict[int, dict[str, Any]], int | None]:
+    """(records by step, the number of the torn last line dropped, or None)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -286,14 +293,14 @@ def _read(path: Path, *, drop_torn_tail: bool) -> dict[int, dict[str, Any]]:
             _check_record(record)
         except (json.JSONDecodeError, ValueError) as err:
             if torn and drop_torn_tail:
-                break
+                return records, line_no
             hint = " (unfinished: a crash mid-write? truncate_fingerprints drops it)" if torn else ""
             raise ReproRLError(f"{path}: line {line_no} is not a fingerprint record: {err}{hint}") from None
         step = record["step"]
         if step in records:
             raise ReproRLError(f"{path}: line {line_no}: step {step} appears twice")
         records[step] = record
-    return records
+    return records, None
 
 
 def _check_record(record: Any) -> None:
@@ -343,7 +350,7 @@ def truncate_fingerprints(run_dir: str | os.PathLike, last_step: int) -> None:
     run_dir = Path(run_dir)
     path = run_dir / FINGERPRINTS_FILE
     if path.is_file():
-        kept = [r for s, r in _read(path, drop_torn_tail=True).items() if s <= last_step]
+        kept = [r for s, r in _read(path, drop_torn_tail=True)[0].items() if s <= last_step]
         data = "".join(json.dumps(r) + "\n" for r in kept).encode("utf-8")
         with atomic_write(path) as tmp:
             tmp.write_bytes(data)

@@ -183,6 +183,30 @@ def test_unreadable_json_line_names_file_and_line(tmp_path, plot_path):
         compare_main(str(a), str(b), plot=plot_path)
 
 
+def _tear_last_line(run):
+    """What a run killed while writing its last record leaves: half a line, no newline."""
+    text = (run / FINGERPRINTS_FILE).read_text()
+    (run / FINGERPRINTS_FILE).write_text(text[: text.rstrip("\n").rfind("\n") + 60])
+
+
+def test_a_torn_last_line_compares_the_complete_steps_and_says_so(tmp_path, plot_path, capsys):
+    """A crashed run (its last record half written) used to be refused as unreadable."""
+    a, b = make_run(tmp_path / "a"), make_run(tmp_path / "b")
+    _tear_last_line(b)
+    assert compare_main(str(a), str(b)) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "runs differ: they recorded different steps"
+    assert out[1].endswith(": 5") and out[2].endswith(": none")
+    assert out[3] == "the 4 common steps are bitwise identical"
+    assert out[4] == (f"  {b}: line 5 of {FINGERPRINTS_FILE} is torn (the run stopped while writing it): "
+                      "compared its complete steps")
+    _tear_last_line(a)  # both stopped at the same point: their complete steps are the verdict
+    assert compare_main(str(a), str(b)) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("bitwise identical over 4 steps") and len(out) == 3
+    assert out[1].startswith(f"  {a}: line 5 of {FINGERPRINTS_FILE} is torn")
+
+
 def test_no_recorded_steps_is_an_error_not_identical(tmp_path, plot_path):
     a = make_run(tmp_path / "a")
     (tmp_path / "b").mkdir()
