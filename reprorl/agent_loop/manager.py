@@ -59,18 +59,24 @@ def plan_samples(
     sampling_params: SamplingParams,
     val_sampling_params: SamplingParams,
     max_response_length: int,
+    max_prompt_length: int | None = None,
 ) -> list[AgentSample]:
     """One `AgentSample` per row, in row order: the sample's whole identity, before routing.
 
-    Reads the non-tensor columns `uid`, `repeat_index`, `raw_prompt` (chat messages) or
-    `prompt_ids` (token ids), the optional control column `__do_sample__`, and meta
-    `step` (int) and `validate` (bool, default False). For row i:
+    Reads the non-tensor columns `uid`, `repeat_index`, `prompt_ids` (token ids) or, when
+    there are none, `raw_prompt` (chat messages, templated by the worker), the optional
+    control column `__do_sample__`, and meta `step` (int) and `validate` (bool, default
+    False). `prompt_ids` wins when both are given: they are the dataset's, cut to
+    `data.max_prompt_length` by `data.overlong_prompts=truncate_*`, while the messages are
+    whole. For row i:
     - priority i (its row number) and request id "{phase}/{step}/{uid}/{repeat_index}";
     - seeds `request_seed(run_seed, step, uid, repeat_index, turn, phase=phase)`, with
       phase "val" when validating (apart from training's seeds, see `request_seed`);
     - params: `val_sampling_params` when validating, else `sampling_params`; greedy where
       `__do_sample__` is False. Their `max_tokens` is kept (`rollout.max_tokens`); it must
       be at most `max_response_length`, the width the responses are padded to.
+    A `prompt_ids` row longer than `max_prompt_length` (None: no limit) is a DataError
+    here, before any request reaches a replica.
     Other non-tensor columns go to the loop in `extra` (e.g. `agent_name`, which picks
     the row's loop in the worker); control columns do not.
     """
@@ -84,7 +90,7 @@ def plan_samples(
     for key in ("uid", "repeat_index"):
         if key not in batch.non_tensors:
             raise DataError(f"rollout batch has no non-tensor column {key!r}; columns: {batch.keys()}")
-    prompt_key = "raw_prompt" if "raw_prompt" in batch.non_tensors else "prompt_ids"
+    prompt_key = "prompt_ids" if "prompt_ids" in batch.non_tensors else "raw_prompt"
     if prompt_key not in batch.non_tensors:
         raise DataError(
             f"rollout batch needs a non-tensor column 'raw_prompt' or 'prompt_ids'; columns: {batch.keys()}"
@@ -95,7 +101,7 @@ def plan_samples(
         raise ValueError(f"sampling params max_tokens={base.max_tokens} is more than max_response_length="
                          f"{max_response_length}, the width responses are padded to; expected at most that")
     greedy = greedy_params(base)
-    skip = {DO_SAMPLE, "uid", "repeat_index", prompt_key}
+    skip = {DO_SAMPLE, "uid", "repeat_index", "prompt_ids", "raw_prompt"}
     extra_keys = [k for k in batch.non_tensors if k not in skip]
 
     samples, seen = [], {}
@@ -116,6 +122,9 @@ def plan_samples(
         if agent_name not in AGENTS:
             raise DataError(f"rollout batch row {i}: agent_name={agent_name!r}, expected one of {AGENTS}")
         prompt = batch.non_tensors[prompt_key][i]
+        if prompt_key == "prompt_ids" and max_prompt_length is not None and len(prompt) > max_prompt_length:
+            raise DataError(f"rollout batch row {i} (uid {uid!r}): prompt of {len(prompt)} tokens is longer than "
+                            f"max_prompt_length={max_prompt_length}; expected at most that")
         samples.append(AgentSample(
             index=i,
             request_id=f"{phase}/{int(step)}/{uid}/{int(repeat)}",
@@ -305,7 +314,8 @@ class AgentLoopManager:
         self.num_generate_sequences_calls += 1
         samples = plan_samples(batch, run_seed=self.run_seed, sampling_params=self.sampling_params,
                                val_sampling_params=self.val_sampling_params,
-                               max_response_length=self.max_response_length)
+                               max_response_length=self.max_response_length,
+                               max_prompt_length=self.max_prompt_length)
         outputs = self._run(samples)
         tensors = assemble(outputs, pad_token_id=self.pad_token_id, max_response_length=self.max_response_length,
                            max_prompt_length=self.max_prompt_length)

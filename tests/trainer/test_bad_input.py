@@ -25,6 +25,7 @@ from reprorl.agent_loop.tools import TOOLS, calculator, parse_tool_calls, run_to
 from reprorl.cli import main as cli_main
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
+from reprorl.data.dataset import read_rows
 from reprorl.errors import ConfigError, ReproRLError
 from reprorl.models.hf_io import load_tokenizer, save_model
 from reprorl.models.tiny import init_weights, tiny_args
@@ -203,6 +204,37 @@ def test_the_tool_loop_calls_only_the_configured_tools(tiny_policy_dir):
     assert by_tools["None"] == TOOLS and by_tools["['calculator']"] == {"calculator": calculator}
     assert by_tools["[]"] == {}
     assert by_tools["None answer"] == "5" and by_tools["[] answer"] == "error: unknown tool 'calculator'; available: "
+
+
+# ------------------------------------------------------------------ overlong prompts
+
+
+def _long_prompts(path: Path, source: Path) -> Path:
+    """`source`'s rows as JSONL, each question after 80 characters of preamble: over the small
+    run's data.max_prompt_length=64 (the char tokenizer: a token a character)."""
+    rows = read_rows(source)
+    for row in rows:
+        row["prompt"] = [{**m, "content": "Work it out carefully and answer with the number. " * 2 + m["content"]}
+                         for m in row["prompt"]]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+def test_truncated_prompts_reach_the_engine_in_training_and_validation(assets, tmp_path, ray_local):
+    """data.overlong_prompts=truncate_left: the rollout sends the dataset's cut prompt ids (it
+    re-templated the whole messages, and the first long prompt crashed the run)."""
+    train = _long_prompts(tmp_path / "train.jsonl", assets["train"])
+    val = _long_prompts(tmp_path / "val.jsonl", assets["val"])
+    run_dir = tmp_path / "run"
+    trainer = run_trainer(config(assets, run_dir, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                                 "data.overlong_prompts=truncate_left", "trainer.val_before_train=true",
+                                 "trainer.total_steps=1", "trainer.test_freq=1"))
+    assert trainer.train_set.stats["truncated"] == trainer.train_set.stats["rows"] == 16
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[1]["prompt_length/mean"] == records[1]["prompt_length/max"] == 64.0
+    assert "val/accuracy" in records[0] and "val/accuracy" in records[1]
 
 
 # ------------------------------------------------------------------ non-finite rewards
