@@ -99,9 +99,15 @@ class RolloutValConfig:
 class RolloutConfig:
     backend: Literal["native", "vllm"] = _field("native", "inference engine: the built-in one or vLLM")
     n: int = _field(8, "responses sampled per prompt (GRPO group size)", ge=1)
-    temperature: float = _field(1.0, "sampling temperature for training rollouts; 0 = greedy", ge=0)
+    temperature: float = _field(
+        1.0, "sampling temperature for training rollouts; 0 = greedy (an error with grpo, rloo, reinforce_pp_baseline "
+        "and remax, which compare samples that must differ)", ge=0
+    )
     top_p: float = _field(1.0, "nucleus sampling: keep the smallest set of tokens with this mass", gt=0, le=1)
-    top_k: int = _field(-1, "keep the k most likely tokens; -1 = off (0 is not allowed)", ge=-1)
+    top_k: int = _field(
+        -1, "keep the k most likely tokens; -1 = off (0 is not allowed; 1 is greedy, refused as temperature 0 is)",
+        ge=-1
+    )
     max_tokens: int | None = _field(
         None, "most new tokens per response; null = data.max_response_length (larger is an error)", ge=1
     )
@@ -609,6 +615,7 @@ def _validate(cfg: Config) -> None:
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: "
             f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
         )
+    _check_sampling_varies(rollout, algo.adv_estimator)
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
     batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,
@@ -632,6 +639,26 @@ def _validate(cfg: Config) -> None:
         _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
                            f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
                            f"{mini} * {rollout.n} / {micro}")
+
+
+def _check_sampling_varies(rollout: RolloutConfig, adv_estimator: str) -> None:
+    """Estimators that compare a sample with others of its prompt (a group, or ReMax's greedy
+    baseline) need samples that differ: greedy ones are all alike, so every advantage is 0
+    and the run trains on nothing without a word."""
+    greedy = [key for key, on in (("rollout.temperature=0", rollout.temperature == 0),
+                                  ("rollout.top_k=1", rollout.top_k == 1)) if on]
+    if not greedy:
+        return
+    if adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+        alike = f"the rollout.n={rollout.n} samples of a prompt are one same response"
+    elif adv_estimator == "remax":
+        alike = "every sample is the greedy response ReMax takes as its baseline"
+    else:
+        return
+    raise ConfigError(
+        f"algorithm.adv_estimator={adv_estimator} with {' and '.join(greedy)} (greedy sampling): {alike}, so every "
+        "advantage is 0 and nothing is learned; expected rollout.temperature > 0 and rollout.top_k != 1"
+    )
 
 
 def _check_token_budget(cfg: Config, name: str, max_token_len: int) -> None:

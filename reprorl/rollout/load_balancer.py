@@ -13,11 +13,12 @@ in every process (useful for replaying load, required by nothing in the contract
 - `LoadBalancerActor`: the same class as a Ray actor, so several agent-loop workers
   share one view of the load.
 - `generate_balanced`: the client path: acquire, call the replica, release in a
-  `finally`, and on a dead replica remove it and retry elsewhere.
+  `finally`, and on a dead or hung replica remove it and retry elsewhere.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -31,7 +32,11 @@ ROUTING_MODES = ("least_loaded", "hash")
 
 
 class NoReplicaError(RuntimeError):
-    """Every rollout replica the balancer knew about has been removed (they died)."""
+    """Every rollout replica the balancer knew about has been removed (they died or hung)."""
+
+
+class BalancerError(RuntimeError):
+    """The load-balancer actor died or did not answer in time; its owner replaces it."""
 
 
 class LoadBalancer:
@@ -154,11 +159,21 @@ class LoadBalancer:
 LoadBalancerActor = ray.remote(num_cpus=0)(LoadBalancer)
 
 
-async def _ask(balancer: Any, method: str, *args: Any) -> Any:
-    """Call `method` on a local `LoadBalancer` or on a `LoadBalancerActor` handle."""
+async def _ask(balancer: Any, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    """Call `method` on a local `LoadBalancer` or on a `LoadBalancerActor` handle; an actor
+    that died or gives no answer within `timeout_s` raises `BalancerError`."""
     if isinstance(balancer, LoadBalancer):
         return getattr(balancer, method)(*args)
-    return await getattr(balancer, method).remote(*args)
+    try:
+        return await asyncio.wait_for(_awaited(getattr(balancer, method).remote(*args)), timeout_s)
+    except RayActorError as err:
+        raise BalancerError(f"the load balancer died during {method} ({type(err).__name__})") from None
+    except asyncio.TimeoutError:
+        raise BalancerError(f"the load balancer gave no answer to {method} within {timeout_s:g} s") from None
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
 
 
 async def generate_balanced(
@@ -168,34 +183,41 @@ async def generate_balanced(
     *args: Any,
     max_attempts: int | None = None,
     affinity: str | None = None,
+    timeout_s: float | None = None,
+    balancer_timeout_s: float | None = None,
     **kwargs: Any,
 ) -> Any:
     """`replicas[rid].generate.remote(request_id, *args, **kwargs)` on the balancer's choice
     (`affinity`: see `LoadBalancer.acquire`).
 
     The in-flight count is released whatever happens. When the replica's actor is dead
-    (`RayActorError`, including `ActorDiedError`) it is removed from the balancer and the
-    request is retried on another, at most `max_attempts` times in all (default: the
-    number of replicas). Retrying is safe because the sample depends only on the
-    request's identity (its seed travels in the arguments), not on the replica.
-    `ActorUnavailableError` (also a `RayActorError`) counts as dead too: the replica is
-    dropped from this balancer, which costs speed, never a different result.
-    Other errors propagate unchanged. Returns what the replica's `generate` returns.
+    (`RayActorError`, including `ActorDiedError`), or gives no answer within `timeout_s`
+    (None: no limit; it is hung), it is removed from the balancer and the request is
+    retried on another, at most `max_attempts` times in all (default: the number of
+    replicas). Retrying is safe because the sample depends only on the request's identity
+    (its seed travels in the arguments), not on the replica; the pool replaces a hung
+    replica at its next call. `ActorUnavailableError` (also a `RayActorError`) counts as
+    dead too: the replica is dropped from this balancer, which costs speed, never a
+    different result. A balancer actor that dies or gives no answer within
+    `balancer_timeout_s` raises `BalancerError`. Other errors propagate unchanged.
+    Returns what the replica's `generate` returns.
     """
     attempts = max_attempts if max_attempts is not None else max(1, len(replicas))
     died: list[str] = []
     for _ in range(attempts):
         try:
-            rid = await _ask(balancer, "acquire", request_id, affinity)
+            rid = await _ask(balancer, "acquire", request_id, affinity, timeout_s=balancer_timeout_s)
         except NoReplicaError as err:
-            raise NoReplicaError(f"{err}; replicas that died under it: {died or 'none'}") from None
+            raise NoReplicaError(f"{err}; replicas that died or hung under it: {died or 'none'}") from None
         try:
-            return await replicas[rid].generate.remote(request_id, *args, **kwargs)
-        except RayActorError as err:
-            died.append(f"{rid!r} ({type(err).__name__})")
-            await _ask(balancer, "remove_replica", rid)
+            return await asyncio.wait_for(_awaited(replicas[rid].generate.remote(request_id, *args, **kwargs)),
+                                          timeout_s)
+        except (RayActorError, asyncio.TimeoutError) as err:
+            what = f"no answer within {timeout_s:g} s" if isinstance(err, asyncio.TimeoutError) else type(err).__name__
+            died.append(f"{rid!r} ({what})")
+            await _ask(balancer, "remove_replica", rid, timeout_s=balancer_timeout_s)
         finally:
-            await _ask(balancer, "release", request_id)
+            await _ask(balancer, "release", request_id, timeout_s=balancer_timeout_s)
     raise NoReplicaError(
-        f"request {request_id!r} failed on {attempts} replicas, each of which died: {', '.join(died)}"
+        f"request {request_id!r} failed on {attempts} replicas, each of which died or hung: {', '.join(died)}"
     )

@@ -16,7 +16,8 @@ are both `ReplicaPoolBase`s:
   has no pool to shut down, and a live replica would keep its CPUs and GPU memory.
 - A replica found dead is replaced within the run's `Restarts` budget
   (`reprorl.rollout.supervision.replace_dead`), by a new actor with the next unused id,
-  brought up by the pool's `_bring_up` (the rollout pool: the current weights).
+  brought up by the pool's `_bring_up` (the rollout pool: the current weights). A replica
+  that does not answer a pool call within `part_timeout_s` is hung: killed and replaced alike.
 
 Which CPUs a replica asks for by default: `replica_cpus`.
 """
@@ -32,7 +33,14 @@ from typing import Any
 import ray
 
 from reprorl.determinism import determinism_env, ray_runtime_env
-from reprorl.rollout.supervision import Restarts, gather, kill_switch_env, replace_dead
+from reprorl.rollout.supervision import (
+    PART_TIMEOUT_S,
+    PartTimeoutError,
+    Restarts,
+    gather,
+    kill_switch_env,
+    replace_dead,
+)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -104,11 +112,12 @@ class ReplicaPoolBase:
 
     def __init__(self, num_replicas: int, *, backend: str, seed: int, full_determinism: bool,
                  runtime_env: Mapping[str, Any] | None, ray_address: str | None, restarts: Restarts | None,
-                 num_cpus_per_replica: float | None) -> None:
+                 num_cpus_per_replica: float | None, part_timeout_s: float = PART_TIMEOUT_S) -> None:
         """Check the counts and `backend` ("native" or "vllm"); connect to Ray; set `env` (the
         run's determinism variables, each replica checks them), `runtime_env`, `restarts`
-        (None: `Restarts(0)`, no replacement) and `num_cpus_per_replica` (None:
-        `replica_cpus(num_replicas)`)."""
+        (None: `Restarts(0)`, no replacement), `num_cpus_per_replica` (None:
+        `replica_cpus(num_replicas)`) and `part_timeout_s` (`supervision.time_limit`: past it
+        a replica that does not answer a pool call is hung, and replaced as a dead one)."""
         pool = type(self).__name__
         if num_replicas < 1:
             raise ValueError(f"{pool}: num_replicas={num_replicas}; expected >= 1")
@@ -118,6 +127,7 @@ class ReplicaPoolBase:
         self.env = determinism_env(seed, full_determinism)
         self.runtime_env = ray_runtime_env({**self.env, **kill_switch_env()}, runtime_env)
         self.restarts = restarts if restarts is not None else Restarts(0)
+        self.part_timeout_s = part_timeout_s
         self.restarts.watch(self.KIND)
         init_ray(ray_address)
         if num_cpus_per_replica is None:
@@ -166,7 +176,7 @@ class ReplicaPoolBase:
             raise RuntimeError(f"the {self.NAME} replicas were stopped when their start failed; make a new pool")
         with self._killed_on_failure():
             wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica)
-            self.first_info = ray.get(self.replicas[0].determinism_info.remote())
+            self.first_info = self._get(self.replicas[0].determinism_info.remote(), f"{self.KIND} 0's determinism_info")
         if self.backend == "vllm":
             from reprorl.rollout.vllm_replica import warn_if_serialized
 
@@ -207,16 +217,26 @@ class ReplicaPoolBase:
 
     def _on_all(self, method: str, *args: Any) -> dict[int, Any]:
         """`method(*args)` on every replica, by sorted id; a dead one is replaced and answers instead."""
-        results, dead = gather({i: getattr(r, method).remote(*args) for i, r in self.replicas.items()})
+        results, dead = gather({i: getattr(r, method).remote(*args) for i, r in self.replicas.items()},
+                               timeout_s=self.part_timeout_s)
         for new_id in self._replace_dead(dead, method).values():
-            results[new_id] = ray.get(getattr(self.replicas[new_id], method).remote(*args))
+            results[new_id] = self._get(getattr(self.replicas[new_id], method).remote(*args),
+                                        f"{self.KIND} {new_id}'s {method}")
         return dict(sorted(results.items()))
 
-    def _replace_dead(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
-        """Replace each dead replica (in id order); returns {dead id: replacement id}."""
+    def _get(self, ref: Any, what: str) -> Any:
+        """`ray.get(ref)` within `part_timeout_s`; past it a `PartTimeoutError` naming `what`."""
+        try:
+            return ray.get(ref, timeout=self.part_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PartTimeoutError(f"{what}: no answer within {self.part_timeout_s:g} s "
+                                   "(trainer.part_timeout_s)") from None
+
+    def _replace_dead(self, dead: Collection[int] | Mapping[int, BaseException], noticed_in: str) -> dict[int, int]:
+        """Replace each dead (or hung) replica, in id order; returns {dead id: replacement id}."""
         return replace_dead(self.replicas, dead, self.KIND, self._new_ids, start=self._start_ready,
                             reference_info=self.first_info, restarts=self.restarts, noticed_in=noticed_in,
-                            bring_up=self._bring_up)
+                            bring_up=self._bring_up, timeout_s=self.part_timeout_s)
 
     def _bring_up(self, actor: Any) -> str:
         """Make a started replacement ready to serve before it joins `replicas`; a note for the

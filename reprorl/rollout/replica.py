@@ -49,7 +49,7 @@ from reprorl.determinism_report import model_part_info
 from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
 from reprorl.rollout.pool import ReplicaPoolBase
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import KillSwitch, Restarts, gather
+from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid
 
 
@@ -171,11 +171,12 @@ class ReplicaPool(ReplicaPoolBase):
     `native_options`: more `Engine` keywords for the built-in backend (gpu_memory_utilization,
     cuda_graphs, prefix_sharing).
 
-    A replica found dead by any pool call is replaced, within `restarts` (the run's
-    budget; None: no replacement, the call raises `FaultError`): a new actor with the
-    next unused id, loaded with the current weight version and checked to serve it and
-    to run in the first replica's determinism mode before it joins `replicas`. The
-    agent-loop manager routes to whatever `replicas` holds at each rollout.
+    A replica found dead by any pool call, or hung (no answer within `part_timeout_s`),
+    is replaced, within `restarts` (the run's budget; None: no replacement, the call
+    raises `FaultError`): a new actor with the next unused id, loaded with the current
+    weight version and checked to serve it and to run in the first replica's determinism
+    mode before it joins `replicas`. The agent-loop manager routes to whatever `replicas`
+    holds at each rollout.
 
     The constructor starts every replica at once and waits until all are ready;
     `wait=False` returns as soon as they are asked for, and `wait_ready()` waits (so a
@@ -207,10 +208,11 @@ class ReplicaPool(ReplicaPoolBase):
         num_gpus: float | None = None,
         native_options: Mapping[str, Any] | None = None,
         wait: bool = True,
+        part_timeout_s: float = PART_TIMEOUT_S,
     ):
         super().__init__(num_replicas, backend=backend, seed=seed, full_determinism=full_determinism,
                          runtime_env=runtime_env, ray_address=ray_address, restarts=restarts,
-                         num_cpus_per_replica=num_cpus_per_replica)
+                         num_cpus_per_replica=num_cpus_per_replica, part_timeout_s=part_timeout_s)
         self.seed = seed
         engine_options = {
             "max_num_seqs": max_num_seqs,
@@ -276,7 +278,7 @@ class ReplicaPool(ReplicaPoolBase):
     def _finish_push(self, refs: dict[int, Any], names: frozenset[str], source: Any, version: int) -> None:
         """Wait for a push's answers; keep its source for replacements (`_bring_up`: an object
         ref of `PackedWeights`, or a device push's `host_weights`); check the version."""
-        _, dead = gather(refs)
+        _, dead = gather(refs, timeout_s=self.part_timeout_s)
         self._pushes = [p for p in self._pushes if not p[1] <= names] + [(source, names, version)]
         self.version = version
         self._replace_dead(dead, f"update_weights to version {version}")  # a replacement replays the pushes
@@ -322,8 +324,8 @@ class ReplicaPool(ReplicaPoolBase):
         return list(self._on_all("stats").values())
 
     def replace_dead(self, noticed_in: str = "a probe") -> list[int]:
-        """Probe every replica (`ready`); replace those that died. Returns the new ids."""
-        _, dead = gather({i: r.ready.remote() for i, r in self.replicas.items()})
+        """Probe every replica (`ready`); replace those that died or hung. Returns the new ids."""
+        _, dead = gather({i: r.ready.remote() for i, r in self.replicas.items()}, timeout_s=self.part_timeout_s)
         return list(self._replace_dead(dead, noticed_in).values())
 
     def _bring_up(self, actor: Any) -> str:
@@ -332,12 +334,12 @@ class ReplicaPool(ReplicaPoolBase):
             if callable(source):  # a device push: the trainer's weights from the host, packed once
                 source = ray.put(PackedWeights.pack((n, t.detach().cpu()) for n, t in source()))
                 self._pushes[k] = (source, names, version)
-            ray.get(actor.update_weights.remote(source, version))
-        served = ray.get(actor.weight_version.remote())
+            self._get(actor.update_weights.remote(source, version), f"update_weights to version {version}")
+        served = self._get(actor.weight_version.remote(), "weight_version")
         if served != self.version:
             raise WeightVersionError(f"the replacement serves weight version {served}, expected {self.version}")
         if self.asleep:
-            ray.get(actor.sleep.remote(*([True] if self._sleep_keeps_weights else [])))
+            self._get(actor.sleep.remote(*([True] if self._sleep_keeps_weights else [])), "sleep")
         return f"serving weight version {served}"
 
     def shutdown(self) -> None:

@@ -9,11 +9,16 @@ agent-loop manager do that with the pieces here:
 
 - `Restarts`: the run's budget, `trainer.max_restarts` replacements over all parts; one
   more raises `FaultError` naming the part, so a process that keeps dying stops the run.
-- `gather`: wait for calls to several actors, setting apart the ones whose actor died.
+- `time_limit`, `PartTimeoutError`: how long a call may take (`trainer.part_timeout_s`,
+  scaled by the tokens it carries); a part past it is hung, and treated as dead: killed,
+  and replaced like a dead one (its work redone elsewhere has the same bits).
+- `gather`: wait for calls to several actors, setting apart the ones whose actor died
+  or did not answer within the limit.
 - `replace_dead`: for each dead actor of a pool, charge the budget, start a replacement
   (a new actor with a new id), bring it up to date, check its determinism info against
   the pool's first one, swap it in, log.
-- `KillSwitch`: a test hook that SIGKILLs a named part at a fixed point of the run.
+- `KillSwitch`: a test hook that SIGKILLs (or SIGSTOPs: a hang) a named part at a fixed
+  point of the run.
 """
 
 from __future__ import annotations
@@ -40,13 +45,32 @@ RESTART_METRICS = {
     "rollout replica": "rollout/replica_restarts",
     "reward replica": "reward/replica_restarts",
     "agent-loop worker": "agent_loop/worker_restarts",
+    "load balancer": "agent_loop/balancer_restarts",
 }
 
 # The keys of a part's determinism info that `determinism_report.find_problems` reads: a
 # replacement equal to the pool's first part on these gets the same verdict.
 MODE_KEYS = ("backend", "batch_invariant", "num_threads", "dtype", "deterministic_algorithms", "env", "max_num_seqs")
 
-REPLACEMENT_TIMEOUT_S = 600.0
+PART_TIMEOUT_S = 600.0  # trainer.part_timeout_s's default
+TOKENS_PER_LIMIT = 1_000_000  # a call carrying more tokens gets proportionally longer
+
+
+def time_limit(part_timeout_s: float, tokens: int = 0) -> float:
+    """Seconds a call may take: `part_timeout_s`, times tokens / `TOKENS_PER_LIMIT` past a million.
+
+    `tokens`: what the call carries (a rollout: rows x (prompt + response budget); an
+    update: its batch's tokens x epochs); 0 for a call of fixed size (a start, a push, a probe).
+
+    >>> time_limit(600.0), time_limit(600.0, 4_000_000)
+    (600.0, 2400.0)
+    """
+    return part_timeout_s * max(1.0, tokens / TOKENS_PER_LIMIT)
+
+
+class PartTimeoutError(ReproRLError, TimeoutError):
+    """A part did not answer a call within its limit (`time_limit`): it is hung, and
+    treated as dead (killed; replaced where parts are replaced)."""
 
 
 class FaultError(ReproRLError, RuntimeError):
@@ -75,13 +99,14 @@ class Restarts:
         """Report `kind`'s metric (0 until one dies) from now on; its pool calls this once."""
         self._since_pop.setdefault(RESTART_METRICS[kind], 0)
 
-    def charge(self, kind: str, dead_id: int, noticed_in: str) -> None:
+    def charge(self, kind: str, dead_id: int, noticed_in: str, how: str = "died") -> None:
         """Count the replacement of `kind dead_id`, found dead in `noticed_in`; log it.
+        `how`: "died", or how it hung (e.g. "hung (no answer within 5 s)").
 
         Raises `FaultError` (naming the part and when) if the budget is used up.
         """
         when = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
-        death = f"{kind} {dead_id} died (noticed in {noticed_in} at {when})"
+        death = f"{kind} {dead_id} {how} (noticed in {noticed_in} at {when})"
         if self.total >= self.max_restarts:
             raise FaultError(f"{death} and no replacement is left: trainer.max_restarts={self.max_restarts} "
                              f"replacements allowed per run, {self.total} made")
@@ -97,17 +122,23 @@ class Restarts:
         return metrics
 
 
-def gather(refs: Mapping[K, Any], failures: tuple[type[BaseException], ...] = (RayActorError,)
-           ) -> tuple[dict[K, Any], dict[K, BaseException]]:
+def gather(refs: Mapping[K, Any], failures: tuple[type[BaseException], ...] = (RayActorError,),
+           timeout_s: float | None = None) -> tuple[dict[K, Any], dict[K, BaseException]]:
     """Wait for every ref of `refs` (key -> ObjectRef); returns (results, failed) by key.
 
     A ref that raises one of `failures` (by default: its actor died, `RayActorError`) goes
     to `failed` with its error; any other error is raised once every ref has finished.
+    A ref with no answer within `timeout_s` (None: no limit) goes to `failed` with a
+    `PartTimeoutError`: its part is hung, and the caller treats it as dead.
     """
+    pending = []
     if refs:
-        ray.wait(list(refs.values()), num_returns=len(refs))
+        _, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     results, failed = {}, {}
     for key, ref in refs.items():
+        if ref in pending:
+            failed[key] = PartTimeoutError(f"no answer within {timeout_s:g} s")
+            continue
         try:
             results[key] = ray.get(ref)
         except failures as err:
@@ -123,7 +154,7 @@ def first_line(err: BaseException) -> str:
 
 def replace_dead(
     actors: dict[int, Any],
-    dead: Collection[int],
+    dead: Collection[int] | Mapping[int, BaseException],
     kind: str,
     new_ids: Iterator[int],
     *,
@@ -132,22 +163,27 @@ def replace_dead(
     restarts: Restarts,
     noticed_in: str,
     bring_up: Callable[[Any], str] | None = None,
+    timeout_s: float = PART_TIMEOUT_S,
 ) -> dict[int, int]:
     """Replace each `dead` id of `actors` (id -> handle, changed in place), in id order, by
-    a new actor `kind <next of new_ids>`; returns {dead id: new id}.
+    a new actor `kind <next of new_ids>`; returns {dead id: new id}. `dead` may map each
+    id to its failure (as `gather` gives it): a `PartTimeoutError` is logged as a hang.
 
     Per dead actor: charge `restarts` (`FaultError` past the limit), `start(new_id)` (the
-    new handle, e.g. after `pool.wait_for_actors`), compare its `determinism_info()` with
-    `reference_info` (the pool's first part) on `MODE_KEYS`, since a replacement must run
-    exactly like the part it replaces, then `bring_up(actor)` (e.g. load the current
-    weights and check their version; returns a note for the log). Any failure kills the
-    new actor and raises `FaultError` naming the part; the dead one stays in `actors`.
+    new handle, e.g. after `pool.wait_for_actors`), compare its `determinism_info()` (within
+    `timeout_s`) with `reference_info` (the pool's first part) on `MODE_KEYS`, since a
+    replacement must run exactly like the part it replaces, then `bring_up(actor)` (e.g.
+    load the current weights and check their version; returns a note for the log). Any
+    failure kills the new actor and raises `FaultError` naming the part; the dead one
+    stays in `actors`. A hung one is killed when replaced (Ray's kill ends a stopped process too).
     """
     replaced = {}
     for dead_id in sorted(dead):
         new_id = next(new_ids)
+        err = dead.get(dead_id) if isinstance(dead, Mapping) else None
+        how = f"hung ({err})" if isinstance(err, PartTimeoutError) else "died"
         actor = _replace(kind, dead_id, new_id, start=start, reference_info=reference_info, restarts=restarts,
-                         noticed_in=noticed_in, bring_up=bring_up)
+                         noticed_in=noticed_in, bring_up=bring_up, how=how, timeout_s=timeout_s)
         ray.kill(actors.pop(dead_id))
         actors[new_id] = actor
         replaced[dead_id] = new_id
@@ -155,13 +191,14 @@ def replace_dead(
 
 
 def _replace(kind: str, dead_id: int, new_id: int, *, start: Callable[[int], Any], reference_info: Mapping[str, Any],
-             restarts: Restarts, noticed_in: str, bring_up: Callable[[Any], str] | None) -> Any:
-    restarts.charge(kind, dead_id, noticed_in)
+             restarts: Restarts, noticed_in: str, bring_up: Callable[[Any], str] | None, how: str,
+             timeout_s: float) -> Any:
+    restarts.charge(kind, dead_id, noticed_in, how)
     t0 = time.perf_counter()
     actor = None
     try:
         actor = start(new_id)
-        info = ray.get(actor.determinism_info.remote(), timeout=REPLACEMENT_TIMEOUT_S)
+        info = ray.get(actor.determinism_info.remote(), timeout=timeout_s)
         differ = [f"{key} {info.get(key)!r} (the first had {reference_info.get(key)!r})"
                   for key in MODE_KEYS if info.get(key) != reference_info.get(key)]
         if differ:
@@ -170,7 +207,7 @@ def _replace(kind: str, dead_id: int, new_id: int, *, start: Callable[[int], Any
     except Exception as err:
         if actor is not None:
             ray.kill(actor)
-        raise FaultError(f"{kind} {dead_id} died and its replacement {kind} {new_id} cannot take over: "
+        raise FaultError(f"{kind} {dead_id} {how.split(' (')[0]} and its replacement {kind} {new_id} cannot take over: "
                          f"{first_line(err)}") from err
     logger.warning("%s %d replaces %s %d%s (%.1f s to start and check)", kind, new_id, kind, dead_id,
                    f", {note}" if note else "", time.perf_counter() - t0)
@@ -187,36 +224,44 @@ replica's score calls. A test thereby kills a part at a fixed point mid-step ins
 racing it with a timer. Replacements get new ids, so a rule fires once per run.
 """
 
+HANG_ENV = "REPRORL_TEST_HANG"
+"""Test hook, as `KILL_ENV` but the part SIGSTOPs its own process: it hangs, alive and silent."""
+
+_SIGNALS = {KILL_ENV: signal.SIGKILL, HANG_ENV: signal.SIGSTOP}
+
 
 class KillSwitch:
-    """The `KILL_ENV` rules of one part; `see(key)` on each request. None when none apply."""
+    """The `KILL_ENV` and `HANG_ENV` rules of one part; `see(key)` on each request. None when none apply."""
 
-    def __init__(self, part: str, rules: list[tuple[str, int]]) -> None:
+    def __init__(self, part: str, rules: list[tuple[str, int]], signals: list[int] | None = None) -> None:
         self.part = part
         self.rules = rules  # (prefix, n)
+        self.signals = signals or [signal.SIGKILL] * len(rules)  # what each rule sends
         self.seen = [0] * len(rules)
 
     @classmethod
     def from_env(cls, part: str) -> KillSwitch | None:
-        rules = []
-        for rule in filter(None, (r.strip() for r in os.environ.get(KILL_ENV, "").split(","))):
-            name, _, trigger = rule.partition("@")
-            prefix, _, n = trigger.rpartition("#")
-            if not n.isdigit() or int(n) < 1:
-                raise ValueError(f"{KILL_ENV}: rule {rule!r}; expected '<part>@<prefix>#<n>', n >= 1")
-            if name == part:
-                rules.append((prefix, int(n)))
-        return cls(part, rules) if rules else None
+        rules, signals = [], []
+        for env, sig in _SIGNALS.items():
+            for rule in filter(None, (r.strip() for r in os.environ.get(env, "").split(","))):
+                name, _, trigger = rule.partition("@")
+                prefix, _, n = trigger.rpartition("#")
+                if not n.isdigit() or int(n) < 1:
+                    raise ValueError(f"{env}: rule {rule!r}; expected '<part>@<prefix>#<n>', n >= 1")
+                if name == part:
+                    rules.append((prefix, int(n)))
+                    signals.append(sig)
+        return cls(part, rules, signals) if rules else None
 
     def see(self, key: str) -> None:
         for i, (prefix, n) in enumerate(self.rules):
             if key.startswith(prefix):
                 self.seen[i] += 1
                 if self.seen[i] == n:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), self.signals[i])
 
 
 def kill_switch_env() -> dict[str, str]:
-    """`{KILL_ENV: its value}` when this process has the test hook set, else {}: merged into
+    """`{KILL_ENV or HANG_ENV: its value}` for those this process has set, else {}: merged into
     the actors' runtime_env, since Ray's workers do not see variables set after Ray started."""
-    return {KILL_ENV: os.environ[KILL_ENV]} if os.environ.get(KILL_ENV) else {}
+    return {env: os.environ[env] for env in _SIGNALS if os.environ.get(env)}

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from reprorl.determinism import stable_hash
-from reprorl.rollout.load_balancer import LoadBalancer, NoReplicaError, generate_balanced
+from reprorl.rollout.load_balancer import BalancerError, LoadBalancer, NoReplicaError, generate_balanced
 
 # --- the logic, no Ray -------------------------------------------------------------------
 
@@ -229,6 +229,55 @@ def test_retry_after_a_replica_dies(ray_local):
     with pytest.raises(NoReplicaError, match="died"):
         asyncio.run(call("req-b"))
     assert ray.get(balancer.replica_ids.remote()) == []
+
+
+class _HangingReplica(_EchoReplica):
+    """A replica whose generate never returns (a hung engine)."""
+
+    async def generate(self, request_id, prompt_ids, seed):
+        await asyncio.sleep(3600)
+
+
+class _HangingBalancer(LoadBalancer):
+    """A balancer actor whose acquire never returns."""
+
+    def acquire(self, request_id, affinity=None):
+        time.sleep(3600)
+
+
+@pytest.mark.slow  # Ray's start and 3 actors: 10-20 s here
+def test_a_hung_replica_is_dropped_after_the_limit_and_the_request_retried_elsewhere(ray_local):
+    """Without a limit the request would wait on the hung replica forever: the limit ends the
+    wait, drops the replica, and the sample comes from another, the same."""
+    import ray
+
+    from reprorl.rollout.load_balancer import LoadBalancerActor
+
+    echo = ray.remote(num_cpus=0)(_EchoReplica).remote(1)
+    actors = {0: ray.remote(num_cpus=0)(_HangingReplica).remote(0), 1: echo}
+    balancer = LoadBalancerActor.remote(sorted(actors), "hash")
+    expected = ray.get(echo.generate.remote("x", [1, 2, 3], 42))["tokens"]
+    request = next(f"req-{i}" for i in range(100) if sorted(actors)[stable_hash(f"req-{i}") % 2] == 0)
+
+    async def call(request_id, replicas):
+        return await generate_balanced(balancer, replicas, request_id, [1, 2, 3], seed=42, timeout_s=1.0,
+                                       balancer_timeout_s=10.0)
+
+    t0 = time.monotonic()
+    out = asyncio.run(call(request, actors))
+    assert out == {"tokens": expected, "served_by": 1} and time.monotonic() - t0 < 10
+    assert ray.get(balancer.replica_ids.remote()) == [1]
+    assert sum(ray.get(balancer.in_flight.remote()).values()) == 0
+    ray.get(balancer.set_replicas.remote([0]))
+    with pytest.raises(NoReplicaError, match=r"failed on 1 replicas, each of which died or hung: 0 \(no answer "
+                                             r"within 1 s\)"):
+        asyncio.run(call("req-b", {0: actors[0]}))
+
+    hung = ray.remote(num_cpus=0)(_HangingBalancer).remote([1])
+    with pytest.raises(BalancerError, match="the load balancer gave no answer to acquire within 1 s"):
+        asyncio.run(generate_balanced(hung, {1: echo}, "req-c", [1], seed=1, balancer_timeout_s=1.0))
+    for a in (*actors.values(), balancer, hung):
+        ray.kill(a)
 
 
 def test_affinity_keeps_the_copies_of_a_prompt_on_one_replica_while_any_is_in_flight():

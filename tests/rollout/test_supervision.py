@@ -10,10 +10,12 @@ import sys
 import pytest
 
 from reprorl.rollout.supervision import (
+    HANG_ENV,
     KILL_ENV,
     RESTART_METRICS,
     FaultError,
     KillSwitch,
+    PartTimeoutError,
     Restarts,
     kill_switch_env,
 )
@@ -39,7 +41,7 @@ def test_no_restarts_allowed_stops_at_the_first_death():
         Restarts(0).charge("reward replica", 0, "score")
     with pytest.raises(ValueError, match="max_restarts=-1"):
         Restarts(-1)
-    assert set(RESTART_METRICS) == {"rollout replica", "reward replica", "agent-loop worker"}
+    assert set(RESTART_METRICS) == {"rollout replica", "reward replica", "agent-loop worker", "load balancer"}
 
 
 def test_kill_switch_reads_only_its_own_rules(monkeypatch):
@@ -57,6 +59,21 @@ def test_kill_switch_reads_only_its_own_rules(monkeypatch):
         KillSwitch.from_env("rollout replica 1")
     monkeypatch.delenv(KILL_ENV)
     assert KillSwitch.from_env("rollout replica 1") is None and kill_switch_env() == {}
+
+
+def test_hang_rules_sigstop_and_travel_to_the_actors(monkeypatch):
+    import signal
+
+    from reprorl.rollout.supervision import time_limit
+
+    monkeypatch.setenv(KILL_ENV, "rollout replica 1@train/3/#1")
+    monkeypatch.setenv(HANG_ENV, "rollout replica 1@train/2/#1,rollout replica 0@train/2/#1")
+    switch = KillSwitch.from_env("rollout replica 1")
+    assert switch.rules == [("train/3/", 1), ("train/2/", 1)]
+    assert switch.signals == [signal.SIGKILL, signal.SIGSTOP]
+    assert kill_switch_env() == {KILL_ENV: "rollout replica 1@train/3/#1",
+                                 HANG_ENV: "rollout replica 1@train/2/#1,rollout replica 0@train/2/#1"}
+    assert time_limit(5.0) == 5.0 and time_limit(5.0, 999_999) == 5.0 and time_limit(5.0, 3_000_000) == 15.0
 
 
 def test_kill_switch_sigkills_its_process_on_the_nth_request():
@@ -90,9 +107,16 @@ class _Part:
 
         os._exit(1)
 
+    def stop(self):
+        """Hang: SIGSTOP its own process (alive to Ray, silent)."""
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGSTOP)
+
 
 @pytest.mark.slow  # Ray's start and a few actors: 5-15 s here
-def test_gather_and_replace_dead(ray_local):
+def test_gather_and_replace_dead(ray_local, actor_dead):
     import itertools
 
     import ray
@@ -123,9 +147,23 @@ def test_gather_and_replace_dead(ray_local):
                      restarts=restarts, noticed_in="work")
     assert sorted(actors) == [0, 2, 3]
 
+    # A hung part: no answer within the limit is a failure of its own, and its replacement
+    # (the hung process killed) is charged and logged as a hang.
+    actors[2].stop.remote()
+    results, failed = gather({i: actors[i].work.remote(i) for i in (2, 3)}, timeout_s=2.0)
+    assert results == {3: (3, 6)} and list(failed) == [2]
+    assert isinstance(failed[2], PartTimeoutError) and str(failed[2]) == "no answer within 2 s"
+    with pytest.raises(FaultError, match=r"^rollout replica 2 hung \(no answer within 2 s\) \(noticed in work at "):
+        replace_dead(actors, failed, "rollout replica", new_ids, start=part.remote, reference_info=reference,
+                     restarts=Restarts(0), noticed_in="work")
+    hung = actors[2]
+    assert replace_dead(actors, failed, "rollout replica", new_ids, start=part.remote, reference_info=reference,
+                        restarts=Restarts(1), noticed_in="work") == {2: 6}
+    assert actor_dead(hung, within_s=30.0)
+
     # A replacement in another determinism mode does not take over.
     wrong_mode = ray.remote(num_cpus=0)(_Part).options()
-    with pytest.raises(FaultError, match=r"rollout replica 0 died and its replacement rollout replica 5 cannot take "
+    with pytest.raises(FaultError, match=r"rollout replica 0 died and its replacement rollout replica 7 cannot take "
                                          r"over: RuntimeError: it runs in another determinism mode: batch_invariant "
                                          r"False \(the first had True\)"):
         replace_dead(actors, [0], "rollout replica", new_ids, start=lambda i: wrong_mode.remote(i, False),
