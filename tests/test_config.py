@@ -268,8 +268,41 @@ OVERRIDE_ERRORS = [
         ["algorithm.adv_estimator=reinforce_pp_baseline", "rollout.n=1"],
         "algorithm.adv_estimator=reinforce_pp_baseline compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1",
     ),
+    (
+        ["rollout.temperature=0"],
+        "algorithm.adv_estimator=grpo with rollout.temperature=0 (greedy sampling): the rollout.n=8 samples of a "
+        "prompt are one same response, so every advantage is 0 and nothing is learned; expected "
+        "rollout.temperature > 0 and rollout.top_k != 1",
+    ),
+    (
+        ["algorithm.adv_estimator=rloo", "rollout.n=2", "rollout.temperature=0", "rollout.top_k=1"],
+        "algorithm.adv_estimator=rloo with rollout.temperature=0 and rollout.top_k=1 (greedy sampling): the "
+        "rollout.n=2 samples of a prompt are one same response, so every advantage is 0 and nothing is learned; "
+        "expected rollout.temperature > 0 and rollout.top_k != 1",
+    ),
+    (
+        ["algorithm.adv_estimator=reinforce_pp_baseline", "rollout.top_k=1"],
+        "algorithm.adv_estimator=reinforce_pp_baseline with rollout.top_k=1 (greedy sampling): the rollout.n=8 "
+        "samples of a prompt are one same response, so every advantage is 0 and nothing is learned; expected "
+        "rollout.temperature > 0 and rollout.top_k != 1",
+    ),
+    (
+        ["algorithm.adv_estimator=remax", "rollout.n=1", "rollout.temperature=0.0"],
+        "algorithm.adv_estimator=remax with rollout.temperature=0 (greedy sampling): every sample is the greedy "
+        "response ReMax takes as its baseline, so every advantage is 0 and nothing is learned; expected "
+        "rollout.temperature > 0 and rollout.top_k != 1",
+    ),
     (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one"),
 ]
+
+
+def test_greedy_rollouts_are_allowed_where_samples_need_not_differ():
+    """gae and reinforce_pp compare no samples of one prompt; validation is greedy by default."""
+    for estimator in ("gae", "reinforce_pp"):
+        cfg = load_config(None, [f"algorithm.adv_estimator={estimator}", "rollout.temperature=0", "rollout.top_k=1"])
+        assert cfg.rollout.temperature == 0.0
+    assert load_config(None, ["rollout.val.temperature=0", "rollout.val.top_k=1"]).algorithm.adv_estimator == "grpo"
+    assert load_config(None, ["rollout.temperature=0.01", "rollout.top_k=2"]).rollout.top_k == 2
 
 
 def _run_error(capsys, argv):
@@ -357,7 +390,8 @@ def test_round_trip_of_changed_values(tmp_path):
 def test_yaml_has_help_comments():
     lines = config_to_yaml(load_config()).splitlines()
     i = lines.index("  temperature: 1.0  # a number >= 0")
-    assert lines[i - 1] == "  # sampling temperature for training rollouts; 0 = greedy"
+    assert lines[i - 2 : i] == ["  # sampling temperature for training rollouts; 0 = greedy (an error with grpo, rloo,",
+                                "  # reinforce_pp_baseline and remax, which compare samples that must differ)"]
     i = lines.index("  adv_estimator: grpo  # one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline")
     assert lines[i - 1] == "  # advantage estimator; gae trains a critic"
     # every field's help is printed, whole (wrapped lines joined back)
