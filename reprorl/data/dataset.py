@@ -18,6 +18,7 @@ a pure function of (seed, e) and the position is checkpointable.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -63,7 +64,7 @@ def read_rows(path: str | Path) -> list[dict]:
         except Exception as err:  # pyarrow raises several types for a corrupt file
             raise DataError(f"{path}: not a readable parquet file ({type(err).__name__}: {err})") from None
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with io.StringIO(_read_utf8(path), newline=None) as f:  # newline=None: lines split as open()'s
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue  # blank lines (a trailing newline, say) are not rows
@@ -75,6 +76,18 @@ def read_rows(path: str | Path) -> list[dict]:
                 raise DataError(f"{path}: row {len(rows)} (line {line_no}): expected a JSON object, got {_short(row)}")
             rows.append(row)
     return rows
+
+
+def _read_utf8(path: Path) -> str:
+    """The text of `path`; bytes that are not UTF-8 are a DataError naming the line (not a bare UnicodeDecodeError)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{path}: line {line}: not valid UTF-8 (byte 0x{data[err.start]:02x} at byte {column} of the "
+                        "line); expected a UTF-8 text file") from None
 
 
 def check_row(row: Mapping, path: Path, row_idx: int, prompt_key: str = "prompt") -> None:

@@ -193,6 +193,20 @@ def test_file_errors(tmp_path, char_tokenizer):
         PromptDataset([], char_tokenizer, None)
 
 
+def test_jsonl_that_is_not_utf8_names_file_and_line(tmp_path):
+    good = json.dumps(_row()).encode()
+    latin1 = json.dumps(_row(content="caf\u00e9 12+7=")).encode().replace(b"\\u00e9", b"\xe9")  # Latin-1 e-acute
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(good + b"\r\n" + good + b"\r\n" + latin1 + b"\r\n")
+    with pytest.raises(DataError) as info:
+        read_rows(path)
+    column = latin1.index(b"\xe9") + 1
+    assert str(info.value) == (f"{path}: line 3: not valid UTF-8 (byte 0xe9 at byte {column} of the line); "
+                               "expected a UTF-8 text file")
+    path.write_bytes(good + b"\r\n\n" + json.dumps(_row(content="caf\u00e9"), ensure_ascii=False).encode())
+    assert [r["prompt"][0]["content"] for r in read_rows(path)] == ["12+7=", "caf\u00e9"]  # UTF-8, CRLF: read
+
+
 def test_bad_arguments(tmp_path, char_tokenizer):
     path = _write_jsonl(tmp_path / "d.jsonl", [_row()])
     with pytest.raises(ConfigError, match="overlong='drop': expected one of error, filter, truncate_left"):
