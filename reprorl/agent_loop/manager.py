@@ -12,15 +12,18 @@ Determinism: everything that decides a sample (prompt ids, params, seeds) is fix
 where and when it runs. So the output is the same for any number of workers or
 replicas, any batch around a row, and any retry after a replica died.
 
-Faults (`reprorl.rollout.supervision`): a request whose replica dies is retried on
-another by the balancer; a chunk whose worker dies is run again on a replacement worker,
-and a chunk that found every replica dead is run again once the pool has replaced them.
+Faults (`reprorl.rollout.supervision`): a request whose replica dies, or does not answer
+within its limit (hung), is retried on another by the balancer; a chunk whose worker dies
+or hangs is run again on a replacement worker, a chunk that found every replica dead is
+run again once the pool has replaced them, and one whose balancer died or hung once a new
+balancer took over. Limits: `rollout_limits`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -38,9 +41,10 @@ from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.rollout.load_balancer import LoadBalancerActor, NoReplicaError, generate_balanced
+from reprorl.rollout.load_balancer import BalancerError, LoadBalancerActor, NoReplicaError, generate_balanced
+from reprorl.rollout.pool import wait_for_actors
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import KillSwitch, gather, replace_dead
+from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, PartTimeoutError, gather, replace_dead, time_limit
 
 DO_SAMPLE = "__do_sample__"
 """Control column: False marks a greedy row (ReMax's baseline) in a sampled batch."""
@@ -220,31 +224,58 @@ class AgentLoopWorker:
                       "tool": ToolAgentLoop(self.tokenizer, max_turns, select_tools(tools))}
         self.kill_switch = KillSwitch.from_env(f"agent-loop worker {worker_id}")  # fault tests only
 
-    async def generate(self, samples: list[AgentSample]) -> list[AgentOutput]:
-        """The loops' outputs, in the order of `samples`."""
-        return list(await asyncio.gather(*(self._run(s) for s in samples)))
+    async def generate(self, samples: list[AgentSample],
+                       limits: tuple[float | None, float | None] = (None, None)) -> list[AgentOutput]:
+        """The loops' outputs, in the order of `samples`. `limits`: (seconds a generate
+        request may take on a replica, seconds a balancer call may take); see `rollout_limits`."""
+        return list(await asyncio.gather(*(self._run(s, limits) for s in samples)))
 
-    async def set_replicas(self, replicas: Mapping[int, Any]) -> None:
-        """Route to these replica handles from now on (the pool replaced some)."""
+    async def ready(self) -> bool:
+        """True once the constructor ran (surfaces start-up errors)."""
+        return True
+
+    async def set_replicas(self, replicas: Mapping[int, Any], balancer: Any = None) -> None:
+        """Route to these replica handles (the pool replaced some), through `balancer` if given
+        (the manager replaced it), from now on."""
         self.replicas = dict(replicas)
+        self.balancer = balancer if balancer is not None else self.balancer
 
     async def determinism_info(self) -> dict[str, Any]:
         """Its process's determinism switches and variables (it runs no model)."""
         return process_info()
 
-    async def _run(self, sample: AgentSample) -> AgentOutput:
+    async def _run(self, sample: AgentSample, limits: tuple[float | None, float | None]) -> AgentOutput:
         if sample.prompt_ids is None:
             ids = self.tokenizer.apply_chat_template(sample.raw_prompt, add_generation_prompt=True, tokenize=True)
             sample = dataclasses.replace(sample, prompt_ids=list(ids["input_ids"]))
-        return await self.loops[sample.extra.get("agent_name", self.agent)].run(sample, self._generate)
+        generate = functools.partial(self._generate, limits=limits)
+        return await self.loops[sample.extra.get("agent_name", self.agent)].run(sample, generate)
 
-    async def _generate(self, request_id, prompt_ids, sampling_params, seed, priority):
+    async def _generate(self, request_id, prompt_ids, sampling_params, seed, priority, *, limits):
         if self.kill_switch is not None:
             self.kill_switch.see(request_id)
         # The copies of a prompt meet on one replica, which prefills it once (prefix sharing).
         affinity = stable_digest(np.asarray(prompt_ids, dtype=np.int64).tobytes())
         return await generate_balanced(self.balancer, self.replicas, request_id, prompt_ids,
-                                       sampling_params, seed, priority, affinity=affinity)
+                                       sampling_params, seed, priority, affinity=affinity, timeout_s=limits[0],
+                                       balancer_timeout_s=limits[1])
+
+
+def rollout_limits(part_timeout_s: float, *, num_samples: int, sample_tokens: int, max_turns: int,
+                   num_replicas: int) -> tuple[float, float, float]:
+    """Seconds allowed to (a generate request, a balancer call, a worker's chunk) of a rollout.
+
+    A request may wait behind every other request of the rollout on its replica, so each
+    gets the whole rollout's limit: `time_limit(part_timeout_s, num_samples * sample_tokens)`
+    (`sample_tokens`: a sample's prompt and response budget). A balancer call is
+    bookkeeping: `part_timeout_s`. A chunk's rows run concurrently, but each turn may try
+    every replica, the hung ones first: max_turns * num_replicas * (request + 2 balancer calls).
+
+    >>> rollout_limits(10.0, num_samples=4, sample_tokens=72, max_turns=1, num_replicas=2)
+    (10.0, 10.0, 60.0)
+    """
+    request_s = time_limit(part_timeout_s, num_samples * sample_tokens)
+    return request_s, part_timeout_s, max_turns * max(1, num_replicas) * (request_s + 2 * part_timeout_s)
 
 
 class AgentLoopManager:
@@ -258,7 +289,8 @@ class AgentLoopManager:
     overrides it); `max_turns` bounds the tool loop, which may call
     the tools named in `tools` (None = every tool in `TOOLS`; an unknown name is a
     ValueError). `routing`: the balancer's mode ("least_loaded" or "hash").
-    A dead worker is replaced within the pool's restart budget (`pool.restarts`).
+    A dead worker, or the balancer actor, is replaced within the pool's restart budget
+    (`pool.restarts`); so is a hung one: past its limit (`rollout_limits` of `part_timeout_s`).
     """
 
     def __init__(
@@ -275,6 +307,7 @@ class AgentLoopManager:
         max_turns: int = 4,
         routing: str = "least_loaded",
         tools: list[str] | None = None,
+        part_timeout_s: float = PART_TIMEOUT_S,
     ):
         if agent not in AGENTS:
             raise ValueError(f"AgentLoopManager: agent={agent!r}; expected one of {AGENTS}")
@@ -294,15 +327,22 @@ class AgentLoopManager:
         self.pool = pool
         self.restarts = pool.restarts
         self.restarts.watch("agent-loop worker")
-        self.balancer = LoadBalancerActor.options(runtime_env=pool.runtime_env).remote(
-            pool.replica_ids(), routing, expected_env=pool.env)
+        self.restarts.watch("load balancer")
+        self.part_timeout_s = part_timeout_s
+        self.max_turns = max_turns
+        self._balancer = LoadBalancerActor.options(runtime_env=pool.runtime_env)
+        self._routing = routing
+        self.balancer_id, self._new_balancer_ids = 0, itertools.count(1)
+        self.balancer = self._start_balancer(pool.replica_ids())
         self.replicas = dict(pool.replicas)  # what the balancer and the workers route to
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
         self._worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
         self._worker_args = (tokenizer_path, pool.env, agent, max_turns, tools)
         self.workers = {i: self._start_worker(i) for i in range(num_workers)}
         self._new_worker_ids = itertools.count(num_workers)  # a replacement's id: never one used before
-        self.first_worker_info = ray.get(self.workers[0].determinism_info.remote())  # what a replacement must equal
+        wait_for_actors(list(self.workers.values()), "agent-loop workers", 0)
+        # What a replacement must equal:
+        self.first_worker_info = self._get(self.workers[0].determinism_info.remote(), "agent-loop worker 0")
 
     def generate_sequences(self, batch: Batch) -> Batch:
         """Responses for every row of `batch`, in row order (see `plan_samples`, `assemble`).
@@ -330,65 +370,116 @@ class AgentLoopManager:
     def _run(self, samples: list[AgentSample]) -> list[AgentOutput]:
         """The loops' outputs for `samples`, in order: one contiguous chunk per worker.
 
-        A chunk whose worker died, or whose requests found every replica dead, runs again
-        (on a replacement worker, or once the pool replaced the replicas) under request ids
-        marked `#retry<k>`: the dead attempt's requests may still be running on a replica.
+        A chunk whose worker died or hung, or whose requests found every replica dead, or
+        whose balancer died or hung, runs again (on a replacement worker, once the pool
+        replaced the replicas, through a new balancer) under request ids marked
+        `#retry<k>`: the failed attempt's requests may still be running on a replica.
         Each rerun follows a charged replacement, so `pool.restarts` bounds the loop.
         """
         self.pool.replace_dead("a probe before a rollout")
         self._sync_replicas()
+        limits = rollout_limits(self.part_timeout_s, num_samples=len(samples), max_turns=self.max_turns,
+                                sample_tokens=(self.max_prompt_length or 0) + self.max_response_length,
+                                num_replicas=len(self.replicas))
         bounds = dict(enumerate(split_contiguous(len(samples), len(self.workers))))
         owner = dict(zip(bounds, sorted(self.workers)))  # chunk -> worker id
         chunks = {k: samples[a:b] for k, (a, b) in bounds.items()}
         parts: dict[int, list[AgentOutput]] = {}
         for attempt in itertools.count(1):
-            refs = {k: self.workers[owner[k]].generate.remote(chunk) for k, chunk in chunks.items()}
-            done, failed = gather(refs, (RayActorError, NoReplicaError))
+            refs = {k: self.workers[owner[k]].generate.remote(chunk, limits[:2]) for k, chunk in chunks.items()}
+            done, failed = gather(refs, (RayActorError, NoReplicaError, BalancerError), timeout_s=limits[2])
             parts.update(done)
             if not failed:
                 break
             self._recover(failed, owner)
-            # A dead worker never released its requests: the balancer would count them in flight.
-            ray.get([self.balancer.release.remote(s.request_id) for k in failed for s in chunks[k]])
+            # A dead or hung worker never released its requests: the balancer would count them in flight.
+            self._on_balancer([("release", (s.request_id,)) for k in failed for s in chunks[k]],
+                              "releasing a failed chunk's requests")
             chunks = {k: [dataclasses.replace(s, request_id=f"{s.request_id}#retry{attempt}")
                           for s in samples[slice(*bounds[k])]] for k in failed}
         return [o for k in sorted(parts) for o in parts[k]]
 
     def _recover(self, failed: Mapping[int, BaseException], owner: dict[int, int]) -> None:
-        """Replace what the failed chunks lost: their dead workers, and the pool's dead replicas."""
-        lost_replicas = [e for e in failed.values() if isinstance(e, NoReplicaError)]
+        """Replace what the failed chunks lost: their dead or hung workers, the balancer, the pool's dead replicas."""
         for err in failed.values():
-            if isinstance(err, RayTaskError) and not isinstance(err, NoReplicaError):
-                raise err  # the worker ran and failed (e.g. the balancer died): nothing here mends it
-        dead = {k: owner[k] for k, err in failed.items() if not isinstance(err, NoReplicaError)}
-        replaced = self._replace_dead_workers(set(dead.values()), "a rollout")
-        owner.update({k: replaced[w] for k, w in dead.items()})
+            if isinstance(err, RayTaskError) and not isinstance(err, (NoReplicaError, BalancerError)):
+                raise err  # the worker ran and failed: nothing here mends it
+        dead = {k: err for k, err in failed.items() if isinstance(err, (RayActorError, PartTimeoutError))}
+        replaced = self._replace_dead_workers({owner[k]: err for k, err in dead.items()}, "a rollout")
+        owner.update({k: replaced[owner[k]] for k in dead})
+        lost_balancer = [e for e in failed.values() if isinstance(e, BalancerError)]
+        if lost_balancer:
+            cause = getattr(lost_balancer[0], "cause", None) or lost_balancer[0]  # Ray's wrapper holds the worker's
+            self._replace_balancer(str(cause).removeprefix("the load balancer "), "a rollout")
+        lost_replicas = [e for e in failed.values() if isinstance(e, NoReplicaError)]
         if lost_replicas and not self.pool.replace_dead("a probe after a rollout lost every replica"):
             raise lost_replicas[0]
         self._sync_replicas()
 
+    def _get(self, ref: Any, what: str) -> Any:
+        """`ray.get(ref)` within `part_timeout_s`; past it a `PartTimeoutError` naming `what`."""
+        try:
+            return ray.get(ref, timeout=self.part_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PartTimeoutError(f"{what}: no answer within {self.part_timeout_s:g} s "
+                                   "(trainer.part_timeout_s)") from None
+
     def _start_worker(self, worker_id: int) -> Any:
         return self._worker.remote(worker_id, self.replicas, self.balancer, *self._worker_args)
 
-    def _replace_dead_workers(self, dead: Collection[int], noticed_in: str) -> dict[int, int]:
-        """Replace each dead worker (in id order); returns {dead id: replacement id}."""
-        return replace_dead(self.workers, dead, "agent-loop worker", self._new_worker_ids, start=self._start_worker,
-                            reference_info=self.first_worker_info, restarts=self.restarts, noticed_in=noticed_in)
+    def _start_worker_ready(self, worker_id: int) -> Any:
+        """A replacement, started and ready (`replace_dead` kills it if this raises)."""
+        actor = self._start_worker(worker_id)
+        wait_for_actors([actor], f"agent-loop worker {worker_id}", 0)
+        return actor
+
+    def _replace_dead_workers(self, dead: Mapping[int, BaseException], noticed_in: str) -> dict[int, int]:
+        """Replace each dead or hung worker (in id order); returns {dead id: replacement id}."""
+        return replace_dead(self.workers, dead, "agent-loop worker", self._new_worker_ids,
+                            start=self._start_worker_ready, reference_info=self.first_worker_info,
+                            restarts=self.restarts, noticed_in=noticed_in, timeout_s=self.part_timeout_s)
+
+    def _start_balancer(self, replica_ids: list[int]) -> Any:
+        """A balancer actor over `replica_ids`, started (within the pools' start limit)."""
+        balancer = self._balancer.remote(replica_ids, self._routing, expected_env=self.pool.env)
+        wait_for_actors([balancer], f"load balancer {self.balancer_id}", 0, method="__ray_ready__")
+        return balancer
+
+    def _replace_balancer(self, how: str, noticed_in: str) -> None:
+        """Charge the budget, kill the balancer, start another over the replicas routed to
+        now and hand it to every worker. Only speed is lost: routing decides no bit."""
+        self.restarts.charge("load balancer", self.balancer_id, noticed_in, how)
+        ray.kill(self.balancer)
+        self.balancer_id = next(self._new_balancer_ids)
+        self.balancer = self._start_balancer(sorted(self.replicas))
+        # A worker that does not take it fails its next chunk, and is replaced then.
+        gather({i: w.set_replicas.remote(self.replicas, self.balancer) for i, w in self.workers.items()},
+               timeout_s=self.part_timeout_s)
+
+    def _on_balancer(self, calls: list[tuple[str, tuple]], noticed_in: str) -> None:
+        """Make `calls` (method, args) on the balancer; one that died or hung is replaced
+        instead (the new one starts from the replicas routed to, nothing in flight)."""
+        refs = {i: getattr(self.balancer, method).remote(*args) for i, (method, args) in enumerate(calls)}
+        _, failed = gather(refs, timeout_s=self.part_timeout_s)
+        if failed:
+            err = failed[min(failed)]
+            self._replace_balancer(f"hung ({err})" if isinstance(err, PartTimeoutError) else "died", noticed_in)
 
     def _sync_replicas(self) -> None:
         """Route to the pool's replicas as they are now (it may have replaced some)."""
         current = dict(self.pool.replicas)
         if set(current) != set(self.replicas):
             self.replicas = current
-            # A worker that died meanwhile is ignored here: its next chunk fails and replaces it.
-            gather({i: w.set_replicas.remote(current) for i, w in self.workers.items()})
-        ray.get(self.balancer.set_replicas.remote(sorted(current)))
+            # A worker that died or hangs is ignored here: its next chunk fails and replaces it.
+            gather({i: w.set_replicas.remote(current) for i, w in self.workers.items()}, timeout_s=self.part_timeout_s)
+        self._on_balancer([("set_replicas", (sorted(current),))], "routing to the pool's replicas")
 
     def determinism_info(self) -> dict[int, dict[str, Any]]:
         """Each worker's `determinism_info()`, by worker id (for the determinism report)."""
-        results, dead = gather({i: w.determinism_info.remote() for i, w in self.workers.items()})
+        results, dead = gather({i: w.determinism_info.remote() for i, w in self.workers.items()},
+                               timeout_s=self.part_timeout_s)
         for new_id in self._replace_dead_workers(dead, "determinism_info").values():
-            results[new_id] = ray.get(self.workers[new_id].determinism_info.remote())
+            results[new_id] = self._get(self.workers[new_id].determinism_info.remote(), f"agent-loop worker {new_id}")
         return dict(sorted(results.items()))
 
     def shutdown(self) -> None:

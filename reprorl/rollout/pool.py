@@ -77,15 +77,16 @@ def replica_cpus(num_replicas: int, free: float | None = None) -> float:
 READY_TIMEOUT_S = 600.0  # read at each wait (not bound as a default), so that a test can shorten it
 
 
-def wait_for_actors(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float | None = None) -> None:
-    """Wait until every actor answers `ready` (within `timeout_s`, default READY_TIMEOUT_S);
+def wait_for_actors(actors: list[Any], what: str, num_cpus_each: float, timeout_s: float | None = None,
+                    method: str = "ready") -> None:
+    """Wait until every actor answers `method` (within `timeout_s`, default READY_TIMEOUT_S);
     fail with the reason instead of hanging.
 
     Ray keeps an actor pending forever when its resources are never free; this names the
     pool, how many replicas are missing and the CPUs asked for and free.
     """
     timeout_s = READY_TIMEOUT_S if timeout_s is None else timeout_s
-    refs = [a.ready.remote() for a in actors]
+    refs = [getattr(a, method).remote() for a in actors]
     done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     if pending:
         free = ray.available_resources().get("CPU", 0.0)
