@@ -271,6 +271,12 @@ class TrainerConfig:
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = _field(["console", "jsonl"], "metric sinks")
     resume: str = _field("auto", "'never', 'auto' (latest checkpoint in run_dir, if any) or a checkpoint path")
     max_ckpt_to_keep: int | None = _field(None, "keep only the newest this many checkpoints; null = keep all", ge=1)
+    allow_changed_keys: list[str] = _field(
+        [], "config keys that a resume may change although they change the run's results (e.g. [actor.lr]); "
+        "without them a resume whose config differs from its checkpoint's in such a key stops, listing them. "
+        "Logging, paths, checkpoint cadence, replica and worker counts and time-outs may always change "
+        "(reprorl/trainer/resume_guard.py); every change is recorded in the run directory's history.jsonl"
+    )
     # 4: a preemption or lost node is rare within one run, while a part that dies for a
     # reason of its own (an OOM) dies again at once; a resume is exact, so stopping costs time only.
     max_restarts: int = _field(
@@ -590,6 +596,13 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"reward.fn: expected 'module:function' or 'path.py:function' or null, got {fn!r}")
     if cfg.trainer.resume == "":
         raise ConfigError("trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''")
+    keys = _all_keys()
+    leaf_keys = [key for key in keys if not any(other.startswith(key + ".") for other in keys)]  # not sections
+    for i, key in enumerate(cfg.trainer.allow_changed_keys):
+        if key not in leaf_keys:
+            close = difflib.get_close_matches(key, leaf_keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (`reprorl config` prints every key)"
+            raise ConfigError(f"trainer.allow_changed_keys[{i}]: {key!r} is not a config key{hint}")
 
     data, rollout, actor, critic, algo = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm
     if rollout.max_num_batched_tokens < rollout.max_num_seqs:

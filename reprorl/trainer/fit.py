@@ -63,6 +63,8 @@ from reprorl.trainer.checkpoint import (
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs
+from reprorl.trainer.resume_guard import flat_config, plan_resume
+from reprorl.trainer.run_dir import append_history, lock_run_dir
 from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
 from reprorl.workers.group import WorkerError, WorkerGroup
 
@@ -154,8 +156,21 @@ class Trainer:
         check_models(cfg, self.tokenizer)
         self.cfg = cfg
         self.run_dir = Path(cfg.trainer.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Held until close(): a second run here would delete this one's checkpoint in progress.
+        self._run_lock = lock_run_dir(self.run_dir)
+        try:
+            self._start_run()
+        except BaseException:
+            self._run_lock.release()
+            raise
+
+    def _start_run(self) -> None:
+        """Everything a run does once its directory is this process's: decide where it
+        starts (refusing before anything there changes), record that, build every part."""
+        cfg = self.cfg
+        self.resume_plan = plan_resume(cfg, self.run_dir)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
+        self._record_start()
         if cfg.full_determinism:
             enable_full_determinism(cfg.seed)
         else:
@@ -608,7 +623,8 @@ class Trainer:
         groups = self._trained_groups()
         state.update({name: group.state_dict() for name, group in groups.items()})
         path = save_checkpoint(self.run_dir, step, state, max_to_keep=self.cfg.trainer.max_ckpt_to_keep,
-                               write_dirs={f"{name}.shards": group.save for name, group in groups.items()})
+                               write_dirs={f"{name}.shards": group.save for name, group in groups.items()},
+                               meta={"config": flat_config(self.cfg)})  # what a resume checks its config against
         logger.info("saved checkpoint %s", path)
         return path
 
@@ -619,33 +635,25 @@ class Trainer:
             return "No checkpoint was saved before it."
         return f"The newest checkpoint, {str(ckpt)!r}, is unchanged; trainer.resume=auto continues from it."
 
-    def _has_history(self) -> bool:
-        return (self.run_dir / METRICS_FILE).exists() or (self.run_dir / "checkpoints").exists()
+    def _record_start(self) -> None:
+        """A line of history.jsonl: from which checkpoint the run starts, and its config changes."""
+        plan, allowed = self.resume_plan, self.cfg.trainer.allow_changed_keys
+        append_history(self.run_dir, {
+            "event": "resume" if plan.checkpoint is not None else "start", "step": plan.step,
+            "checkpoint": None if plan.checkpoint is None else str(plan.checkpoint),
+            "changed": plan.changes, "accepted": [key for key in plan.changes if key in allowed],
+        })
 
     def resume(self) -> int:
-        """Restore the newest checkpoint as `trainer.resume` says; returns its step (0 = fresh)."""
-        mode = self.cfg.trainer.resume
-        if mode == "never":
-            if self._has_history():
-                raise ConfigError(
-                    f"trainer.run_dir {str(self.run_dir)!r} already holds a run and trainer.resume=never; "
-                    "choose another trainer.run_dir, or trainer.resume=auto to continue it"
-                )
+        """Restore the checkpoint `plan_resume` chose at start; returns its step (0 = fresh)."""
+        ckpt = self.resume_plan.checkpoint
+        if ckpt is None:
+            # From the start: drop the records of an attempt that trained no step (plan_resume
+            # refuses to start over where steps were trained), such as a validation at step 0.
+            truncate_metrics(self.run_dir / METRICS_FILE, 0)
+            truncate_fingerprints(self.run_dir, 0)
             return 0
-        source = self.run_dir if mode == "auto" else Path(mode)
-        try:
-            ckpt = find_checkpoint(source)
-            if ckpt is None:
-                raise FileNotFoundError(source)
-            step, state = load_checkpoint(ckpt)
-        except FileNotFoundError:
-            if mode != "auto":
-                raise ConfigError(f"trainer.resume: no checkpoint found at {mode!r}") from None
-            if self._has_history():
-                # Steps ran but none was saved: start over, dropping the records of that attempt.
-                truncate_metrics(self.run_dir / METRICS_FILE, 0)
-                truncate_fingerprints(self.run_dir, 0)
-            return 0
+        step, state = load_checkpoint(ckpt, verify=False)  # verified by plan_resume
         for name, group in self._trained_groups().items():
             group.load(ckpt / f"{name}.shards", state[name])  # shards of any number of workers
         self.sampler.load_state_dict(state["sampler"])
@@ -655,7 +663,7 @@ class Trainer:
         weight_sync.push_weights(self.actor, self.pool, step, weight_sync.device_replicas(self.actor, self.pool))
         truncate_metrics(self.run_dir / METRICS_FILE, step)
         truncate_fingerprints(self.run_dir, step)
-        logger.info("resumed from step %d (%s)", step, source)
+        logger.info("resumed from step %d (%s)", step, ckpt)
         return step
 
     # ------------------------------------------------------------------ determinism report
@@ -747,6 +755,7 @@ class Trainer:
         if metrics_path.exists():
             plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
         self._stop_parts()
+        self._run_lock.release()  # last: the run directory is finished with
 
     def _stop_parts(self) -> None:
         """Stop every part that was started (all of them after `__init__`; fewer when a start
