@@ -284,17 +284,19 @@ def read_meta(ckpt: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def load_checkpoint(path: str | os.PathLike, which: str | int = "auto") -> tuple[int, dict[str, Any]]:
+def load_checkpoint(path: str | os.PathLike, which: str | int = "auto", *, verify: bool = True,
+                    ) -> tuple[int, dict[str, Any]]:
     """Read a checkpoint back: `(step, state)` with `state` as it was saved.
 
     `which="auto"`: the checkpoint `find_valid_checkpoint(path)` picks (the newest intact
     one of a run, or `path` itself if it is a checkpoint directory); an int: that step of
     the run at `path`. Raises `CheckpointNotFoundError` (a FileNotFoundError) naming the
     path when there is none, `CheckpointError` naming the checkpoint when it is damaged.
+    `verify=False` skips reading the files against their digests (a caller that just did).
     """
     path = Path(path)
     if which == "auto":
-        ckpt = find_valid_checkpoint(path)
+        ckpt = find_valid_checkpoint(path) if verify else find_checkpoint(path)
         if ckpt is None:
             raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}: expected a run directory with "
                                   f"{CHECKPOINTS_DIR}/step_<N>/ or a step_<N> directory with {META}")
@@ -304,7 +306,7 @@ def load_checkpoint(path: str | os.PathLike, which: str | int = "auto") -> tuple
         if not (ckpt / META).is_file():
             raise CheckpointNotFoundError(f"no checkpoint for step {which} under {str(root)!r}; "
                                   f"complete steps there: {_complete_steps(root)}")
-    if which != "auto":  # "auto" took an intact one
+    if which != "auto" and verify:  # "auto" took an intact one
         problem = checkpoint_problem(ckpt)
         if problem is not None:
             raise CheckpointError(f"checkpoint {str(ckpt)!r} is damaged: {problem}")
