@@ -22,7 +22,10 @@ micro-batch order, as `PolicyWorker.update` adds them.
 Every rank gets the run's determinism variables and `WORKER_ENV` through its runtime_env
 (NCCL's in-switch reduction off: it sums in the switch's order). A worker that dies or
 fails stops the group: the call raises `WorkerError` naming it, and the group's other
-processes are killed (they would wait for it in a collective).
+processes are killed (they would wait for it in a collective). So does one that hangs: a
+call has `time_limit(part_timeout_s, tokens of its batch)` seconds (reprorl/rollout/
+supervision.py); past it the ranks that have not answered are named (a rank that waits in a
+collective for a hung peer cannot be told from it), and the run stops, its last checkpoint intact.
 
 Start-up: the constructor asks Ray for the processes and waits until every rank is ready
 (loaded, kernels checked, in the process group). With `wait=False` it returns at once and
@@ -35,6 +38,7 @@ no rank running.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ import torch
 from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import ReproRLError
 from reprorl.protocol import Batch
+from reprorl.rollout.supervision import PART_TIMEOUT_S, time_limit
 from reprorl.rollout.weights import SharedWeights
 from reprorl.trainer.checkpoint import CheckpointError
 from reprorl.trainer.micro_batches import in_sample_order
@@ -66,14 +71,16 @@ class WorkerGroup:
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
                  device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
-                 wait: bool = True) -> None:
+                 wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
-        the processes are asked for, before they have started: `wait_ready()` waits."""
+        the processes are asked for, before they have started: `wait_ready()` waits.
+        `part_timeout_s`: the limit of a call, scaled by its batch's tokens (`time_limit`)."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
         self.role, self.num_workers = role, num_workers
+        self.part_timeout_s = part_timeout_s
         self.num_gpus = (1 if device == "cuda" else 0) if num_gpus is None else num_gpus
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
         remote = ray.remote(ShardWorker).options(
@@ -130,16 +137,21 @@ class WorkerGroup:
     def _call_one(self, rank: int, method: str, *args: Any) -> Any:
         return self._wait([getattr(self.workers[rank], method).remote(*args)], method, ranks=[rank])[0]
 
-    def _call(self, method: str, *args: Any, what: str | None = None, **kwargs: Any) -> list[Any]:
-        """`method(*args, **kwargs)` on every rank; the answers by rank."""
+    def _call(self, method: str, *args: Any, what: str | None = None, tokens: int = 0, **kwargs: Any) -> list[Any]:
+        """`method(*args, **kwargs)` on every rank; the answers by rank. `tokens`: the work the
+        call carries, which scales its time limit."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-        return self._wait(refs, what or method, ranks=list(range(self.num_workers)))
+        return self._wait(refs, what or method, ranks=list(range(self.num_workers)), tokens=tokens)
 
-    def _wait(self, refs: list[Any], what: str, ranks: Sequence[int]) -> list[Any]:
+    def _wait(self, refs: list[Any], what: str, ranks: Sequence[int], tokens: int = 0) -> list[Any]:
+        limit = time_limit(self.part_timeout_s, tokens)
+        deadline = time.monotonic() + limit
         results: dict[int, Any] = {}
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                self._hung([ranks[refs.index(ref)] for ref in pending], limit, what)
             try:
                 results[refs.index(done[0])] = ray.get(done[0])
             except ray.exceptions.RayTaskError as err:
@@ -172,6 +184,13 @@ class WorkerGroup:
         raise WorkerError(f"{self.role} worker {rank}{pid} {cause} during {what}; the {self.role} group is "
                           "stopped") from err
 
+    def _hung(self, ranks: list[int], limit: float, what: str) -> None:
+        """Name the ranks that gave no answer within `limit`, stop the group."""
+        names = ", ".join(f"{r}" + (f" (pid {self.pids[r]})" if r in self.pids else "") for r in sorted(ranks))
+        self._kill()
+        raise WorkerError(f"{self.role} worker{'s' if len(ranks) > 1 else ''} {names} gave no answer within "
+                          f"{limit:g} s during {what} (hung; trainer.part_timeout_s); the {self.role} group is stopped")
+
     # ---------------------------------------------------------------- forward passes
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
@@ -181,7 +200,7 @@ class WorkerGroup:
         micro-batches spread over the ranks."""
         parts = [p for p in self._call("compute_log_probs", ray.put(batch), temperature=temperature,
                                        micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                                       with_entropy=with_entropy) if p is not None]
+                                       with_entropy=with_entropy, tokens=_tokens(batch)) if p is not None]
         rows = torch.cat([r for r, _ in parts])
         if with_entropy:
             return tuple(in_sample_order(torch.cat([out[i] for _, out in parts]), rows) for i in range(2))
@@ -190,7 +209,7 @@ class WorkerGroup:
     def compute_values(self, batch: Batch, *, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
         """As `CriticWorker.compute_values`: `[B, R]` in sample order."""
         parts = [p for p in self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size,
-                                       max_token_len=max_token_len) if p is not None]
+                                       max_token_len=max_token_len, tokens=_tokens(batch)) if p is not None]
         return in_sample_order(torch.cat([out for _, out in parts]), torch.cat([r for r, _ in parts]))
 
     # ---------------------------------------------------------------- training
@@ -207,7 +226,7 @@ class WorkerGroup:
         """
         answers = self._call("update", ray.put(batch), ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
                              micro_batch_size=micro_batch_size, max_response_length=max_response_length,
-                             max_token_len=max_token_len, what="update", **loss)
+                             max_token_len=max_token_len, what="update", tokens=_tokens(batch) * ppo_epochs, **loss)
         records = []
         for i, first in enumerate(answers[0]["steps"]):
             per_micro = sorted(item for answer in answers for item in answer["steps"][i]["stats"])  # by index
@@ -279,6 +298,11 @@ class WorkerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def _tokens(batch: Batch) -> int:
+    """The tokens a call over `batch` carries (padding included): what scales its time limit."""
+    return batch["input_ids"].numel() if "input_ids" in batch else 0
 
 
 def _first_line(err: Exception) -> str:

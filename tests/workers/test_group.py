@@ -189,6 +189,21 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_then_a_killed_worker_is_named(t
         group.shutdown()  # a no-op after the failure
 
 
+def test_a_hung_worker_is_named_after_the_limit_and_the_group_stopped(tiny_policy_dir, ray_local, actor_dead):
+    """A rank that is alive but silent (SIGSTOP): without a limit the call would wait forever."""
+    group = WorkerGroup("ref", 1, tiny_policy_dir, optim=None, seed=1, full_determinism=True, part_timeout_s=3.0)
+    workers, pid = list(group.workers), group.pids[0]
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(WorkerError, match=rf"^ref worker 0 \(pid {pid}\) gave no answer within 3 s during "
+                                              r"weight_digests \(hung; trainer.part_timeout_s\); the ref group is "
+                                              r"stopped$"):
+            group.weight_digests()
+        assert group.workers == [] and actor_dead(workers[0], within_s=30.0)
+    finally:
+        group.shutdown()
+
+
 class _FailingWorker:
     """A `ShardWorker` stand-in whose constructor fails on rank 1 only."""
 
