@@ -59,11 +59,19 @@ class Outcome:
     error: str = ""
 
 
-class RuleWorker:
-    """Calls `fn` in a child process, started at the first `run`; `close()` stops it."""
+START_TIMEOUT_S = 600.0  # trainer.part_timeout_s's default (not imported: this module stays light)
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+
+class RuleWorker:
+    """Calls `fn` in a child process, started at the first `run`; `close()` stops it.
+
+    `start_timeout_s`: how long a child may take to load `fn` and say it is ready (its
+    imports); past it the child is killed and the start fails naming the limit.
+    """
+
+    def __init__(self, fn: Callable[..., Any], start_timeout_s: float = START_TIMEOUT_S) -> None:
         self._payload = cloudpickle.dumps(fn)
+        self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
 
@@ -124,6 +132,10 @@ class RuleWorker:
         self._conn = ours
         try:
             ours.send_bytes(self._payload)
+            if not ours.poll(self.start_timeout_s):
+                self.close()
+                raise ReproRLError(f"the rule-reward process did not load the reward function within "
+                                   f"{self.start_timeout_s:g} s (trainer.part_timeout_s); it was stopped")
             kind, value = ours.recv()
         except (EOFError, OSError):
             kind, value = "exit", f"it exited with code {self.close()} (its output is above)"

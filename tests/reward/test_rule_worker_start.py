@@ -1,0 +1,32 @@
+"""The rule-reward child's start: a child that never says it is ready (an import that
+hangs) is killed at `start_timeout_s` instead of stalling the run."""
+
+import sys
+import time
+
+import pytest
+
+from reprorl.errors import ReproRLError
+from reprorl.reward.rule_worker import RuleWorker
+
+HANGS_IN_CHILD = '''import sys, time
+if sys.argv[0] == "-c":  # the rule-reward child (python -c ...): its import never ends
+    time.sleep(3600)
+
+def score(**kwargs):
+    return 1.0
+'''
+
+
+def test_a_child_that_never_loads_the_function_is_stopped_at_the_limit(tmp_path, monkeypatch):
+    (tmp_path / "hangs_in_child.py").write_text(HANGS_IN_CHILD)
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable here and in the child: pickled by reference
+    from hangs_in_child import score
+
+    worker = RuleWorker(score, start_timeout_s=2.0)
+    t0 = time.monotonic()
+    with pytest.raises(ReproRLError, match=r"^the rule-reward process did not load the reward function within 2 s "
+                                           r"\(trainer.part_timeout_s\); it was stopped$"):
+        worker.run([{}], timeout_s=30.0, stop_at_timeout=True)
+    assert time.monotonic() - t0 < 20 and worker.pid is None
+    sys.modules.pop("hangs_in_child", None)
