@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +148,24 @@ class PromptRow:
     extra_info: dict
 
 
+def _check_scorable(row: Mapping, path: Path, row_idx: int, check_ground_truth: Callable[[str, str], None] | None,
+                    known_sources: Collection[str] | None) -> None:
+    """A DataError naming file, row and field if the rule reward could only score the row 0
+    (see `PromptDataset`'s `check_ground_truth` and `known_sources`)."""
+    if known_sources is not None and row["data_source"] not in known_sources:
+        raise DataError(
+            f"{path}: row {row_idx}: field 'data_source': no built-in rule reward scores {row['data_source']!r} "
+            f"(reward.fn=null picks one by data_source); known: {', '.join(known_sources)}; or set reward.fn to a "
+            "function of yours"
+        )
+    rm = row["reward_model"]
+    if check_ground_truth is not None and rm["style"] == "rule":
+        try:
+            check_ground_truth(row["data_source"], rm["ground_truth"])
+        except ValueError as err:
+            raise DataError(f"{path}: row {row_idx}: field 'reward_model.ground_truth': {err}") from None
+
+
 def _template_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding, 4.x a plain list.
@@ -169,6 +187,10 @@ class PromptDataset:
             every row of reward style "rule"; a ValueError it raises becomes a DataError
             naming file, row and field (the trainer passes `rewards.check_ground_truth`
             when the built-in rule rewards score the run).
+        known_sources: the data sources a row may name, None for any; another is a
+            DataError naming file, row and value (the trainer passes `rewards.REWARD_FNS`
+            when the built-in rule rewards score the run: a source they do not know would
+            score 0 on every sample).
 
     `stats` counts rows read, kept, overlong, filtered and truncated; one log line says
     the same. `dataset[i]` is a `PromptRow`; `i` is a position, `dataset[i].index` the
@@ -183,6 +205,7 @@ class PromptDataset:
         overlong: str = "error",
         prompt_key: str = "prompt",
         check_ground_truth: Callable[[str, str], None] | None = None,
+        known_sources: Collection[str] | None = None,
     ) -> None:
         if overlong not in OVERLONG_MODES:
             raise ConfigError(f"overlong={overlong!r}: expected one of {', '.join(OVERLONG_MODES)}")
@@ -200,12 +223,8 @@ class PromptDataset:
                 index = self.stats["rows"]  # position in the concatenated files
                 self.stats["rows"] += 1
                 check_row(raw, path, row_idx, prompt_key)
+                _check_scorable(raw, path, row_idx, check_ground_truth, known_sources)
                 rm = raw["reward_model"]
-                if check_ground_truth is not None and rm["style"] == "rule":
-                    try:
-                        check_ground_truth(raw["data_source"], rm["ground_truth"])
-                    except ValueError as err:
-                        raise DataError(f"{path}: row {row_idx}: field 'reward_model.ground_truth': {err}") from None
                 ids = _template_ids(tokenizer, raw[prompt_key])
                 if max_prompt_length is not None and len(ids) > max_prompt_length:
                     self.stats["overlong"] += 1

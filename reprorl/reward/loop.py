@@ -5,7 +5,8 @@
       2. rule reward per sample, in sample order, in a main thread (math-verify's
          timeout needs signals): a child process's under a per-call time limit
          (`rule_worker`), or this process's without one; a function that raises, or
-         returns NaN or an infinity, scores 0.0 and is counted
+         returns NaN or an infinity, scores 0.0 and is counted; failing on more than
+         `max_error_rate` of the samples is an error
       3. reward-model scores of (prompt messages, response text), if a model is given
       4. score = rule_weight * rule + model_weight * model
 
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 class RewardTimeoutError(ReproRLError):
     """A rule function passed `reward.timeout_s` with full determinism on: scoring it 0
     would make the run's result depend on timing, so the run stops."""
+
+
+class RewardFnError(ReproRLError):
+    """The rule function failed (raised, or timed out) on more than `max_error_rate` of a
+    batch's samples: their 0s would be trained on as rewards, so the run stops."""
 
 
 class RewardModel(Protocol):
@@ -88,12 +94,15 @@ class RewardLoop:
         timeout_is_error: a timed-out call raises `RewardTimeoutError` naming the sample,
             its data source and the limit (full determinism: a 0 would depend on timing);
             False: it scores 0.0 and is counted (`reward/fn_timeouts`).
+        max_error_rate: the largest share of a batch's samples on which the rule function
+            may fail (raise, or time out) and score 0; more raises `RewardFnError` naming
+            the function, the count and the first failure. None: no limit.
 
-    A rule function that raises gives 0.0 for that sample and the run goes on: the
-    count is the metric `reward/fn_errors`, and the FIRST such traceback of the run is
-    logged (once per `RewardLoop`) with the sample's index, so a broken function is
-    seen without flooding the log; the first timeout is logged the same way. A NaN or
-    infinite return counts as an error (it would turn every advantage of its group, and
+    A rule function that raises gives 0.0 for that sample and the run goes on (while
+    within `max_error_rate`): the count is the metric `reward/fn_errors`, and the
+    FIRST such traceback of the run is logged (once per `RewardLoop`) with the sample's
+    index, so a broken function is seen without flooding the log; the first timeout is
+    logged the same way. A NaN or infinite return counts as an error (it would turn every advantage of its group, and
     the loss, into NaN). A reward model that gives a non-finite score is an error
     (`ReproRLError` naming the samples). `close()` stops the child process.
     """
@@ -107,8 +116,10 @@ class RewardLoop:
         *,
         timeout_s: float | None = None,
         timeout_is_error: bool = True,
+        max_error_rate: float | None = None,
     ) -> None:
         self.reward_fn = reward_fn
+        self.max_error_rate = max_error_rate
         self.reward_model = reward_model
         self.rule_weight = float(rule_weight)
         self.model_weight = float(model_weight)
@@ -172,9 +183,27 @@ class RewardLoop:
                         "Later errors are only counted (metric reward/fn_errors).\n%s", i, data_sources[i],
                         outcome.error)
             scores.append(outcome.score)
+        self._check_failures(outcomes, data_sources)
         self.fn_errors_total += errors
         self.fn_timeouts_total += timeouts
         return torch.tensor(scores, dtype=torch.float32), errors, timeouts
+
+    def _check_failures(self, outcomes: Sequence[Outcome], data_sources: Sequence[str]) -> None:
+        """Raise `RewardFnError` if more than `max_error_rate` of `outcomes` failed."""
+        failed = [i for i, outcome in enumerate(outcomes) if outcome.kind != "ok"]
+        if self.max_error_rate is None or len(failed) <= self.max_error_rate * len(outcomes):
+            return
+        first = outcomes[failed[0]]
+        if first.kind == "timeout":
+            why = f"timed out (reward.timeout_s={self.timeout_s:g} s)"
+        else:
+            why = _exception(first.error)
+        name = getattr(self.reward_fn, "__name__", repr(self.reward_fn))
+        raise RewardFnError(
+            f"the reward function {name!r} failed on {len(failed)} of {len(outcomes)} samples, more than "
+            f"reward.max_error_rate={self.max_error_rate:g}; the first, sample {failed[0]} (data_source="
+            f"{data_sources[failed[0]]!r}): {why}"
+        )
 
     def _call_here(self, call: dict[str, Any]) -> Outcome:
         try:
@@ -220,6 +249,14 @@ class RewardLoop:
             metrics["reward/model_mean"] = _mean(model)
         metrics["reward/mean"] = _mean(total)
         return Rewards(total, rule, metrics)
+
+
+def _exception(error: str) -> str:
+    """The exception of a traceback as one line: its lines after the last indented one
+    (the frames), joined; a text that is no traceback, whole."""
+    lines = error.strip().splitlines()
+    last_frame = max((i for i, line in enumerate(lines) if line.startswith(" ")), default=-1)
+    return " ".join(line.strip() for line in lines[last_frame + 1 :])
 
 
 def _mean(x: torch.Tensor) -> float:

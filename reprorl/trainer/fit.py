@@ -38,19 +38,19 @@ from reprorl import algos
 from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptDataset, PromptSampler
-from reprorl.data.rewards import check_ground_truth
+from reprorl.data.rewards import REWARD_FNS, check_ground_truth
 from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError, DeterminismError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop, RewardTimeoutError
+from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.pool import init_ray, replica_cpus
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import FaultError, Restarts
+from reprorl.rollout.supervision import FaultError, PartTimeoutError, Restarts
 from reprorl.trainer import weight_sync
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.checkpoint import (
@@ -260,13 +260,14 @@ class Trainer:
     def _make_datasets(self) -> tuple[PromptDataset, PromptDataset | None]:
         """(train set, validation set or None for `data.val_files=[]`)."""
         data, rw = self.cfg.data, self.cfg.reward
-        # The built-in rule rewards know which ground truths they can ever match: a row that
-        # could only score 0 is an error naming it, before the run starts.
+        # The built-in rule rewards know which sources and ground truths they can ever match: a
+        # row that could only score 0 is an error naming it, before the run starts.
         builtin_rules = rw.fn is None and (rw.model_path is None or rw.rule_weight != 0)
         def dataset(files: list[str]) -> PromptDataset:
             return PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
                                  prompt_key=data.prompt_key,
-                                 check_ground_truth=check_ground_truth if builtin_rules else None)
+                                 check_ground_truth=check_ground_truth if builtin_rules else None,
+                                 known_sources=REWARD_FNS if builtin_rules else None)
 
         return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
@@ -278,7 +279,8 @@ class Trainer:
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
-                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False}
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False,
+                  "part_timeout_s": cfg.trainer.part_timeout_s}
         self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             self.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
@@ -320,7 +322,8 @@ class Trainer:
         """The reward loop: the rule function `reward_fn` and the reward-model pool, weighted."""
         cfg, rw = self.cfg, self.cfg.reward
         return RewardLoop(reward_fn, self.reward_model, rule_weight=rw.rule_weight, model_weight=rw.model_weight,
-                          timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism)
+                          timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism,
+                          max_error_rate=rw.max_error_rate)
 
     def _make_rollout(self, num_cpus_per_replica: float) -> ReplicaPool:
         """The rollout replica pool, started but not waited for."""
@@ -330,7 +333,7 @@ class Trainer:
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
             backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
-            num_cpus_per_replica=num_cpus_per_replica, wait=False,
+            num_cpus_per_replica=num_cpus_per_replica, wait=False, part_timeout_s=cfg.trainer.part_timeout_s,
             device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
             native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
                             "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead},
@@ -347,6 +350,7 @@ class Trainer:
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
+            part_timeout_s=cfg.trainer.part_timeout_s,
         )
 
     # ------------------------------------------------------------------ batches
@@ -691,7 +695,8 @@ class Trainer:
         """Train from the resumed step to `trainer.total_steps`; returns the run directory.
 
         A NaN or infinity in a step raises `NonFiniteError` naming the step and where, and
-        a rule reward past `reward.timeout_s` with full determinism `RewardTimeoutError`;
+        a rule reward past `reward.timeout_s` with full determinism `RewardTimeoutError`, one
+        that fails on more than `reward.max_error_rate` of a batch `RewardFnError`;
         the step is not finished (no optimizer step for that mini-batch, no weights pushed,
         no metrics or checkpoint written), so the newest checkpoint is the one to resume from.
         A part that dies past `trainer.max_restarts` replacements raises `FaultError` alike.
@@ -742,20 +747,24 @@ class Trainer:
         """Errors that stop a run in a step say which step, and where it can resume from."""
         try:
             yield
-        except (NonFiniteError, RewardTimeoutError, FaultError, WorkerError) as err:
+        except (NonFiniteError, RewardTimeoutError, RewardFnError, FaultError, WorkerError, PartTimeoutError) as err:
             raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
 
     def close(self) -> None:
-        """Stop the replicas and workers, close the loggers, draw the curves."""
-        if self.tracker is not None:
-            self.tracker.close()
-        if self.fingerprints is not None:
-            self.fingerprints.close()
-        metrics_path = self.run_dir / METRICS_FILE
-        if metrics_path.exists():
-            plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
-        self._stop_parts()
-        self._run_lock.release()  # last: the run directory is finished with
+        """Stop the replicas and workers, then close the loggers and draw the curves: the parts
+        go first (a hung one's processes, CPUs and GPU memory at once), the records whatever they do."""
+        try:
+            self._stop_parts()
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
+            if self.fingerprints is not None:
+                self.fingerprints.close()
+            metrics_path = self.run_dir / METRICS_FILE
+            if metrics_path.exists():
+                plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE,
+                            title=self.cfg.trainer.experiment_name)
+            self._run_lock.release()  # last: the run directory is finished with
 
     def _stop_parts(self) -> None:
         """Stop every part that was started (all of them after `__init__`; fewer when a start

@@ -174,6 +174,19 @@ def test_ground_truth_check_names_file_and_row(tmp_path, char_tokenizer):
     assert len(PromptDataset(path, char_tokenizer, 64)) == 3  # unchecked without the check (a user's reward.fn)
 
 
+def test_a_source_the_builtin_rules_do_not_know_names_file_row_and_the_known_ones(tmp_path, char_tokenizer):
+    from reprorl.data.rewards import REWARD_FNS
+
+    rows = [_row(), _row(data_source="openai/gsm8k"), _row(data_source="gsm8k")]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        PromptDataset(path, char_tokenizer, 64, known_sources=REWARD_FNS)
+    assert str(info.value) == (
+        f"{path}: row 2: field 'data_source': no built-in rule reward scores 'gsm8k' (reward.fn=null picks one by "
+        f"data_source); known: {', '.join(REWARD_FNS)}; or set reward.fn to a function of yours")
+    assert len(PromptDataset(path, char_tokenizer, 64)) == 3  # any source without the check (a user's reward.fn)
+
+
 def test_file_errors(tmp_path, char_tokenizer):
     unknown = r"d\.csv: unknown dataset extension '\.csv'; expected one of \.parquet, \.jsonl"
     with pytest.raises(DataError, match=unknown):

@@ -1,6 +1,7 @@
 """RewardLoop: decoding, rule scores in sample order, raising functions, weights, metrics."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from reprorl.data.rewards import compute_score
 from reprorl.errors import DataError
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop, decode_responses
+from reprorl.reward.loop import RewardFnError, RewardLoop, decode_responses
 
 R = 12  # response length of the test batches
 
@@ -96,6 +97,74 @@ def test_unknown_data_source_counts_as_an_error(char_tokenizer):
     scores, _, metrics = RewardLoop(compute_score).compute(batch, char_tokenizer)
     assert torch.equal(scores, torch.tensor([1.0, 0.0]))
     assert metrics["reward/fn_errors"] == 1.0
+
+
+def _fails_on_bad(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str.startswith("bad"):
+        raise ValueError(f"cannot score {solution_str!r}\n(a second line)")
+    return float("nan") if solution_str == "nan" else 1.0
+
+
+def test_failing_on_more_than_max_error_rate_stops_naming_the_function_and_first_error(char_tokenizer):
+    batch = _batch(char_tokenizer, ["ok", "ok", "bad1", "ok", "nan", "ok", "ok", "ok"],
+                   data_sources=[f"s{i}" for i in range(8)])
+    for rate in (None, 1.0, 0.25):  # 2 of 8 fail: at most a quarter is allowed
+        scores, _, metrics = RewardLoop(_fails_on_bad, max_error_rate=rate).compute(batch, char_tokenizer)
+        assert metrics["reward/fn_errors"] == 2.0 and scores.tolist() == [1, 1, 0, 1, 0, 1, 1, 1]
+    with pytest.raises(RewardFnError) as info:
+        RewardLoop(_fails_on_bad, max_error_rate=0.2).compute(batch, char_tokenizer)
+    assert str(info.value) == (
+        "the reward function '_fails_on_bad' failed on 2 of 8 samples, more than reward.max_error_rate=0.2; the "
+        "first, sample 2 (data_source='s2'): ValueError: cannot score 'bad1' (a second line)")
+    with pytest.raises(RewardFnError, match=r"failed on 1 of 1 samples, more than reward.max_error_rate=0; the first, "
+                                            r"sample 0 \(data_source='reprorl/arithmetic'\): ValueError: reward "
+                                            r"function returned nan; expected a finite number$"):
+        RewardLoop(_fails_on_bad, max_error_rate=0.0).compute(_batch(char_tokenizer, ["nan"]), char_tokenizer)
+
+
+def test_a_source_the_builtin_rules_do_not_know_stops_the_run(char_tokenizer):
+    """A data_source no built-in scorer knows (gsm8k, not openai/gsm8k) scored 0 on every sample."""
+    batch = _batch(char_tokenizer, ["#### 7"] * 4, data_sources=["gsm8k"] * 4)
+    with pytest.raises(RewardFnError, match=r"^the reward function 'compute_score' failed on 4 of 4 samples, more "
+                                            r"than reward.max_error_rate=0.1; the first, sample 0 \(data_source="
+                                            r"'gsm8k'\): reprorl.errors.DataError: data_source 'gsm8k' has no rule "
+                                            r"reward; known: reprorl/arithmetic, openai/gsm8k, "):
+        RewardLoop(compute_score, max_error_rate=0.1).compute(batch, char_tokenizer)
+
+
+def test_failures_in_the_rule_process_count_alike(char_tokenizer):
+    def fails_on_bad(data_source, solution_str, ground_truth, extra_info=None):
+        # Local: sent by value, so the child does not import this module (and torch).
+        if solution_str.startswith("bad"):
+            raise ValueError(f"cannot score {solution_str!r}\n(a second line)")
+        return 1.0
+
+    batch = _batch(char_tokenizer, ["ok", "bad1", "bad2"])
+    loop = RewardLoop(fails_on_bad, timeout_s=30.0, max_error_rate=0.5)
+    try:
+        with pytest.raises(RewardFnError, match=r"failed on 2 of 3 samples, more than reward.max_error_rate=0.5; "
+                                                r"the first, sample 1 \(data_source='reprorl/arithmetic'\): "
+                                                r"ValueError: cannot score 'bad1' \(a second line\)$"):
+            loop.compute(batch, char_tokenizer)
+        assert loop.compute(_batch(char_tokenizer, ["ok", "bad"]), char_tokenizer).scores.tolist() == [1.0, 0.0]
+    finally:
+        loop.close()
+
+
+def test_timeouts_count_as_failures(char_tokenizer):
+    def hangs(data_source, solution_str, ground_truth, extra_info=None):
+        while solution_str == "hang":
+            time.sleep(1)
+        return 1.0
+
+    loop = RewardLoop(hangs, timeout_s=0.5, timeout_is_error=False, max_error_rate=0.4)
+    try:
+        with pytest.raises(RewardFnError, match=r"failed on 1 of 2 samples, more than reward.max_error_rate=0.4; "
+                                                r"the first, sample 1 \(data_source='reprorl/arithmetic'\): timed "
+                                                r"out \(reward.timeout_s=0.5 s\)$"):
+            loop.compute(_batch(char_tokenizer, ["ok", "hang"]), char_tokenizer)
+    finally:
+        loop.close()
 
 
 class FixedModel:

@@ -7,7 +7,10 @@ checkpoint stays intact.
 - NaN or inf in a step: an error naming the step, the update, micro-batch and quantity; the
   optimizer is not stepped, the checkpoint on disk is unchanged and `resume=auto` continues
   from it exactly;
-- a reward function returning NaN counts as a failed reward function.
+- a reward function returning NaN counts as a failed reward function; one failing on more than
+  reward.max_error_rate of a step's samples stops the run, the checkpoint intact; a data_source no
+  built-in rule reward knows fails at start;
+- prompts cut by data.overlong_prompts=truncate_* reach the engine cut.
 """
 
 import dataclasses
@@ -32,7 +35,7 @@ from reprorl.models.tiny import init_weights, tiny_args
 from reprorl.models.tokenizer import make_char_tokenizer
 from reprorl.models.transformer import CausalLM
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardLoop, RewardTimeoutError
+from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
 from reprorl.trainer.checkpoint import load_checkpoint
 from reprorl.trainer.checks import check_models
 from reprorl.trainer.fit import Trainer
@@ -262,6 +265,38 @@ def test_a_non_finite_reward_model_score_is_an_error(char_tokenizer):
     with pytest.raises(ReproRLError, match=r"^reward model returned non-finite scores for samples \[1, 3\] of 4 "
                                            r"\(first: nan\); expected finite scores"):
         loop.compute(_reward_batch(4), char_tokenizer)
+
+
+def test_a_source_no_builtin_rule_knows_fails_at_start(assets, tmp_path, no_workers):
+    """data_source 'gsm8k' (verl names it 'openai/gsm8k') scored 0 on every sample, all run long."""
+    rows = read_rows(assets["train"])
+    rows[3]["data_source"] = "gsm8k"
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    with pytest.raises(ReproRLError, match=rf"^{train}: row 3: field 'data_source': no built-in rule reward scores "
+                                           r"'gsm8k' \(reward.fn=null picks one by data_source\); known: "
+                                           r"reprorl/arithmetic, openai/gsm8k, .*; or set reward.fn to a function "
+                                           r"of yours$"):
+        Trainer(config(assets, tmp_path / "run", f"data.train_files=[{train}]", "reward.fn=null"))
+
+
+@pytest.mark.slow
+def test_a_reward_function_failing_past_the_error_rate_stops_the_run_at_that_step(assets, tmp_path, ray_local):
+    """reward.max_error_rate: a function that raises on every sample from step 2 stops the run
+    there, naming it and its first error; step 1's checkpoint is intact."""
+    run_dir = tmp_path / "run"
+    failing = f"{Path(__file__).parent / 'raise_at_step_2.py'}:raise_at_step_2"
+    with pytest.raises(RewardFnError) as info:
+        run_trainer(config(assets, run_dir, f"reward.fn={failing}", "trainer.total_steps=3", "trainer.save_freq=1"))
+    ckpt_dir = run_dir / "checkpoints" / "step_1"
+    assert str(info.value) == (
+        "step 2: the reward function 'raise_at_step_2' failed on 4 of 4 samples, more than reward.max_error_rate=0.1; "
+        "the first, sample 0 (data_source='reprorl/arithmetic'): KeyError: 'no answer key for this sample'; the run "
+        f"stopped. The newest checkpoint, {str(ckpt_dir)!r}, is unchanged; trainer.resume=auto continues from it."
+    )
+    assert isinstance(info.value, ReproRLError)  # the CLI prints it as one line
+    assert _steps(run_dir) == [1] and load_checkpoint(run_dir)[0] == 1
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_1"]
 
 
 # ------------------------------------------------------------------ NaN / inf in a training step
