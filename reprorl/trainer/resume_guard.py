@@ -46,7 +46,8 @@ SAME_BITS_KEYS = frozenset({
 })
 """Keys whose change leaves every bit of the run as it was (batch-invariant kernels, fixed
 reduction orders, request seeds from the sample's identity). Any key ending in `timeout_s`
-is one too: a time-out decides only whether a run waits or stops."""
+is one too: under full determinism a time-out decides only whether a run waits or stops
+(without it, no run is bitwise anyway)."""
 
 _ABSENT = "<absent>"  # a key the saving run's config did not have
 
