@@ -289,6 +289,17 @@ class TrainerConfig:
         4, "dead rollout replicas, reward-model replicas and agent-loop workers replaced per run (a resume "
         "counts anew); one more death stops the run with an error naming the part; 0 = stop at the first", ge=0
     )
+    # 600 s: far above any call of the default run (a rollout takes about a second there); a hang
+    # is rare, and a part stopped or replaced too late costs time, never bits.
+    part_timeout_s: float = _field(
+        600.0, "seconds a part may take to answer one call before it counts as hung: a rollout or reward-model "
+        "replica, an agent-loop worker or the load balancer is then killed and replaced (within max_restarts; a "
+        "hung replica's requests are retried on another, with the same bits); an actor, reference or critic "
+        "worker, or the rule-reward process's start, stops the run naming it, the last checkpoint intact. A call "
+        "carrying more than a million tokens gets this per million: a rollout counts samples x (max_prompt_length "
+        "+ max_response_length), and each of its generate requests gets the whole rollout's limit (it may wait "
+        "behind all the others); a log-prob or value pass its batch's tokens, an update those x ppo_epochs", gt=0
+    )
     val_before_train: bool = _field(True, "validate once before the first step")
     project_name: str = _field("reprorl", "project name, for loggers and run_dir")
     experiment_name: str = _field("tiny-grpo", "experiment name, for loggers and run_dir")

@@ -28,7 +28,7 @@ import torch
 
 from reprorl.errors import DataError, ReproRLError
 from reprorl.protocol import Batch
-from reprorl.reward.rule_worker import Outcome, RuleWorker, call_rule_fn
+from reprorl.reward.rule_worker import START_TIMEOUT_S, Outcome, RuleWorker, call_rule_fn
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ class RewardLoop:
         timeout_is_error: a timed-out call raises `RewardTimeoutError` naming the sample,
             its data source and the limit (full determinism: a 0 would depend on timing);
             False: it scores 0.0 and is counted (`reward/fn_timeouts`).
+        start_timeout_s: how long the child may take to load the function (its imports;
+            `RuleWorker`); `trainer.part_timeout_s` in a run.
         max_error_rate: the largest share of a batch's samples on which the rule function
             may fail (raise, or time out) and score 0; more raises `RewardFnError` naming
             the function, the count and the first failure. None: no limit.
@@ -116,6 +118,7 @@ class RewardLoop:
         *,
         timeout_s: float | None = None,
         timeout_is_error: bool = True,
+        start_timeout_s: float = START_TIMEOUT_S,
         max_error_rate: float | None = None,
     ) -> None:
         self.reward_fn = reward_fn
@@ -130,7 +133,7 @@ class RewardLoop:
         self._worker = None
         if timeout_s is not None:
             try:
-                self._worker = RuleWorker(reward_fn)
+                self._worker = RuleWorker(reward_fn, start_timeout_s)
             except Exception as err:  # cloudpickle refuses some objects (locks, generators)
                 raise ReproRLError(
                     f"reward.fn {getattr(reward_fn, '__name__', reward_fn)!r} cannot be sent to a rule-reward "

@@ -50,7 +50,7 @@ from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.pool import init_ray, replica_cpus
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import FaultError, Restarts
+from reprorl.rollout.supervision import FaultError, PartTimeoutError, Restarts
 from reprorl.trainer import weight_sync
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.checkpoint import (
@@ -279,7 +279,8 @@ class Trainer:
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
-                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False}
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False,
+                  "part_timeout_s": cfg.trainer.part_timeout_s}
         self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             self.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
@@ -322,7 +323,7 @@ class Trainer:
         cfg, rw = self.cfg, self.cfg.reward
         return RewardLoop(reward_fn, self.reward_model, rule_weight=rw.rule_weight, model_weight=rw.model_weight,
                           timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism,
-                          max_error_rate=rw.max_error_rate)
+                          max_error_rate=rw.max_error_rate, start_timeout_s=cfg.trainer.part_timeout_s)
 
     def _make_rollout(self, num_cpus_per_replica: float) -> ReplicaPool:
         """The rollout replica pool, started but not waited for."""
@@ -332,7 +333,7 @@ class Trainer:
             max_num_seqs=ro.max_num_seqs, max_num_batched_tokens=ro.max_num_batched_tokens,
             max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
             backend=ro.backend, vllm_options=_vllm_options(ro), restarts=self.restarts,
-            num_cpus_per_replica=num_cpus_per_replica, wait=False,
+            num_cpus_per_replica=num_cpus_per_replica, wait=False, part_timeout_s=cfg.trainer.part_timeout_s,
             device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
             native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
                             "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead},
@@ -349,6 +350,7 @@ class Trainer:
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
+            part_timeout_s=cfg.trainer.part_timeout_s,
         )
 
     # ------------------------------------------------------------------ batches
@@ -745,20 +747,24 @@ class Trainer:
         """Errors that stop a run in a step say which step, and where it can resume from."""
         try:
             yield
-        except (NonFiniteError, RewardTimeoutError, RewardFnError, FaultError, WorkerError) as err:
+        except (NonFiniteError, RewardTimeoutError, RewardFnError, FaultError, WorkerError, PartTimeoutError) as err:
             raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
 
     def close(self) -> None:
-        """Stop the replicas and workers, close the loggers, draw the curves."""
-        if self.tracker is not None:
-            self.tracker.close()
-        if self.fingerprints is not None:
-            self.fingerprints.close()
-        metrics_path = self.run_dir / METRICS_FILE
-        if metrics_path.exists():
-            plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE, title=self.cfg.trainer.experiment_name)
-        self._stop_parts()
-        self._run_lock.release()  # last: the run directory is finished with
+        """Stop the replicas and workers, then close the loggers and draw the curves: the parts
+        go first (a hung one's processes, CPUs and GPU memory at once), the records whatever they do."""
+        try:
+            self._stop_parts()
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
+            if self.fingerprints is not None:
+                self.fingerprints.close()
+            metrics_path = self.run_dir / METRICS_FILE
+            if metrics_path.exists():
+                plot_curves(read_metrics(metrics_path), self.run_dir / CURVES_FILE,
+                            title=self.cfg.trainer.experiment_name)
+            self._run_lock.release()  # last: the run directory is finished with
 
     def _stop_parts(self) -> None:
         """Stop every part that was started (all of them after `__init__`; fewer when a start

@@ -18,7 +18,7 @@ import pytest
 
 from reprorl import cli
 from reprorl.determinism_report import TEXT_FILE
-from reprorl.rollout.supervision import KILL_ENV
+from reprorl.rollout.supervision import HANG_ENV, KILL_ENV
 from small_run import small_run_overrides
 
 # restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
@@ -41,14 +41,16 @@ def assets(tmp_path_factory, ray_local):
     }
 
 
-def train(assets, run_dir: Path, *overrides: str, kill: str | None = None) -> Path:
-    """`reprorl train` on the tiny setup (2 prompts x n=2, 8 tokens) with 2 replicas and 2 workers."""
-    if kill is not None:
-        os.environ[KILL_ENV] = kill
+def train(assets, run_dir: Path, *overrides: str, kill: str | None = None, hang: str | None = None) -> Path:
+    """`reprorl train` on the tiny setup (2 prompts x n=2, 8 tokens) with 2 replicas and 2 workers;
+    `kill` / `hang`: `KILL_ENV` / `HANG_ENV` rules (SIGKILL / SIGSTOP a part)."""
+    hooks = {KILL_ENV: kill, HANG_ENV: hang}
+    os.environ.update({env: rule for env, rule in hooks.items() if rule is not None})
     try:
         assert cli.main(["train", *small_run_overrides(assets, run_dir, *COMMON, *overrides)]) == 0
     finally:
-        os.environ.pop(KILL_ENV, None)
+        for env in hooks:
+            os.environ.pop(env, None)
     return run_dir
 
 
@@ -90,6 +92,18 @@ def test_a_rollout_replica_killed_mid_rollout(assets, unfailed, tmp_path, capsys
     assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
     assert restarts(run, "rollout/replica_restarts") == {3: 1.0}
     # The report, rewritten after the restart, checked the replacement like the first replicas.
+    parts = report_parts(run)
+    assert "rollout replica 2" in parts and "rollout replica 1" not in parts
+
+
+def test_a_rollout_replica_that_hangs_mid_rollout(assets, unfailed, tmp_path, capsys):
+    """Replica 1 SIGSTOPs itself on its first request of step 2: alive to Ray, silent. Its
+    requests are retried on replica 0 past their limit (trainer.part_timeout_s, small here),
+    and the weight push after the rollout finds it hung and replaces it."""
+    run = train(assets, tmp_path / "hung", "trainer.total_steps=6", "trainer.part_timeout_s=8",
+                hang="rollout replica 1@train/2/#1")
+    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert restarts(run, "rollout/replica_restarts") == {2: 1.0}
     parts = report_parts(run)
     assert "rollout replica 2" in parts and "rollout replica 1" not in parts
 
