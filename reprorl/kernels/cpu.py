@@ -11,7 +11,7 @@ where the row sits, what the other rows hold, or the number of threads. How:
   sequence of fused multiply-adds, so vectorisation, blocking and threads cannot change a
   bit: the linear (`cpu_linear.cpp`) and attention's p v (`cpu_matmul.cpp`'s mm_nn) one
   running sum in k order, with rows (or, up to 8 rows, columns) as the vector lanes;
-  attention's scores 8 lane sums in k order with AVX2, 16 with AVX-512, then a fixed tree.
+  attention's scores 16 lane sums in k order on every instruction set, then a fixed tree.
 - attention: scores and p v are such products; a row's keys past its position get
   probability exactly 0, so extra keys add exact zeros. The whole attention is one call
   into the extension (`cpu_attention.cpp`: scores, mask, torch's own softmax kernel, p v,
@@ -27,7 +27,9 @@ where the row sits, what the other rows hold, or the number of threads. How:
 
 The matmul and attention kernels are a small C++ extension built on first use for this
 machine (-march=native; about 40-75 s, then cached by torch in ~/.cache/torch_extensions); it
-needs a C++ compiler and ninja.
+needs a C++ compiler and ninja. `REPRORL_CPU_MARCH` builds it for another instruction set
+(`x86-64`: no vector unit beyond SSE2; `haswell`: AVX2; `skylake-avx512`): the bits are the
+same for each (tests/kernels/test_cpu_isa.py), only the speed differs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -59,21 +62,27 @@ QUERY_BLOCK = KEY_BLOCK
 _EXACT_CFLAGS = ["-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
 
 
+ENV_MARCH = "REPRORL_CPU_MARCH"
+"""The `-march` the CPU kernels are built for (default `native`); it changes speed, not bits."""
+
+
 @functools.cache
 def _matmuls():
     from torch.utils.cpp_extension import load
 
     sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
                                                                   "cpu_kernels.h")]
-    # One build per checkout and source version: torch rebuilds an extension whose sources
-    # moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
-    digest = hashlib.sha256()
+    march = os.environ.get(ENV_MARCH, "native")
+    # One build per checkout, source version and instruction set: torch rebuilds an extension
+    # whose sources moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
+    digest = hashlib.sha256(march.encode())
     for p in sources:
         digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
-    logger.info("building reprorl's CPU kernels (%s), once per machine, about a minute", ", ".join(p.name for p in sources))
+    logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about a minute",
+                ", ".join(p.name for p in sources), march)
     try:
         return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:3]],
-                    verbose=False, extra_cflags=["-O3", "-march=native", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
+                    verbose=False, extra_cflags=["-O3", f"-march={march}", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
             f"full_determinism on the CPU needs reprorl's kernels ({sources[0].parent}/cpu_*.cpp), built with a C++ "
@@ -185,6 +194,35 @@ def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _bmm(a: Tensor, b: Tensor) -> Tensor:
+    """a [..., M, K] @ b [..., K, N] (the same leading dims) -> [..., M, N] in a's dtype, by
+    `matmul_nn`: each entry one running sum over k in order."""
+    out = matmul_nn(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+    return out.to(a.dtype).reshape(*a.shape[:-1], b.shape[-1])
+
+
+class _Bmm(torch.autograd.Function):
+    """`_bmm` with its gradients by `_bmm` too (g b^T, a^T g): no BLAS in the backward, whose
+    kernels (and so bits) differ between an AMD and an Intel CPU."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return _bmm(a, b)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        ga = _bmm(grad, b.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
+        gb = _bmm(a.transpose(-1, -2), grad) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+def _math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+    """`math_attention` on these kernels' products: the form the attention's gradient is taken from."""
+    return math_attention(q, k, v, q_start, matmul=_Bmm.apply)
+
+
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     g = gate.float()
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
@@ -206,7 +244,8 @@ def _batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tens
 
 class CpuInvariantKernels:
     """Batch-invariant kernels on the CPU (see the module doc). Same interface as every
-    backend (`reprorl.kernels`); gradients are stock torch's (deterministic)."""
+    backend (`reprorl.kernels`); the linear's and attention's gradients are products of
+    these kernels too (no BLAS), the rest stock torch's (deterministic)."""
 
     name = "cpu-invariant"
     batch_invariant = True
@@ -218,8 +257,8 @@ class CpuInvariantKernels:
     entropy = staticmethod(TorchKernels.entropy)
     token_log_probs = classmethod(TorchKernels.token_log_probs.__func__)
     swiglu = staticmethod(_swiglu)
-    linear = staticmethod(linear_with_matmul_backward(_linear))
-    batched_attention = staticmethod(with_torch_backward(_batched_attention, math_attention))
+    linear = staticmethod(linear_with_matmul_backward(_linear, matmul_rows))
+    batched_attention = staticmethod(with_torch_backward(_batched_attention, _math_attention))
 
     @classmethod
     def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:

@@ -71,7 +71,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
 #pragma omp parallel num_threads(team_threads())
   {
-    std::vector<float> acc(((CHUNK + NT_ROWS - 1) / NT_ROWS) * (COLS / NT_COLS) * NT_ROWS * NT_COLS * LANES);
+    std::vector<float> acc(((CHUNK + NT_ROWS - 1) / NT_ROWS) * (COLS / NT_COLS) * NT_ROWS * NT_COLS * SUM_LANES);
     std::vector<float> scores(CHUNK * nb_max), probs(CHUNK * nb_max), result(CHUNK * D);
     std::vector<T> probs_t(std::is_same<T, float>::value ? 0 : CHUNK * nb_max);
     std::vector<T> result_t(std::is_same<T, float>::value ? 0 : CHUNK * D);

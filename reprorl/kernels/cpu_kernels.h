@@ -10,8 +10,10 @@
 // call's shape and the machine; an Intel Xeon gave a row different bits at place 0 and 1
 // of one fixed-shape single-threaded call. Here the arithmetic is written out:
 //   mm_nt: out[i, j] = sum_k a[i, k] * b[j, k]    (attention's scores)
-//          LANES lane sums, lane l over k = l, l+LANES, ... in order (fused multiply-adds),
-//          then the lanes added in one fixed tree (LANES: 16 with AVX-512, 8 with AVX2).
+//          SUM_LANES = 16 lane sums, lane l over k = l, l+16, ... in order (fused
+//          multiply-adds), then the lanes added in one fixed tree: 16 on every instruction
+//          set (one AVX-512 vector, two AVX2 vectors, or 16 scalars), so an AMD and an Intel
+//          CPU, with or without AVX-512, give the same bits.
 //   mm_nn: out[i, j] = sum_k a[i, k] * b[k, j]    (attention's p v)
 //          one running sum per entry over k in order (fused multiply-adds).
 // A fused multiply-add (the FMA instructions, or std::fma) is exact-then-round-once, and the
@@ -50,17 +52,19 @@
 
 namespace {
 
-// LANES partial sums per a @ b^T entry (one vector register) and the register blocks: as
-// many accumulators as the vector registers hold (32 zmm with AVX-512, 16 ymm with AVX2).
-// The lane count is part of the arithmetic, so it is fixed per instruction set (two CPUs
-// may give different bits; one CPU always gives the same); the block shape only changes
-// speed: an entry's arithmetic is the same in a full block and in an edge block.
+// LANES: the floats of one vector register (mm_nn's columns, the linear's rows); they are
+// independent running sums, so LANES only changes speed. SUM_LANES: the partial sums of one
+// a @ b^T entry, part of its arithmetic, so the same on every instruction set (an AVX2
+// SumVec is two registers). The register blocks hold as many accumulators as the vector
+// registers do (32 zmm with AVX-512, 16 ymm with AVX2); the block shape only changes speed:
+// an entry's arithmetic is the same in a full block and in an edge block.
+constexpr int64_t SUM_LANES = 16;
 #if defined(__AVX512F__)
 constexpr int64_t LANES = 16;
 constexpr int64_t NT_ROWS = 4, NT_COLS = 4;
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t LANES = 8;
-constexpr int64_t NT_ROWS = 4, NT_COLS = 3;
+constexpr int64_t NT_ROWS = 2, NT_COLS = 2;  // 8 accumulators of two ymm each, 4 of b, 2 of a
 #else
 constexpr int64_t LANES = 16;
 constexpr int64_t NT_ROWS = 2, NT_COLS = 2;
@@ -143,8 +147,8 @@ struct Vec {
 };
 
 inline float lane_total(float* acc) {
-  // A fixed pairwise tree over the lanes.
-  for (int64_t width = LANES / 2; width >= 1; width /= 2)
+  // A fixed pairwise tree over the SUM_LANES partial sums: l + l+8, l + l+4, l + l+2, l + l+1.
+  for (int64_t width = SUM_LANES / 2; width >= 1; width /= 2)
     for (int64_t l = 0; l < width; ++l) acc[l] = acc[l] + acc[l + width];
   return acc[0];
 }
@@ -157,6 +161,25 @@ inline float Vec::total() const {
 }
 #endif
 
+// SUM_LANES partial sums of a dot product (mm_nt): one Vec where a Vec holds 16 floats,
+// else two, lanes 0-7 in lo and 8-15 in hi. total() is lane_total's tree either way (its
+// first level, l + l+8, is lo + hi).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+struct SumVec {
+  Vec lo, hi;
+  static SumVec zero() { return {Vec::zero(), Vec::zero()}; }
+  template <typename T>
+  static SumVec load(const T* p) { return {Vec::load(p), Vec::load(p + 8)}; }
+  static SumVec fma(SumVec a, SumVec b, SumVec c) { return {Vec::fma(a.lo, b.lo, c.lo), Vec::fma(a.hi, b.hi, c.hi)}; }
+  void store(float* p) const { lo.store(p); hi.store(p + 8); }
+  void pin() { lo.pin(); hi.pin(); }
+  float total() const { return total8(_mm256_add_ps(lo.v, hi.v)); }
+};
+#else
+using SumVec = Vec;
+static_assert(LANES == SUM_LANES, "a Vec of 16 lanes is one SumVec");
+#endif
+
 // One register block of a [M, K] @ b [N, K]^T: rows i0.. (R of them), columns j0.. (C), over
 // k in [k0, k1) (whole vectors). acc holds the block's NR x NC lane vectors between k
 // blocks (stored and reloaded exactly); `first` starts them at zero. NR, NC known at
@@ -167,36 +190,36 @@ template <typename T, int64_t NR, int64_t NC, bool DYN>
 inline void nt_block(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0, int64_t R_, int64_t j0,
                      int64_t C_, int64_t k0, int64_t k1, float* acc, bool first) {
   const int64_t R = DYN ? R_ : NR, C = DYN ? C_ : NC;
-  Vec r[NR][NC];
+  SumVec r[NR][NC];
   for (int64_t i = 0; i < NR; ++i)
     for (int64_t c = 0; c < NC; ++c)
-      r[i][c] = (first || i >= R || c >= C) ? Vec::zero() : Vec::load(acc + (i * NC + c) * LANES);
+      r[i][c] = (first || i >= R || c >= C) ? SumVec::zero() : SumVec::load(acc + (i * NC + c) * SUM_LANES);
   const T* ar[NR];
   const T* bc[NC];
   for (int64_t i = 0; i < NR; ++i) ar[i] = a + (i0 + (i < R ? i : 0)) * lda;
   for (int64_t c = 0; c < NC; ++c) bc[c] = b + (j0 + (c < C ? c : 0)) * ldb;
-  for (int64_t k = k0; k < k1; k += LANES) {
-    Vec bv[NC];
+  for (int64_t k = k0; k < k1; k += SUM_LANES) {
+    SumVec bv[NC];
     for (int64_t c = 0; c < C; ++c) {
-      bv[c] = Vec::load(bc[c] + k);
+      bv[c] = SumVec::load(bc[c] + k);
       bv[c].pin();
     }
     for (int64_t i = 0; i < R; ++i) {
-      Vec av = Vec::load(ar[i] + k);
+      SumVec av = SumVec::load(ar[i] + k);
       av.pin();
-      for (int64_t c = 0; c < C; ++c) r[i][c] = Vec::fma(av, bv[c], r[i][c]);
+      for (int64_t c = 0; c < C; ++c) r[i][c] = SumVec::fma(av, bv[c], r[i][c]);
     }
   }
   for (int64_t i = 0; i < R; ++i)
-    for (int64_t c = 0; c < C; ++c) r[i][c].store(acc + (i * NC + c) * LANES);
+    for (int64_t c = 0; c < C; ++c) r[i][c].store(acc + (i * NC + c) * SUM_LANES);
 }
 
-// The end of an entry: the tail of K (K % LANES values) goes to lanes 0.. in order, then
+// The end of an entry: the tail of K (K % SUM_LANES values) goes to lanes 0.. in order, then
 // the lanes are added in the fixed tree.
 template <typename T>
 inline float nt_finish(const T* arow, const T* brow, int64_t kv, int64_t K, const float* lanes_in) {
-  float lanes[LANES];
-  for (int64_t l = 0; l < LANES; ++l) lanes[l] = lanes_in[l];
+  float lanes[SUM_LANES];
+  for (int64_t l = 0; l < SUM_LANES; ++l) lanes[l] = lanes_in[l];
   for (int64_t k = kv; k < K; ++k) lanes[k - kv] = std::fma(f(arow[k]), f(brow[k]), lanes[k - kv]);
   return lane_total(lanes);
 }
@@ -220,10 +243,8 @@ inline void nt_any(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0,
   switch (nr) {
     case 1: nt_rows<T, 1>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
     case 2: nt_rows<T, 2>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    case 3: nt_rows<T, 3>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
-    case 4: nt_rows<T, 4>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
-#endif
+    case 3: if constexpr (NT_ROWS >= 3) nt_rows<T, 3>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
+    case 4: if constexpr (NT_ROWS >= 4) nt_rows<T, 4>(a, b, lda, ldb, i0, j0, nc, k0, k1, acc, first); break;
     default: TORCH_CHECK(false, "nt_any: more rows than a register block");
   }
 }
@@ -234,9 +255,9 @@ inline void nt_any(const T* a, const T* b, int64_t lda, int64_t ldb, int64_t i0,
 template <typename T>
 void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t i0, int64_t i1, int64_t j0,
              int64_t j1, int64_t kc, float* acc) {
-  const int64_t kv = K - K % LANES;
+  const int64_t kv = K - K % SUM_LANES;
   const int64_t nbj = (j1 - j0 + NT_COLS - 1) / NT_COLS;
-  constexpr int64_t BLOCK = NT_ROWS * NT_COLS * LANES;  // floats of one register block's lanes
+  constexpr int64_t BLOCK = NT_ROWS * NT_COLS * SUM_LANES;  // floats of one register block's lanes
   for (int64_t k0 = 0; k0 < std::max<int64_t>(kv, 1); k0 += kc) {
     const int64_t k1 = std::min(kv, k0 + kc);
     for (int64_t i = i0, bi = 0; i < i1; i += NT_ROWS, ++bi) {
@@ -251,9 +272,9 @@ void nt_task(const T* a, const T* b, float* out, int64_t K, int64_t ldo, int64_t
       for (int64_t r = 0; r < std::min(NT_ROWS, i1 - i); ++r)
         for (int64_t c = 0; c < std::min(NT_COLS, j1 - j); ++c)
           out[(i + r) * ldo + j + c] =
-              kv == K ? Vec::load(acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES).total()
+              kv == K ? SumVec::load(acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * SUM_LANES).total()
                       : nt_finish(a + (i + r) * K, b + (j + c) * K, kv, K,
-                                  acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * LANES);
+                                  acc + (bi * nbj + bj) * BLOCK + (r * NT_COLS + c) * SUM_LANES);
 }
 
 // Entries (i0..i0+NR) x (j0..j0+V*LANES) of a [M, K] @ b [K, N]: each entry one running sum
@@ -342,11 +363,11 @@ void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i
 // (bench/kernels.py, 2026-12-03).
 inline int team_threads() { return std::max(1, at::get_num_threads()); }
 
-// k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2); a
-// short K is one block, so the lane vectors never leave registers.
+// mm_nt's k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2);
+// a short K is one block, so the lane vectors never leave registers.
 inline int64_t k_block(int64_t K) {
-  const int64_t kv = K - K % LANES;
-  return kv <= 768 ? std::max<int64_t>(kv, LANES) : 512;
+  const int64_t kv = K - K % SUM_LANES;
+  return kv <= 768 ? std::max<int64_t>(kv, SUM_LANES) : 512;
 }
 
 }  // namespace

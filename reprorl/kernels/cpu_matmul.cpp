@@ -42,7 +42,7 @@ void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, 
   const T* pb = b.data_ptr<T>();
   float* po = out.data_ptr<float>();
   const int64_t tasks = G * tm * tn;
-  const int64_t scratch = (br / NT_ROWS) * (bc / NT_COLS) * NT_ROWS * NT_COLS * LANES;
+  const int64_t scratch = (br / NT_ROWS) * (bc / NT_COLS) * NT_ROWS * NT_COLS * SUM_LANES;
 #pragma omp parallel num_threads(team_threads())
   {
     std::vector<float> acc(scratch);
@@ -87,7 +87,7 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
   NtPlan p{};  // mm_nt's: the one given, else the default (mm_nn takes none)
   if (!plan.empty()) {
     // (cpu.matmul_nt checks a plan first and names the field; this message stays a literal, see cpu_kernels.h)
-    TORCH_CHECK(plan.size() == 3 && plan[0] > 0 && plan[0] % LANES == 0 && plan[1] > 0 && plan[1] % NT_ROWS == 0 &&
+    TORCH_CHECK(plan.size() == 3 && plan[0] > 0 && plan[0] % SUM_LANES == 0 && plan[1] > 0 && plan[1] % NT_ROWS == 0 &&
                     plan[2] > 0,
                 "plan: [kc (a multiple of the lanes), rows (a multiple of the register block's), col_blocks] expected");
     p = {plan[0], plan[1], plan[2]};
@@ -121,10 +121,10 @@ torch::Tensor mm_nt_plan(torch::Tensor a, torch::Tensor b, std::vector<int64_t> 
   return launch(a, b, true, plan);
 }
 // The plan mm_nt takes for a [G, M, K] @ b [G, N, K]^T at torch's thread count, and the
-// machine's lanes and register block: [kc, rows, col_blocks, LANES, NT_ROWS, NT_COLS]
+// partial sums of an entry and the register block: [kc, rows, col_blocks, SUM_LANES, NT_ROWS, NT_COLS]
 std::vector<int64_t> nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
   const NtPlan p = default_nt_plan(G, M, N, K);
-  return {p.kc, p.rows, p.col_blocks, LANES, NT_ROWS, NT_COLS};
+  return {p.kc, p.rows, p.col_blocks, SUM_LANES, NT_ROWS, NT_COLS};
 }
 // a [G, M, K], b [G, K, N] -> float32 [G, M, N]
 torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, false); }
@@ -132,7 +132,7 @@ torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, fals
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nt", &mm_nt, "a @ b^T, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_nt_plan", &mm_nt_plan, "mm_nt with its work split given: [kc, rows, col_blocks]");
-  m.def("nt_plan", &nt_plan, "mm_nt's default split and block: [kc, rows, col_blocks, LANES, NT_ROWS, NT_COLS]");
+  m.def("nt_plan", &nt_plan, "mm_nt's default split and block: [kc, rows, col_blocks, SUM_LANES, NT_ROWS, NT_COLS]");
   m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_rows", &mm_rows, "the linear's a @ b^T with rows as lanes: mm_nn's arithmetic, b in place");
   m.def("rows_plan", &rows_plan, "mm_rows's default split and block: [kc, vecs, cols, LANES, block vecs, block cols]");
