@@ -101,29 +101,45 @@ def with_torch_backward(kernel: Callable[..., Tensor], torch_fn: Callable[..., T
     return run
 
 
+GradMatmul = Callable[[Tensor, Tensor], Tensor]
+"""`a [M, J] @ b [N, J]^T -> float32 [M, N]`: the products of a linear layer's backward."""
+
+
 class _LinearBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, matmul: Callable, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, matmul: Callable, grad_matmul: GradMatmul | None, x: Tensor, weight: Tensor,
+                bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.grad_matmul = bias is not None, grad_matmul
         return matmul(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         g = grad.reshape(-1, grad.shape[-1])  # [M, N]
-        gx = (g @ weight).reshape(x.shape) if ctx.needs_input_grad[1] else None
-        gw = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[2] else None
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        return None, gx, gw, gb
+        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[2:5]
+        mm = ctx.grad_matmul
+        if mm is None:  # stock torch matmuls
+            gx = (g @ weight).reshape(x.shape) if needs_x else None
+            gw = g.t() @ x2 if needs_w else None
+            gb = g.sum(0) if ctx.has_bias and needs_b else None
+        else:  # each entry one sum in a fixed order, as the forward's
+            gx = mm(g, weight.t().contiguous()).to(x.dtype).reshape(x.shape) if needs_x else None
+            gw = mm(g.t().contiguous(), x2.t().contiguous()).to(weight.dtype) if needs_w else None
+            gb = (mm(g.new_ones(1, g.shape[0]), g.t().contiguous())[0].to(g.dtype)
+                  if ctx.has_bias and needs_b else None)
+        return None, None, gx, gw, gb
 
 
-def linear_with_matmul_backward(matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor]) -> Callable[..., Tensor]:
+def linear_with_matmul_backward(matmul: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+                                grad_matmul: GradMatmul | None = None) -> Callable[..., Tensor]:
     """`matmul(x [..., K], weight [N, K], bias [N] | None) -> [..., N]` with the linear layer's
-    analytic backward (grad_x = g W, grad_W = g^T x, grad_b = sum g), in stock torch matmuls."""
+    analytic backward (grad_x = g W, grad_W = g^T x, grad_b = sum g): its products by
+    `grad_matmul` (bias: ones @ g), or by stock torch matmuls when None."""
     def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         if _needs_grad((x, weight, bias)):
-            return _LinearBackward.apply(matmul, x, weight, bias)
+            return _LinearBackward.apply(matmul, grad_matmul, x, weight, bias)
         return matmul(x, weight, bias)
 
     return linear

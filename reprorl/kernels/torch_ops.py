@@ -7,6 +7,8 @@ attention's tiles); use it with `full_determinism: false`. Same interface as eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,19 +16,21 @@ from torch import Tensor
 from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, scale_logits
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, *,
+                   matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> Tensor:
     """`batched_attention` written as plain matmuls and a softmax: the differentiable form
     the invariant backends take their gradient from (its backward is deterministic, where
-    SDPA's fused backward kernels may not be). Memory O(Tq * Tk) per head."""
+    SDPA's fused backward kernels may not be). Memory O(Tq * Tk) per head. `matmul`: the
+    two products ([..., M, K] @ [..., K, N], differentiable), stock torch's by default."""
     check_batched_attention(q, k, v, q_start)
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     rows = q.reshape(b, hkv, (hq // hkv) * tq, d)  # [B, Hkv, G*Tq, D]: row g*Tq + t
     pos = q_start[:, None] + torch.arange(tq, device=q.device).repeat(hq // hkv)  # [B, G*Tq]
     masked = torch.arange(k.shape[2], device=q.device) > pos[:, None, :, None]
-    scores = torch.matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, Tk]
+    scores = matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, Tk]
     probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(b, hq, tq, d)
+    return matmul(probs, v).reshape(b, hq, tq, d)
 
 
 class TorchKernels:
