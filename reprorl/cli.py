@@ -31,12 +31,15 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from reprorl.config import load_config
+    from reprorl.determinism import pin_cpu_kernels
     from reprorl.trainer.default_run import prepare_default_assets
     from reprorl.trainer.fit import train
 
     path, overrides = _split_config_args(args.args)
     cfg = load_config(path, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if cfg.full_determinism:
+        pin_cpu_kernels()  # before the default assets: their bytes are part of the run
     prepare_default_assets(cfg)
     run_dir = train(cfg)
     print(f"run directory: {run_dir}")
@@ -44,8 +47,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from reprorl.determinism import pin_cpu_kernels
     from reprorl.models.tiny import make_tiny
 
+    pin_cpu_kernels()  # the weights drawn from a seed: the same bytes on any x86-64 CPU
     out = make_tiny(args.out_dir, kind=args.kind, seed=args.seed)
     print(f"wrote tiny {args.kind} model to {out}")
     return 0

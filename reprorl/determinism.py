@@ -55,6 +55,13 @@ NCCL_DETERMINISM_ENV = {
     "NCCL_COLLNET_ENABLE": "0",
 }
 
+# torch runs each CPU kernel in the vector code of the machine (AVX-512 on one CPU, AVX2 on
+# another): a sum's order of additions and its exp/log routines follow, so an AMD and an
+# Intel CPU gave different bits. Its portable build ("default") is the same code on every
+# x86-64 CPU. torch reads the variable at its first CPU kernel: it must be in the
+# environment before then (`reprorl train` and every actor of a run have it from the start).
+ATEN_CPU_CAPABILITY = "default"
+
 # blake2b's personalisation separates reprorl's hashes from any other blake2b use.
 # Changing it (or the encoding below) changes every seed: bump the version if you must.
 _PERSON = b"reprorl.hash.v1"
@@ -205,7 +212,8 @@ def enable_full_determinism(seed: int) -> None:
     new tensors: `use_deterministic_algorithms`), cuDNN deterministic with benchmarking
     off, TF32 off for matmul and cuDNN; sets `CUBLAS_WORKSPACE_CONFIG`, the NCCL
     variables and the reprorl variables in `os.environ` (NCCL reads its variables when a
-    communicator is created, so call this before `init_process_group`). Calling it again with the same seed leaves the same state.
+    communicator is created, so call this before `init_process_group`); pins torch's
+    CPU kernels to their portable build (`pin_cpu_kernels`). Calling it again with the same seed leaves the same state.
 
     `CUBLAS_WORKSPACE_CONFIG` only works if set before CUDA initialises: if CUDA is
     already up without it, this raises rather than pretend. Put it in the environment
@@ -223,6 +231,7 @@ def enable_full_determinism(seed: int) -> None:
     # PYTHONHASHSEED acts only at interpreter start-up: here it reaches child processes
     # (a local Ray started after this call), not this one.
     os.environ.update(determinism_env(seed, full_determinism=True))
+    pin_cpu_kernels()
 
     random.seed(seed)
     np.random.seed(seed % 2**32)  # numpy's legacy seed must fit 32 bits
@@ -269,8 +278,25 @@ def determinism_env(seed: int, full_determinism: bool) -> dict[str, str]:
     }
     if full_determinism:
         env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
+        env["ATEN_CPU_CAPABILITY"] = ATEN_CPU_CAPABILITY
         env.update(NCCL_DETERMINISM_ENV)
     return env
+
+
+def pin_cpu_kernels() -> None:
+    """Pin torch's CPU kernels to their portable build (`ATEN_CPU_CAPABILITY`), in this
+    process; raise if torch already runs another build here (it chose at its first CPU
+    kernel, and never changes)."""
+    import torch
+
+    os.environ["ATEN_CPU_CAPABILITY"] = ATEN_CPU_CAPABILITY
+    running = torch.backends.cpu.get_cpu_capability()
+    if running.lower() != ATEN_CPU_CAPABILITY:
+        raise RuntimeError(
+            f"full_determinism: torch already runs its {running} CPU kernels in this process, whose bits differ "
+            f"between CPUs; set ATEN_CPU_CAPABILITY={ATEN_CPU_CAPABILITY} in the environment before python starts "
+            "(`reprorl train` sets it itself)"
+        )
 
 
 def ray_runtime_env(env: Mapping[str, str], base: Mapping[str, Any] | None = None) -> dict[str, Any]:

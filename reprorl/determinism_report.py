@@ -44,11 +44,12 @@ REPORT_FILE = "determinism.json"
 TEXT_FILE = "determinism.txt"
 
 # What a process's results can depend on, besides its inputs: reprorl's own variables,
-# the hash seed, cuBLAS/NCCL reduction settings, thread counts, vLLM's invariance switch,
+# the hash seed, cuBLAS/NCCL reduction settings, torch's CPU kernel build, thread counts, vLLM's invariance switch,
 # and the one Triton switch that overrides the kernels' pinned FP fusion
 # (`reprorl.kernels.gpu.launch`).
 TRITON_NO_FUSION = "TRITON_FORCE_DISABLE_FP_FUSION"
-ENV_KEYS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "OMP_NUM_THREADS", "MKL_NUM_THREADS", TRITON_NO_FUSION)
+ENV_KEYS = ("PYTHONHASHSEED", "CUBLAS_WORKSPACE_CONFIG", "ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+            TRITON_NO_FUSION)
 ENV_PREFIXES = ("REPRORL_", "NCCL_", "VLLM_BATCH_INVARIANT")
 
 # Keys every model-serving part's info has (see `reprorl.rollout.replica`).

@@ -1,12 +1,19 @@
 """Shared fixtures: the project's tokenizer, a tiny policy, rollout-shaped batches, a local Ray
 and whether one of its actors is dead, the tolerance of gradients summed in another grouping.
 
+The whole session runs torch's portable CPU kernels (`ATEN_CPU_CAPABILITY=default`), as a
+full-determinism run does: a run inside this process must agree with one in a subprocess.
+
 Without a CUDA device, Triton kernels run under its interpreter (on CPU tensors), so CI
 checks their arithmetic; the variable must be set before triton is first imported.
 """
 
 import os
 import time
+
+# torch's portable CPU kernels, as every full-determinism process runs them; the variable
+# acts at torch's first CPU kernel, so before anything here computes.
+os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")
 
 import pytest
 import torch

@@ -309,7 +309,8 @@ def test_enable_full_determinism_in_subprocess():
             matmul_tf32=b.cuda.matmul.allow_tf32, cudnn_tf32=b.cudnn.allow_tf32,
             initial_seed=torch.initial_seed(), full=is_full_determinism(),
             env={k: v for k, v in os.environ.items()
-                 if k.startswith(("REPRORL_", "NCCL_", "CUBLAS_")) or k == "PYTHONHASHSEED"},
+                 if k.startswith(("REPRORL_", "NCCL_", "CUBLAS_", "ATEN_")) or k == "PYTHONHASHSEED"},
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
         )))
     """
     r = _result(_run_python(code, _clean_env()))
@@ -332,6 +333,30 @@ def test_enable_full_determinism_in_subprocess():
     assert r["full"] is True
     assert r["env"] == determinism_env(1234, full_determinism=True)
     assert r["env"]["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG
+    assert r["cpu_capability"] == "DEFAULT"
+
+
+def test_pin_cpu_kernels_refuses_a_process_already_on_vector_kernels():
+    """torch picks its CPU kernels' build at its first kernel: a process that ran one on
+    its AVX2 (or AVX-512) build cannot be pinned any more, and says how to start instead."""
+    code = """
+        import json, os
+        os.environ.pop("ATEN_CPU_CAPABILITY", None)
+        import torch
+        torch.ones(3).exp().sum()
+        running = torch.backends.cpu.get_cpu_capability()
+        from reprorl.determinism import pin_cpu_kernels
+        try:
+            pin_cpu_kernels()
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        print(json.dumps(dict(running=running, error=error)))
+    """
+    r = _result(_run_python(code, _clean_env()))
+    if r["running"] == "DEFAULT":
+        pytest.skip("this CPU has no vector build of torch's kernels to refuse")
+    assert r["error"] is not None and "ATEN_CPU_CAPABILITY=default" in r["error"] and r["running"] in r["error"]
 
 
 # --- the run's environment --------------------------------------------------------------
@@ -348,6 +373,7 @@ def test_determinism_env():
         "REPRORL_FULL_DETERMINISM": "1",
         "REPRORL_SEED": "1099511627776",
         "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "ATEN_CPU_CAPABILITY": "default",
         "NCCL_ALGO": "Ring",
         "NCCL_NVLS_ENABLE": "0",
         "NCCL_COLLNET_ENABLE": "0",
