@@ -81,7 +81,7 @@ def make_default_policy(out_dir: Path, train_file: Path) -> Path:
         base = make_tiny(Path(scratch) / "base", kind="policy", seed=MODEL_SEED)
         warm_start(
             base, out_dir, pairs, steps=WARM_START_STEPS, batch_size=WARM_START_BATCH_SIZE,
-            lr=WARM_START_LR, seed=MODEL_SEED,
+            lr=WARM_START_LR, seed=MODEL_SEED, batch_invariant=True,
         )
     return out_dir
 

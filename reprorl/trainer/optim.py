@@ -84,6 +84,24 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+NORM_ROW = 4096
+"""Elements a row of a gradient's sum of squares (each row summed by one thread)."""
+
+
+def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
+    """The sum of g's squares, float64 [], in an order fixed by g's size alone.
+
+    Rows of NORM_ROW elements (float32; the last padded with zeros), each summed by one
+    thread, then the rows' sums one after another (a running sum: `cumsum`). torch's
+    own full reduction of a large tensor splits it over its threads, so its bits would
+    follow the thread count.
+    """
+    flat = g.detach().float().reshape(-1)
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % NORM_ROW)).view(-1, NORM_ROW)
+    sums = rows.square().sum(dim=-1).double()  # [rows]
+    return sums.cumsum(0)[-1] if len(sums) else sums.new_zeros(())
+
+
 def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Scale the gradients so their global L2 norm is at most `max_norm`; return the norm
     BEFORE clipping (NaN/inf when a gradient is not finite; the gradients are then left
@@ -91,9 +109,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    # Per-tensor norms, then the norm of those, in parameter order: a fixed reduction order.
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    norm_value = float(norm)
+    norm_value = float(torch.stack([sum_of_squares(g) for g in grads]).cumsum(0)[-1].sqrt())
     if math.isfinite(norm_value) and norm_value > max_norm:
         scale = max_norm / (norm_value + 1e-6)  # as torch's clip_grad_norm_
         for g in grads:

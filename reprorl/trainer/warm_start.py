@@ -13,10 +13,13 @@ the loss is the token-mean cross-entropy on the answer and eos only, so it learn
 answer and to stop, never to imitate the prompt.
 
 The run is a pure function of (weights in `model_dir`, pairs, arguments): batches come
-from a `torch.Generator(seed)`, the global RNGs are not used, and the output files are
-the same bytes on a rerun with the same torch build and thread count (on a GPU,
-`device="cuda"`, only with torch's deterministic algorithms on: embedding backward adds
-with atomics otherwise).
+from a `torch.Generator(seed)` and the global RNGs are not used. With `batch_invariant`
+on the CPU (the default run's policy) the model runs on the batch-invariant CPU kernels,
+forward and backward, so with torch's CPU kernels pinned to their portable build
+(`ATEN_CPU_CAPABILITY=default`, as full determinism sets) the output files are the same
+bytes on any x86-64 CPU at any thread count. Otherwise (stock kernels: a BLAS) only on a
+rerun on the same machine and thread count (on a GPU, `device="cuda"`, only with torch's
+deterministic algorithms on: embedding backward adds with atomics otherwise).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from reprorl.errors import ConfigError
+from reprorl.kernels import select_kernels
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.trainer.optim import OptimArgs, guarded_step, lr_multiplier, make_adamw, set_lr
 
@@ -108,11 +112,14 @@ def sft_train(
     grad_clip: float = 1.0,
     log_every: int = 50,
     device: str = "cpu",
+    batch_invariant: bool = False,
 ) -> list[float]:
     """Train `model` in place on tokenised examples (`sft_example`); returns each step's loss.
 
     `device` "cuda": the model (float32 weights and AdamW state) is moved there and its
     forward runs under bf16 autocast (mixed precision); the loss is taken in float32.
+    `batch_invariant`: the model runs on the device's batch-invariant kernels
+    (`reprorl.kernels.select_kernels`), else on its stock ones.
 
     AdamW with the trainer's optimizer helpers; `lr_schedule` "cosine" decays the rate to 0
     over `steps`, "constant" keeps it. Cosine is the default for a reason: stopping at a
@@ -121,6 +128,8 @@ def sft_train(
     """
     optim_args = OptimArgs(lr=lr, weight_decay=weight_decay, lr_schedule=lr_schedule, total_steps=steps, grad_clip=grad_clip)
     model.to(device)
+    if batch_invariant:
+        model.kernels = select_kernels(device, batch_invariant=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(params, optim_args)
     model.train()
@@ -159,6 +168,7 @@ def warm_start(
     grad_clip: float = 1.0,
     log_every: int = 50,
     device: str = "cpu",
+    batch_invariant: bool = False,
 ) -> Path:
     """Fine-tune the causal LM in `model_dir` on `pairs` and write it to `out_dir`.
 
@@ -183,7 +193,7 @@ def warm_start(
     sft_train(
         model, examples, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
         pad_token_id=tokenizer.pad_token_id, lr_schedule=lr_schedule, weight_decay=weight_decay,
-        grad_clip=grad_clip, log_every=log_every, device=device,
+        grad_clip=grad_clip, log_every=log_every, device=device, batch_invariant=batch_invariant,
     )
     model.to("cpu")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
