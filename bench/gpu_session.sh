@@ -23,7 +23,9 @@
 #   startup  the reward model on the GPU (its gpu test), and bench/startup.py twice: the time from
 #            Trainer start to the first step with every part on the GPU (parts start together)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
-#   train    the default run on the host's CPU
+#   train    the default run on the host's CPU (its fingerprints.jsonl comes back: compare it with a run here)
+#   isa      on the host CPU: the CPU kernels built for x86-64, AVX2 and AVX-512 give the same bits
+#            (tests/kernels/test_cpu_isa.py), and the default run's golden digests
 # engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
@@ -153,8 +155,11 @@ for step in $steps; do
       timeout 420 python3 -m reprorl.cli train resources.device=cpu > "$LOGS/train_xeon.log" 2>&1
       echo "default run on the host CPU: exit $?, $((SECONDS - start)) s" | summary
       tail -6 "$LOGS/train_xeon.log" | summary
-      cp runs/reprorl/tiny-grpo/determinism.txt "$LOGS/" 2>/dev/null
+      cp runs/reprorl/tiny-grpo/determinism.txt runs/reprorl/tiny-grpo/fingerprints.jsonl "$LOGS/" 2>/dev/null
       tail -c 3000 runs/reprorl/tiny-grpo/metrics.jsonl > "$LOGS/metrics_tail.jsonl" 2>/dev/null ;;
+    isa)
+      with_ray || echo "no .whl: the golden-digest test skips" | summary
+      run_tests test_cpu_isa tests/kernels/test_cpu_isa.py ;;
     *) echo "unknown step $step" | summary ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | summary

@@ -2,8 +2,10 @@
 
 import doctest
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +55,39 @@ def test_the_default_run_learns(tmp_path):
     accuracy = {line["step"]: line["val/accuracy"] for line in lines if "val/accuracy" in line}
     assert sorted(accuracy) == [0, 10, 20, 30]
     assert accuracy[30] >= accuracy[0] + 0.2, accuracy
+    check_golden_digests(tmp_path / "runs/reprorl/tiny-grpo/fingerprints.jsonl")
+
+
+GOLDEN = Path(__file__).with_name("golden_default_run.json")
+WRITE_GOLDEN_ENV = "REPRORL_WRITE_GOLDEN"
+
+
+def golden_steps(fingerprints: Path, steps: int = 3) -> dict[str, dict]:
+    """The first `steps` steps of a run's fingerprints: each field's digest and the parameters'."""
+    out = {}
+    for line in fingerprints.read_text().splitlines()[:steps]:
+        record = json.loads(line)
+        out[str(record["step"])] = {"fields": record["fields"], "params_digest": record["params_digest"]}
+    return out
+
+
+def check_golden_digests(fingerprints: Path) -> None:
+    """The default run's first 3 steps have the bits recorded in golden_default_run.json, on
+    any x86-64 CPU. A change that moves them on purpose rewrites the file
+    (REPRORL_WRITE_GOLDEN=1 and this test) and says why in its commit."""
+    steps = golden_steps(fingerprints)
+    if os.environ.get(WRITE_GOLDEN_ENV) == "1":
+        GOLDEN.write_text(json.dumps({"steps": steps}, indent=1, sort_keys=True) + "\n")
+        pytest.fail(f"wrote {GOLDEN.name}: commit it with a message saying why the default run's bits moved")
+    golden = json.loads(GOLDEN.read_text())["steps"]
+    for step, want in golden.items():
+        got = steps[step]
+        moved = [name for name in want["fields"] if got["fields"].get(name) != want["fields"][name]]
+        assert not moved and got["params_digest"] == want["params_digest"], (
+            f"the default run's step {step} moved: fields {moved or 'equal'}, parameters "
+            f"{'equal' if got['params_digest'] == want['params_digest'] else 'differ'}; if on purpose, "
+            f"rerun this test with {WRITE_GOLDEN_ENV}=1 and say why in the commit"
+        )
 
 
 def test_the_gpu_policy_is_refused_without_a_gpu(tmp_path, monkeypatch):
