@@ -25,7 +25,7 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,9 @@ from reprorl.protocol import Batch
 from reprorl.rollout.load_balancer import BalancerError, LoadBalancerActor, NoReplicaError, generate_balanced
 from reprorl.rollout.pool import wait_for_actors
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, PartTimeoutError, gather, replace_dead, time_limit
+from reprorl.rollout.supervision import (
+    PART_TIMEOUT_S, KillSwitch, PartTimeoutError, gather, get_within, replace_dead, time_limit,
+)
 
 DO_SAMPLE = "__do_sample__"
 """Control column: False marks a greedy row (ReMax's baseline) in a sampled batch."""
@@ -417,12 +419,8 @@ class AgentLoopManager:
         self._sync_replicas()
 
     def _get(self, ref: Any, what: str) -> Any:
-        """`ray.get(ref)` within `part_timeout_s`; past it a `PartTimeoutError` naming `what`."""
-        try:
-            return ray.get(ref, timeout=self.part_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise PartTimeoutError(f"{what}: no answer within {self.part_timeout_s:g} s "
-                                   "(trainer.part_timeout_s)") from None
+        """`ray.get(ref)` within `part_timeout_s` (`get_within`)."""
+        return get_within(ref, self.part_timeout_s, what)
 
     def _start_worker(self, worker_id: int) -> Any:
         return self._worker.remote(worker_id, self.replicas, self.balancer, *self._worker_args)

@@ -35,9 +35,9 @@ import ray
 from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.rollout.supervision import (
     PART_TIMEOUT_S,
-    PartTimeoutError,
     Restarts,
     gather,
+    get_within,
     kill_switch_env,
     replace_dead,
 )
@@ -226,12 +226,8 @@ class ReplicaPoolBase:
         return dict(sorted(results.items()))
 
     def _get(self, ref: Any, what: str) -> Any:
-        """`ray.get(ref)` within `part_timeout_s`; past it a `PartTimeoutError` naming `what`."""
-        try:
-            return ray.get(ref, timeout=self.part_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise PartTimeoutError(f"{what}: no answer within {self.part_timeout_s:g} s "
-                                   "(trainer.part_timeout_s)") from None
+        """`ray.get(ref)` within `part_timeout_s` (`get_within`)."""
+        return get_within(ref, self.part_timeout_s, what)
 
     def _replace_dead(self, dead: Collection[int] | Mapping[int, BaseException], noticed_in: str) -> dict[int, int]:
         """Replace each dead (or hung) replica, in id order; returns {dead id: replacement id}."""

@@ -146,6 +146,14 @@ def gather(refs: Mapping[K, Any], failures: tuple[type[BaseException], ...] = (R
     return results, failed
 
 
+def get_within(ref: Any, timeout_s: float, what: str) -> Any:
+    """`ray.get(ref)` within `timeout_s`; past it a `PartTimeoutError` naming `what`."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise PartTimeoutError(f"{what}: no answer within {timeout_s:g} s (trainer.part_timeout_s)") from None
+
+
 def first_line(err: BaseException) -> str:
     """An error's message cut to its first line (Ray's carry tracebacks), for one-line errors."""
     lines = str(err).strip().splitlines()
