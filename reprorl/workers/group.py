@@ -37,8 +37,8 @@ no rank running.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
