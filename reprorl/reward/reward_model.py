@@ -36,7 +36,7 @@ from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
 from reprorl.reward.chat import ChatScorer
 from reprorl.rollout.pool import ReplicaPoolBase
-from reprorl.rollout.supervision import KillSwitch, Restarts, gather
+from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather, time_limit
 
 
 # Measured on a 2-core CPU: packing more tokens than this into one forward got slower
@@ -240,10 +240,11 @@ class RewardModelPool(ReplicaPoolBase):
         dtype: str | None = None,
         num_gpus: float | None = None,
         wait: bool = True,
+        part_timeout_s: float = PART_TIMEOUT_S,
     ) -> None:
         super().__init__(num_replicas, backend=backend, seed=seed, full_determinism=full_determinism,
                          runtime_env=runtime_env, ray_address=ray_address, restarts=restarts,
-                         num_cpus_per_replica=num_cpus_per_replica)
+                         num_cpus_per_replica=num_cpus_per_replica, part_timeout_s=part_timeout_s)
         options = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
@@ -268,11 +269,14 @@ class RewardModelPool(ReplicaPoolBase):
         k = min(len(ids), len(prompts))
         bounds = [len(prompts) * i // k for i in range(k + 1)]
         chunks = {j: (ids[j], bounds[j], bounds[j + 1]) for j in range(k)}
+        # A call's limit grows with what it scores; characters bound its tokens from above.
+        chars = sum(len(m["content"]) for messages in prompts for m in messages) + sum(map(len, responses))
+        limit = time_limit(self.part_timeout_s, chars)
         scores: dict[int, torch.Tensor] = {}
         while chunks:  # each pass after the first follows a charged replacement: bounded by `restarts`
             refs = {j: self.replicas[rid].score.remote(list(prompts[a:b]), list(responses[a:b]))
                     for j, (rid, a, b) in chunks.items()}
-            done, dead = gather(refs)
+            done, dead = gather(refs, timeout_s=limit)  # a hung replica (no answer in time) is replaced too
             scores.update(done)
             replaced = self._replace_dead({chunks[j][0] for j in dead}, "score")
             chunks = {j: (replaced[rid], a, b) for j, (rid, a, b) in chunks.items() if j in dead}

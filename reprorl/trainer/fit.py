@@ -316,6 +316,7 @@ class Trainer:
             max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
             restarts=self.restarts, num_cpus_per_replica=num_cpus_per_replica, device=self.placement.device,
             dtype=cfg.model.dtype, num_gpus=self.placement.reward_gpus, wait=False,
+            part_timeout_s=cfg.trainer.part_timeout_s,
         )
 
     def _make_reward_loop(self, reward_fn: Any) -> RewardLoop:

@@ -178,6 +178,27 @@ def test_replicas_give_the_same_scores(ray_instance, rm_path, scorer):
     assert torch.equal(results[1], reference)
 
 
+@pytest.mark.slow  # replica actors start, one hangs for the pool's limit: about 30 s
+def test_a_reward_replica_that_hangs_in_score_is_replaced_and_the_scores_kept(ray_instance, rm_path, scorer,
+                                                                             monkeypatch):
+    """Replica 1 SIGSTOPs itself at its first score call: past `part_timeout_s` it is killed
+    and replaced, its chunk scored again, and the scores are the same bits."""
+    from reprorl.reward.reward_model import RewardModelPool
+    from reprorl.rollout.supervision import HANG_ENV, Restarts
+
+    monkeypatch.setenv(HANG_ENV, "reward replica 1@score#1")
+    prompts, responses = _pairs(13, seed=5)
+    restarts = Restarts(max_restarts=1)
+    pool = RewardModelPool(rm_path, 2, seed=0, full_determinism=True, max_num_seqs=4, restarts=restarts,
+                           part_timeout_s=8.0)
+    try:
+        scores = pool.score(prompts, responses)
+        assert sorted(pool.replicas) == [0, 2]  # replica 2 replaced the hung replica 1
+    finally:
+        pool.shutdown()
+    assert torch.equal(scores, scorer.score(prompts, responses))
+
+
 def test_replica_without_the_determinism_env_fails_at_start(ray_instance, rm_path):
     from reprorl.determinism import determinism_env
     from reprorl.reward.reward_model import RewardReplica
