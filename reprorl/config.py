@@ -84,6 +84,16 @@ class ModelConfig:
         False, "recompute each decoder layer's activations in the backward pass of the actor and critic (less "
         "memory, about a third more compute; the same bits)"
     )
+    lora_rank: int = _field(
+        0, "LoRA rank of the actor's adapters; 0 = full fine-tuning. With LoRA the base weights stay frozen (no "
+        "master, gradient or optimizer state for them) and the reference policy is the base with the adapters off",
+        ge=0,
+    )
+    lora_alpha: float = _field(16.0, "LoRA alpha: the adapters' output is scaled by lora_alpha / lora_rank", gt=0)
+    target_modules: str | list[str] = _field(
+        "all-linear", "the projections that get adapters: 'all-linear' or a list of q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj"
+    )
 
 
 @dataclass
@@ -426,9 +436,9 @@ def _range_text(bounds: dict[str, float]) -> str:
 def _describe(tp: Any, bounds: dict[str, float]) -> str:
     """What a field accepts, in words; for error messages and the YAML comments alike."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (types.UnionType, typing.Union):  # only `X | None` is used
-        (inner,) = [a for a in args if a is not type(None)]
-        return f"{_describe(inner, bounds)} or null"
+    if origin in (types.UnionType, typing.Union):  # `X | None`, or `str | list[str]`
+        words = " or ".join(_describe(a, bounds) for a in args if a is not type(None))
+        return words + (" or null" if type(None) in args else "")
     if tp in (int, float):
         return ("an integer" if tp is int else "a number") + (f" {_range_text(bounds)}" if bounds else "")
     if tp is bool:
@@ -452,13 +462,14 @@ def _coerce(value: Any, tp: Any, key: str, bounds: dict[str, float]) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     bad = ConfigError(f"{key}: expected {_describe(tp, bounds)}, got {_show(value)}")
     if origin in (types.UnionType, typing.Union):
-        if value is None:
+        if value is None and type(None) in args:
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        try:
-            return _coerce(value, inner, key, bounds)
-        except ConfigError:
-            raise bad from None
+        for inner in (a for a in args if a is not type(None)):  # the first type that takes it
+            try:
+                return _coerce(value, inner, key, bounds)
+            except ConfigError:
+                continue
+        raise bad
     if tp is bool or tp is str:
         if not isinstance(value, tp):
             raise bad
@@ -646,6 +657,7 @@ def _validate(cfg: Config) -> None:
             f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
         )
     _check_sampling_varies(rollout, algo.adv_estimator)
+    _check_lora(cfg)
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
     batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,
@@ -669,6 +681,29 @@ def _validate(cfg: Config) -> None:
         _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
                            f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
                            f"{mini} * {rollout.n} / {micro}")
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA's keys, and what it cannot be combined with (yet)."""
+    model = cfg.model
+    if model.lora_rank == 0:
+        return
+    from reprorl.models.lora import resolve_targets  # here: it needs torch, which a plain config does not
+
+    try:
+        resolve_targets(model.target_modules)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.rollout.backend == "vllm":
+        raise ConfigError(
+            f"model.lora_rank={model.lora_rank} with rollout.backend=vllm: the vLLM backend takes no adapters here; "
+            "use rollout.backend=native"
+        )
+    if model.ref_path != model.path:
+        raise ConfigError(
+            f"model.ref_path={model.ref_path!r} with model.lora_rank={model.lora_rank}: the reference policy is the "
+            "base model with the adapters off; leave model.ref_path null"
+        )
 
 
 def _check_sampling_varies(rollout: RolloutConfig, adv_estimator: str) -> None:

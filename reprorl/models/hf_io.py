@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from reprorl.errors import ReproRLError
 from reprorl.io import atomic_write
 from reprorl.models.arch import ModelArgs
+from reprorl.models.lora import LoraSpec, add_adapters
 from reprorl.models.transformer import CausalLM, SequenceClassifier, ValueModel
 
 MODEL_CLASSES = {"causal_lm": CausalLM, "reward": SequenceClassifier, "critic": ValueModel}
@@ -49,11 +50,13 @@ def load_tokenizer(path: str | os.PathLike):
 
 
 def load_model(
-    path: str | os.PathLike, *, kind: str = "causal_lm", dtype: torch.dtype | None = None
+    path: str | os.PathLike, *, kind: str = "causal_lm", dtype: torch.dtype | None = None,
+    lora: LoraSpec | None = None,
 ) -> tuple[nn.Module, ModelArgs]:
     """Load an HF-format directory as `kind`: "causal_lm" | "reward" | "critic".
 
-    dtype: None keeps config.json's torch_dtype. Returns (model, args).
+    dtype: None keeps config.json's torch_dtype. `lora`: a causal LM gets LoRA adapters
+    (models/lora.py; the base frozen). Returns (model, args).
     Allowed differences between checkpoint and model, everything else is an error:
     - `lm_head.weight` is ignored when embeddings are tied, and for reward/critic models
       (so a critic or reward model can start from a policy checkpoint);
@@ -72,6 +75,10 @@ def load_model(
     args = ModelArgs.from_hf_config(json.loads(config_file.read_text()))
     model = MODEL_CLASSES[kind](args, dtype)
     _copy_tensors(model, _read_tensors(path), kind, path)
+    if lora is not None:
+        if kind != "causal_lm":
+            raise ValueError(f"load_model: LoRA adapters are for the policy (kind causal_lm), not {kind!r}")
+        add_adapters(model, lora)
     return model, args
 
 

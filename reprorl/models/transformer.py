@@ -41,15 +41,24 @@ def _dtype(args: ModelArgs, dtype: torch.dtype | None) -> torch.dtype:
 
 class Linear(nn.Module):
     """A linear layer that runs through the model's kernels. Weights start at zero: they
-    come from a checkpoint or an explicit init, never from a global RNG."""
+    come from a checkpoint or an explicit init, never from a global RNG. With LoRA
+    adapters (`lora_A`, `lora_B`: models/lora.py), PEFT's `x W^T + b + (x A^T) B^T * scaling`,
+    each product on the same kernels, unless switched off (`lora_enabled`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.lora_A: nn.Parameter | None = None
+        self.lora_B: nn.Parameter | None = None
+        self.lora_scaling = 0.0
+        self.lora_enabled = True
 
     def forward(self, x: Tensor, k) -> Tensor:
-        return k.linear(x, self.weight, self.bias)
+        y = k.linear(x, self.weight, self.bias)
+        if self.lora_A is None or not self.lora_enabled:
+            return y
+        return y + k.linear(k.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
 
 
 class RMSNorm(nn.Module):

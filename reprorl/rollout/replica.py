@@ -46,6 +46,7 @@ import torch
 
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
+from reprorl.models.lora import LoraSpec
 from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
 from reprorl.rollout.pool import ReplicaPoolBase
 from reprorl.rollout.sampling import SamplingParams
@@ -53,13 +54,16 @@ from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, ga
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid
 
 
-def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, **options: Any) -> Engine:
+def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, lora: LoraSpec | None = None,
+                 **options: Any) -> Engine:
     """The built-in engine for `model_path` on `device` ("cpu" or "cuda"), weights in `dtype`
-    (None: the checkpoint's). The engine runs where its model's parameters are."""
+    (None: the checkpoint's), with the policy's LoRA adapters if `lora` (drawn as the
+    trainer draws them: the same bits before any push). The engine runs where its model's
+    parameters are."""
     from reprorl.models.hf_io import load_model
     from reprorl.trainer.policy import dtype_from_name
 
-    model, _ = load_model(model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
+    model, _ = load_model(model_path, kind="causal_lm", dtype=dtype_from_name(dtype), lora=lora)
     return Engine(model.to(device), eos_token_id=eos_ids_from_dir(str(model_path)), **options)
 
 

@@ -44,6 +44,7 @@ from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError, DeterminismError
 from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.hf_io import load_tokenizer
+from reprorl.models.lora import spec_from_config
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
 from reprorl.reward.user_fn import resolve_reward_fn
@@ -176,6 +177,7 @@ class Trainer:
         else:
             torch.manual_seed(cfg.seed)  # weight init of fresh heads only; sampling seeds are per request
 
+        self.lora = spec_from_config(cfg.model, cfg.seed)  # None: full fine-tuning
         self.train_set, self.val_set = self._make_datasets()
         self.placement = self._plan_placement()
         check_train_set_size(cfg, len(self.train_set))
@@ -251,11 +253,16 @@ class Trainer:
         workers = cfg.trainer.num_workers
         return plan_placement(
             cfg.resources.device, actor_workers=workers,
-            ref_workers=workers if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) else 0,
+            ref_workers=workers if self._needs_ref_group() else 0,
             critic_workers=workers if cfg.algorithm.adv_estimator == "gae" else 0,
             rollout_replicas=cfg.rollout.num_replicas, rollout_share=cfg.resources.gpu_share_rollout,
             reward_replicas=cfg.reward.num_replicas if cfg.reward.model_path is not None else 0,
         )
+
+    def _needs_ref_group(self) -> bool:
+        """A KL term needs reference log-probs; with LoRA the actor gives them (adapters off)."""
+        cfg = self.cfg
+        return (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.lora is None
 
     def _make_datasets(self) -> tuple[PromptDataset, PromptDataset | None]:
         """(train set, validation set or None for `data.val_files=[]`)."""
@@ -272,17 +279,19 @@ class Trainer:
         return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
     def _start_workers(self) -> None:
-        """The actor, the reference (only for a KL term) and the critic (only for GAE), each a
-        group of `trainer.num_workers` processes: started, not waited for. Each is kept as it
-        is made, so that a later one's constructor raising leaves `_stop_parts` the earlier."""
+        """The actor, the reference (only for a KL term, and not with LoRA) and the critic
+        (only for GAE), each a group of `trainer.num_workers` processes: started, not waited
+        for. Each is kept as it is made, so that a later one's constructor raising leaves
+        `_stop_parts` the earlier."""
         cfg = self.cfg
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
                   "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False,
                   "part_timeout_s": cfg.trainer.part_timeout_s}
-        self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
-        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
+                                 lora=self.lora, **common)
+        if self._needs_ref_group():
             self.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
         if cfg.algorithm.adv_estimator == "gae":
             self.critic = WorkerGroup("critic", model_path=cfg.model.critic_path,
@@ -337,7 +346,7 @@ class Trainer:
             num_cpus_per_replica=num_cpus_per_replica, wait=False, part_timeout_s=cfg.trainer.part_timeout_s,
             device=self.placement.device, dtype=cfg.model.dtype, num_gpus=self.placement.rollout_gpus,
             native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
-                            "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead},
+                            "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead, "lora": self.lora},
         )
 
     def _make_agent(self) -> AgentLoopManager:
@@ -469,6 +478,8 @@ class Trainer:
             self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"])
         if self.ref is not None:
             batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, **micro)
+        elif self.lora is not None and (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
+            batch["ref_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, base=True, **micro)
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(
                 batch, micro_batch_size=cfg.critic.ppo_micro_batch_size,
@@ -545,7 +556,7 @@ class Trainer:
                 "prompts": batch["prompts"], "responses": batch["responses"],
                 "rollout_log_probs": batch["rollout_log_probs"], "rewards": scores,
                 "old_log_probs": batch["old_log_probs"], "advantages": batch["advantages"],
-                **({"ref_log_probs": batch["ref_log_probs"]} if self.ref is not None else {}),
+                **({"ref_log_probs": batch["ref_log_probs"]} if "ref_log_probs" in batch else {}),
                 **({"values": batch["values"]} if self.critic is not None else {}),
                 "losses": torch.tensor([metrics[k] for k in sorted(metrics) if k.endswith("_loss")], dtype=torch.float64),
                 "grad_norms": torch.tensor(

@@ -49,6 +49,7 @@ from reprorl.algos import agg_loss, kl_penalty, ppo_policy_loss
 from reprorl.determinism_report import model_part_info
 from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model, save_model
+from reprorl.models.lora import LoraSpec, adapters_disabled
 from reprorl.protocol import Batch
 from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
 from reprorl.trainer.optim import (
@@ -168,12 +169,14 @@ class PolicyWorker:
         batch_invariant: bool = False,
         name: str | None = None,
         device: str | torch.device = "cpu",
+        lora: LoraSpec | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.trainable = optim is not None
         self.name = name or ("actor" if self.trainable else "ref")
         self.batch_invariant = batch_invariant
-        self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype))
+        self.model, self.model_args = load_model(self.model_path, kind="causal_lm", dtype=dtype_from_name(dtype),
+                                                 lora=lora)
         self.model.to(device)
         first = next(self.model.parameters())  # the kernels of the device it runs on
         self.model.kernels = select_kernels(first.device, batch_invariant)
@@ -181,7 +184,8 @@ class PolicyWorker:
         # reprorl's models have no dropout; eval() everywhere keeps the update's forward
         # identical to compute_log_probs' (the first mini-batch's ratio is exactly 1).
         self.model.eval()
-        self.model.requires_grad_(self.trainable)
+        if lora is None or not self.trainable:  # with LoRA only the adapters train (load_model froze the rest)
+            self.model.requires_grad_(self.trainable)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim_args = optim
         self.optimizer = make_adamw(self.params, optim) if optim is not None else None
@@ -223,12 +227,13 @@ class PolicyWorker:
         return in_sample_order(torch.cat(parts), rows)
 
     def micro_batch_log_probs(
-        self, micros: Iterable[Batch], *, temperature: float, with_entropy: bool = False
+        self, micros: Iterable[Batch], *, temperature: float, with_entropy: bool = False, base: bool = False,
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]:
         """Per micro-batch, its `[b, R]` log-probs (and entropies) as `compute_log_probs`
-        gives them; each micro-batch is trimmed first (`trim_padding`), unless it was. No grad."""
+        gives them; each micro-batch is trimmed first (`trim_padding`), unless it was. No grad.
+        `base`: the base model's, LoRA adapters switched off (the reference policy)."""
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), adapters_disabled(self.model) if base else contextlib.nullcontext():
             for micro in micros:
                 micro = trim_padding(micro)
                 width = micro.meta[RESPONSE_WIDTH]

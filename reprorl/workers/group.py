@@ -47,6 +47,7 @@ import torch
 
 from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import ReproRLError
+from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch
 from reprorl.rollout.supervision import PART_TIMEOUT_S, time_limit
 from reprorl.rollout.weights import SharedWeights
@@ -71,11 +72,12 @@ class WorkerGroup:
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
                  device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
-                 wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S) -> None:
+                 wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S, lora: LoraSpec | None = None) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
         the processes are asked for, before they have started: `wait_ready()` waits.
-        `part_timeout_s`: the limit of a call, scaled by its batch's tokens (`time_limit`)."""
+        `part_timeout_s`: the limit of a call, scaled by its batch's tokens (`time_limit`).
+        `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
@@ -91,7 +93,7 @@ class WorkerGroup:
         self.workers = [
             remote.remote(role, rank, num_workers, str(model_path), optim=optim, dtype=dtype,
                           batch_invariant=batch_invariant, seed=seed, expected_env=env, device=device,
-                          gradient_checkpointing=gradient_checkpointing)
+                          gradient_checkpointing=gradient_checkpointing, lora=lora)
             for rank in range(num_workers)
         ]
         self.pids: dict[int, int] = {}
@@ -194,13 +196,14 @@ class WorkerGroup:
     # ---------------------------------------------------------------- forward passes
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
-                          max_token_len: int | None = None,
-                          with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                          max_token_len: int | None = None, with_entropy: bool = False,
+                          base: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies) in sample order,
-        micro-batches spread over the ranks."""
+        micro-batches spread over the ranks. `base`: with the LoRA adapters off (the reference)."""
         parts = [p for p in self._call("compute_log_probs", ray.put(batch), temperature=temperature,
                                        micro_batch_size=micro_batch_size, max_token_len=max_token_len,
-                                       with_entropy=with_entropy, tokens=_tokens(batch)) if p is not None]
+                                       with_entropy=with_entropy, base=base, tokens=_tokens(batch))
+                 if p is not None]
         rows = torch.cat([r for r, _ in parts])
         if with_entropy:
             return tuple(in_sample_order(torch.cat([out[i] for _, out in parts]), rows) for i in range(2))
@@ -243,8 +246,8 @@ class WorkerGroup:
     # ---------------------------------------------------------------- weights and state
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every weight, for the rollout replicas: rank 0's whole model,
-        which every rank rebuilt from the shards by rank index after the last step."""
+        """(HF name, tensor) of every weight the rollout replicas take (with LoRA the adapters
+        alone): rank 0's, which every rank rebuilt from the shards by rank index after the last step."""
         return self._call_one(0, "named_weights")
 
     def weight_digests(self) -> dict[str, str]:

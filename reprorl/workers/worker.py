@@ -40,6 +40,7 @@ from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determin
 from reprorl.determinism_report import model_part_info
 from reprorl.fingerprint import tensor_digests
 from reprorl.io import atomic_write
+from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch, tensor_to
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
 from reprorl.trainer.critic import CriticWorker
@@ -80,7 +81,7 @@ class ShardWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
-                 device: str = "cpu", gradient_checkpointing: bool = False) -> None:
+                 device: str = "cpu", gradient_checkpointing: bool = False, lora: LoraSpec | None = None) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
         torch.set_num_threads(WORKER_THREADS)
@@ -95,12 +96,13 @@ class ShardWorker:
             self.model_worker = CriticWorker(model_path, optim=optim, seed=seed, dtype=dtype,
                                              batch_invariant=batch_invariant, device=self.device)
         else:
-            self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype,
-                                             batch_invariant=batch_invariant, name=role, device=self.device)
+            self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype, batch_invariant=batch_invariant,
+                                             name=role, device=self.device, lora=lora)
         model = self.model_worker.model
         model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
         self.optim_args = optim
         self.trainable = optim is not None
+        self.lora = lora
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
 
     def ready(self) -> int:
@@ -153,14 +155,16 @@ class ShardWorker:
         return trim_padding(take(batch, rows)).to(self.device, non_blocking=True)
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
-                          max_token_len: int | None = None, with_entropy: bool = False) -> Any:
+                          max_token_len: int | None = None, with_entropy: bool = False, base: bool = False) -> Any:
         """(rows, `PolicyWorker.micro_batch_log_probs` of this rank's micro-batches, joined):
-        the outputs' row k is sample rows[k]'s. None: it has none."""
+        the outputs' row k is sample rows[k]'s. None: it has none. `base`: with the LoRA
+        adapters off (the reference policy)."""
         mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
         if not mine:
             return None
         parts = self.model_worker.micro_batch_log_probs(
-            (self._micro_on_device(batch, rows) for rows in mine), temperature=temperature, with_entropy=with_entropy)
+            (self._micro_on_device(batch, rows) for rows in mine), temperature=temperature, with_entropy=with_entropy,
+            base=base)
         if with_entropy:
             return rows_tensor(mine), (torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts]).cpu())
         return rows_tensor(mine), torch.cat(parts).cpu()
@@ -260,9 +264,15 @@ class ShardWorker:
     def layout_json(self) -> dict[str, Any]:
         return self.layout.to_json()
 
+    def _pushed(self) -> list[tuple[str, torch.Tensor]]:
+        """The weights the replicas take after an update: every one, or with LoRA the
+        adapters alone (the replicas built the same frozen base)."""
+        named = self.model_worker.model.named_parameters()
+        return [(n, p) for n, p in named if p.requires_grad] if self.lora is not None else list(named)
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, CPU tensor) of every weight: the whole model, the same on every rank."""
-        return [(name, p.detach().cpu().clone()) for name, p in self.model_worker.model.named_parameters()]
+        """(HF name, CPU tensor) of every weight the replicas take (`_pushed`), the same on every rank."""
+        return [(name, p.detach().cpu().clone()) for name, p in self._pushed()]
 
     def weight_digests(self) -> dict[str, str]:
         """`tensor_digest` of every weight, by HF name, in `named_weights` order: the step's
@@ -281,7 +291,7 @@ class ShardWorker:
         if self.device.type != "cuda":
             raise RuntimeError(f"share_weights: {self.name} runs on {self.device}; CUDA IPC needs a GPU")
         self.release_shared_weights()  # an earlier push that was never released
-        self._shared = PackedWeights.pack(self.model_worker.model.named_parameters(), device=self.device)
+        self._shared = PackedWeights.pack(self._pushed(), device=self.device)
         return share(self._shared, consumers)
 
     def release_shared_weights(self) -> None:
