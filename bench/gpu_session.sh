@@ -16,7 +16,8 @@
 #            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
 #   gputrain the one-GPU training and weight-sync tests, bench/weight_sync.py and bench/train_step.py
 #   gputests the one-GPU training tests alone
-#   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl")
+#   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl";
+#            TRAIN_STEP_TIMEOUT: its limit, 300 s)
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k 'y or z'", parsed as a shell line)
 # A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
 # FAULT_S: a test running longer dumps its stacks, 120 s).
@@ -124,8 +125,11 @@ for step in $steps; do
       run_tests test_gpu_train tests/trainer/test_gpu_train.py ;;
     trainstep)
       with_ray || { echo "no .whl: skipping trainstep" | summary; continue; }
-      timeout 300 python3 bench/train_step.py ${TRAIN_STEP_ARGS:-} --out "$LOGS/train_step.json" \
-        > "$LOGS/bench_train_step.log" 2>&1
+      # Straight into $OUT: a call cut short (its limit, or the session's device time) still
+      # brings back what the bench printed and the JSON it rewrites after each part.
+      timeout ${TRAIN_STEP_TIMEOUT:-300} python3 bench/train_step.py ${TRAIN_STEP_ARGS:-} --out "$OUT/train_step.json" \
+        > "$OUT/bench_train_step.log" 2>&1
+      cp "$OUT/train_step.json" "$OUT/bench_train_step.log" "$LOGS/" 2>/dev/null
       grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step.log" | tail -120 | summary ;;
     pytest)
       with_ray || echo "no .whl: tests that need Ray skip" | summary

@@ -37,8 +37,8 @@ an H200's dense bf16). When `import trl` works, TRL's `GRPOTrainer` runs the sam
 (transformers generate, beta 0, 64 completions a micro-batch, its default sampling
 otherwise) and its step time is in the JSON; else the JSON says why it did not run.
 
-CUBLAS_WORKSPACE_CONFIG is set before CUDA starts (full determinism needs it then), so
-the "off" mode runs with it too. Each step also records the engine's counters for its
+CUBLAS_WORKSPACE_CONFIG is set before CUDA starts and ATEN_CPU_CAPABILITY before torch
+starts (full determinism needs them then), so the "off" mode runs with them too. Each step also records the engine's counters for its
 generation (steps, steps replayed from CUDA graphs, launched ahead, KV slots).
 
 `--profile`: after the timed step, each mode's log-prob pass and update run once more on
@@ -62,14 +62,25 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reprorl.determinism import CUBLAS_WORKSPACE_CONFIG, determinism_env  # noqa: E402
+from reprorl.determinism import ATEN_CPU_CAPABILITY, CUBLAS_WORKSPACE_CONFIG, determinism_env  # noqa: E402
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN_CPU_CAPABILITY)  # full determinism pins it before torch starts
 
 import torch  # noqa: E402
 
 QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 4096}
+SHAPES = {  # Qwen2.5's shapes (config.json of each), random weights
+    "0.5b": QWEN_05B,
+    "1.5b": {**QWEN_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "head_dim": 128},
+    "3b": {**QWEN_05B, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+           "num_attention_heads": 16, "head_dim": 128},
+    "7b": {**QWEN_05B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
+           "tie_word_embeddings": False},
+}
 QUICK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128, "max_position_embeddings": 256}
 SEED = 0
@@ -88,7 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-token-len", type=int, default=None,
                    help="micro-batches by this token budget instead of --micro-batch samples (every response has "
                         "full length here, so this measures the budget's overhead; bench/micro_batching.py its gain)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the Qwen2.5 shape (random weights)")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all linear layers, both sides (0: full)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed after the warm-up; the median is reported")
     p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
@@ -102,7 +116,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.device is None:
         args.device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
+    if args.lora_alpha is None:
+        args.lora_alpha = 2.0 * args.lora_rank
     return args
+
+
+def lora_spec(args: argparse.Namespace):
+    """The LoRA of `--lora-rank` on every linear layer (None: full fine-tuning)."""
+    from reprorl.models.lora import TARGETS, LoraSpec
+
+    return LoraSpec(args.lora_rank, args.lora_alpha, TARGETS, SEED) if args.lora_rank else None
 
 
 def make_model_dir(root: Path, shape: dict, dtype: str) -> Path:
@@ -223,12 +246,13 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
 
     env = enter_mode(full_determinism)
     device = args.device
-    engine = build_engine(str(model_dir), device=device, dtype="bfloat16", batch_invariant=full_determinism,
+    lora = lora_spec(args)
+    engine = build_engine(str(model_dir), device=device, dtype="bfloat16", batch_invariant=full_determinism, lora=lora,
                           max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len + args.new_tokens,
                           max_num_batched_tokens=max(args.prompts * args.n, 8192))
     engine.eos_token_ids = frozenset()  # random weights: every response runs to full length
     worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
-                        total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing)
+                        total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing, lora=lora)
     g = torch.Generator().manual_seed(SEED)
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n
@@ -263,7 +287,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                           temperature=1.0)
             sync(device)
             t4 = time.perf_counter()
-            weights = worker.model_worker.model.named_parameters()  # copied in place, device to device
+            weights = worker._pushed()  # copied in place, device to device (with LoRA the adapters alone)
             loop.run_until_complete(engine.update_weights(weights, version=step))
             loop.run_until_complete(engine.wake_up())
             sync(device)
@@ -344,7 +368,8 @@ def run_trl(args: argparse.Namespace, shape: dict) -> dict:
     config = Qwen2Config(hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
                          num_hidden_layers=shape["num_hidden_layers"], num_attention_heads=shape["num_attention_heads"],
                          num_key_value_heads=shape["num_key_value_heads"], vocab_size=shape["vocab_size"],
-                         max_position_embeddings=shape["max_position_embeddings"], tie_word_embeddings=True)
+                         max_position_embeddings=shape["max_position_embeddings"],
+                         tie_word_embeddings=shape.get("tie_word_embeddings", True))
     if args.device == "cuda":  # TRL's own peak, not the reprorl modes' before it
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -365,20 +390,26 @@ def run_trl(args: argparse.Namespace, shape: dict) -> dict:
             sync(args.device)
             times.append(time.perf_counter() - self.t0)
 
-    # 64 completions a forward/backward, 8 of them a step: one generation of prompts x n per
+    # --micro-batch completions a forward/backward (as reprorl), the rest accumulated: one generation of prompts x n per
     # optimizer step (TRL's steps_per_generation defaults to the accumulation steps).
-    micro = min(64, args.prompts * args.n)
+    micro = min(args.micro_batch, args.prompts * args.n)
     wanted = dict(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro,
         gradient_accumulation_steps=args.prompts * args.n // micro, num_generations=args.n,
         max_completion_length=args.new_tokens, max_prompt_length=args.prompt_len, max_steps=2, beta=0.0,
         bf16=args.device == "cuda", logging_steps=1, report_to=[], save_strategy="no", temperature=1.0,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
+    peft_config = None
+    if args.lora_rank:
+        import peft
+
+        peft_config = peft.LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules="all-linear")
     known = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     grpo = trl.GRPOConfig(**{k: v for k, v in wanted.items() if k in known})
     trainer = trl.GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                               args=grpo, train_dataset=Dataset.from_dict({"prompt": prompts}),
-                              processing_class=tokenizer, callbacks=[StepTimer()])
+                              processing_class=tokenizer, callbacks=[StepTimer()], peft_config=peft_config)
     trainer.train()
     return {"ran": True, "version": trl.__version__, "config": {k: v for k, v in wanted.items() if k in known},
             "step_s": times, "timed_step_s": times[-1] if times else None,
@@ -392,7 +423,7 @@ def write(path: str, result: dict) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    shape = dict(QUICK if args.quick else QWEN_05B)
+    shape = dict(QUICK if args.quick else SHAPES[args.shape])
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
     result: dict = {"args": vars(args), "shape": shape, "matmul_params": matmul_params(shape),
@@ -403,6 +434,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = make_model_dir(Path(scratch), shape, "bfloat16")
+        print(f"random model written in {time.perf_counter() - t_start:.0f} s", flush=True)
         for mode in args.modes.split(","):
             result["modes"][mode] = run_mode(args, model_dir, shape, full_determinism=mode == "on")
             write(args.out, result)

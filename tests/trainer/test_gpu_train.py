@@ -8,6 +8,8 @@ parts on the GPU) but on a tiny random policy and 4 steps of 4 prompts x 4 sampl
 - every step's `rollout/log_prob_max_gap` (trainer vs engine log-probs) is exactly 0.0;
 - a run SIGKILLed after step 2 (TEST_KILL_AT_STEP_ENV) and resumed: identical to A;
 - A's determinism report lists every part on cuda, with its CUDA settings, verdict "all agree".
+Each of these runs twice: full fine-tuning, and LoRA (adapters alone train, the reference is
+the base with them off, no ref workers).
 A, B, C and the run to be killed start together and share the GPU (each process's start-up
 is most of its time), so the module takes two runs' time, not five; that they agree while
 sharing it is part of what is tested.
@@ -40,6 +42,7 @@ GPU_RUN = (
     "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size=8",
     "rollout.num_replicas=2", f"trainer.total_steps={STEPS}", "trainer.save_freq=1",
 )
+MODES = {"full": (), "lora": ("model.lora_rank=8", "model.lora_alpha=16", "actor.lr=1e-3")}
 
 
 @pytest.fixture(scope="module")
@@ -77,17 +80,19 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(assets):
-    """{name: (run dir, exit code)} of the four runs started together (module doc)."""
-    root = assets["root"]
+@pytest.fixture(scope="module", params=sorted(MODES))
+def runs(assets, request):
+    """{name: (run dir, exit code)} of the four runs started together (module doc), and
+    "mode": the mode's overrides."""
+    root, mode = assets["root"] / request.param, MODES[request.param]
+    root.mkdir(exist_ok=True)
     started = {
-        "a": _start(assets, root / "a"),
-        "b": _start(assets, root / "b"),
-        "c": _start(assets, root / "c", "rollout.num_replicas=1"),
-        "killed": _start(assets, root / "killed", **{TEST_KILL_AT_STEP_ENV: "2"}),
+        "a": _start(assets, root / "a", *mode),
+        "b": _start(assets, root / "b", *mode),
+        "c": _start(assets, root / "c", *mode, "rollout.num_replicas=1"),
+        "killed": _start(assets, root / "killed", *mode, **{TEST_KILL_AT_STEP_ENV: "2"}),
     }
-    return {name: (root / name, _wait(proc, f"run {name}")) for name, proc in started.items()}
+    return {"mode": mode, **{name: (root / name, _wait(proc, f"run {name}")) for name, proc in started.items()}}
 
 
 def _finished(runs, name: str) -> Path:
@@ -123,17 +128,18 @@ def test_killed_and_resumed_equals_a_run_never_stopped(assets, runs, run_a):
     run_dir, returncode = runs["killed"]
     assert returncode == -signal.SIGKILL, "the run to be killed at step 2 finished"
     assert [r["step"] for r in _metrics(run_dir)] == [1, 2]
-    resumed = _start(assets, run_dir, "trainer.resume=auto")
+    resumed = _start(assets, run_dir, *runs["mode"], "trainer.resume=auto")
     assert _wait(resumed, "resumed run") == 0, "the resumed run was killed"
     _assert_identical(run_a, run_dir)
 
 
-def test_determinism_report_lists_the_gpu_parts(run_a):
+def test_determinism_report_lists_the_gpu_parts(runs, run_a):
     report = json.loads((run_a / REPORT_FILE).read_text())
     assert report["verdict"] == "full determinism: on, all parts agree", report["problems"]
     assert report["placement"]["device"] == "cuda"
     gpu_parts = [name for name in report["parts"] if name.startswith(("actor worker", "ref worker", "rollout replica"))]
-    assert sorted(gpu_parts) == ["actor worker 0", "ref worker 0", "rollout replica 0", "rollout replica 1"]
+    ref = [] if runs["mode"] else ["ref worker 0"]  # with LoRA the actor gives the reference log-probs
+    assert sorted(gpu_parts) == ["actor worker 0", *ref, "rollout replica 0", "rollout replica 1"]
     for name in gpu_parts:
         info = report["parts"][name]
         assert info["device"].startswith("cuda"), (name, info["device"])
