@@ -376,6 +376,109 @@ def ppo_policy_loss(
     return loss, stats
 
 
+def gspo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    *,
+    global_num_seqs: Count | None = None,
+    **_: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, arXiv:2507.18071): PPO's clip on a SEQUENCE-level ratio.
+
+    Per sequence, s = exp(mean over its valid tokens of (log_prob - old_log_prob)), the
+    geometric mean of its token ratios. Each token carries s's value with its own gradient,
+    log s_t = sg[log s] + log_prob_t - sg[log_prob_t] (clamped at 10), and
+        L_t = max(-A * s_t, -A * clip(s_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),
+    reduced "seq-mean-token-mean" whatever the actor's loss_agg_mode (as verl does: the
+    sequence is GSPO's unit). Its clip ranges are small (the paper's 3e-4 / 4e-4): a mean
+    log-ratio moves far less than a token's. No dual clip. Stats as `ppo_policy_loss`'s
+    ("approx_kl" from the unclamped token log-ratios).
+    """
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / response_mask.sum(dim=-1).clamp(min=1)  # [B]
+    log_s = (log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
+    s = torch.exp(log_s)
+    loss_unclipped = -advantages * s
+    loss_clipped = -advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", global_num_seqs=global_num_seqs)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
+            "clipfrac_lower": torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device),
+            "approx_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, stats
+
+
+def cispo_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str,
+    **norms: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): clip the importance WEIGHT, not the update.
+
+    Per token, with r = exp(clamp(log_prob - old_log_prob, -20, 20)):
+        L = -sg[clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)] * A * log_prob
+    so every token keeps a gradient (REINFORCE's, weighted by the clipped, stopped ratio),
+    where PPO's clip zeroes the gradient of clipped tokens. Reduced by `agg_loss`
+    (`norms` passed on). Stats: "clipfrac" the share of tokens whose weight was clipped,
+    "clipfrac_lower" 0, "approx_kl" as `ppo_policy_loss`.
+    """
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    log_ratio = (log_prob - old_log_prob).clamp(min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+    loss_mat = -weight * advantages * log_prob
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, **norms)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((ratio != weight).to(loss_mat.dtype), response_mask),
+            "clipfrac_lower": torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device),
+            "approx_kl": masked_mean(-log_ratio, response_mask),
+        }
+    return loss, stats
+
+
+POLICY_LOSSES = ("vanilla", "gspo", "cispo")
+"""`actor.policy_loss`: verl's `policy_loss.loss_mode` names."""
+
+
+def policy_loss(
+    mode: str,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+    **norms: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss `mode` names ("vanilla": `ppo_policy_loss`; "gspo"; "cispo"), with
+    the actor's settings; `norms` are `agg_loss`'s global_* keywords."""
+    args = (old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high)
+    if mode == "vanilla":
+        return ppo_policy_loss(*args, clip_ratio_c, loss_agg_mode, **norms)
+    if mode == "gspo":
+        return gspo_policy_loss(*args, **norms)
+    if mode == "cispo":
+        return cispo_policy_loss(*args, loss_agg_mode, **norms)
+    raise ValueError(f"policy loss {mode!r}; expected one of {', '.join(POLICY_LOSSES)}")
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,

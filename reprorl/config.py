@@ -233,6 +233,11 @@ class ActorConfig:
         "At least data.max_prompt_length + data.max_response_length. The bits depend on it as on "
         "ppo_micro_batch_size, never on trainer.num_workers (any power of two is then allowed); null = off", ge=1
     )
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = _field(
+        "vanilla", "the policy loss (verl's loss_mode): vanilla = PPO's clip with dual-clip; gspo = PPO's clip on "
+        "a sequence-level ratio, reduced seq-mean-token-mean whatever loss_agg_mode (set small clip ratios, e.g. "
+        "3e-4 / 4e-4); cispo = the clipped ratio as a stopped weight on log-prob, every token keeps a gradient"
+    )
     clip_ratio_low: float = _field(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
     clip_ratio_high: float = _field(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
     # Dual-clip PPO bounds the loss of negative advantages by clip_ratio_c * |A|; at <= 1

@@ -300,7 +300,7 @@ class Trainer:
     def _policy_loss_args(self) -> PolicyLossArgs:
         actor = self.cfg.actor
         return PolicyLossArgs(
-            clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
+            policy_loss=actor.policy_loss, clip_ratio_low=actor.clip_ratio_low, clip_ratio_high=actor.clip_ratio_high,
             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
             entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
             kl_loss_type=actor.kl_loss_type, kl_loss_coef=actor.kl_loss_coef,

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from reprorl.algos import agg_loss, kl_penalty, ppo_policy_loss
+from reprorl.algos import agg_loss, kl_penalty, policy_loss
 from reprorl.determinism_report import model_part_info
 from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model, save_model
@@ -74,6 +74,8 @@ TOKENIZER_FILES = (
 class PolicyLossArgs:
     """The actor's loss settings (`actor.*` in the config)."""
 
+    policy_loss: str = "vanilla"
+    """`algos.policy_loss`'s mode: "vanilla" (PPO clip), "gspo", "cispo"."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
@@ -330,9 +332,10 @@ class PolicyWorker:
         micro = trim_padding(micro)
         mask = micro["response_mask"].to(torch.float32)  # [b, R']
         log_probs, token_entropy = self._response_log_probs(micro, temperature, with_entropy=True)  # [b, R]
-        pg_loss, pg_stats = ppo_policy_loss(
-            micro["old_log_probs"], log_probs, micro["advantages"], mask,
-            loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c, loss.loss_agg_mode, **norms,
+        pg_loss, pg_stats = policy_loss(
+            loss.policy_loss, micro["old_log_probs"], log_probs, micro["advantages"], mask,
+            clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
+            loss_agg_mode=loss.loss_agg_mode, **norms,
         )
         # The entropy only takes part in the graph when it is in the loss.
         with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():
