@@ -73,6 +73,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return compare_main(args.run_a, args.run_b, plot=args.plot)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from reprorl.export import export
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    out = export(args.run_dir, args.out_dir, step=args.step, merged=args.merged, base=args.base)
+    print(f"exported to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="reprorl",
@@ -115,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="also draw both runs' reward/mean and val/accuracy curves, overlaid, into this PNG (none without it)",
     )
     p.set_defaults(func=_cmd_compare)
+
+    p = sub.add_parser("export", help="write a run's policy as an HF model directory, or its LoRA adapters for PEFT")
+    p.add_argument("run_dir", help="the run directory (its checkpoints/)")
+    p.add_argument("out_dir", help="the directory to write (created if absent)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint's step; default: the newest intact one")
+    p.add_argument("--merged", action="store_true",
+                   help="LoRA runs: merge the adapters into the base weights and write a full HF model")
+    p.add_argument("--base", default=None,
+                   help="the base model directory, if not at the run's model.path as seen from here")
+    p.set_defaults(func=_cmd_export)
     return parser
 
 
