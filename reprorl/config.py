@@ -84,6 +84,11 @@ class ModelConfig:
         False, "recompute each decoder layer's activations in the backward pass of the actor and critic (less "
         "memory, about a third more compute; the same bits)"
     )
+    grad_sums_on_host: bool = _field(
+        False, "keep the actor's and critic's pending partial sums of micro-batch gradients in pinned host memory: "
+        "one float32 gradient vector on the GPU instead of up to log2(micro-batches per worker), for about two "
+        "PCIe copies of it per micro-batch (the same bits)"
+    )
 
 
 @dataclass

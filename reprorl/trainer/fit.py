@@ -279,7 +279,8 @@ class Trainer:
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
-                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False,
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing,
+                  "grad_sums_on_host": cfg.model.grad_sums_on_host, "wait": False,
                   "part_timeout_s": cfg.trainer.part_timeout_s}
         self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total), **common)
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
