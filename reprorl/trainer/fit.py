@@ -60,6 +60,7 @@ from reprorl.trainer.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs
@@ -178,6 +179,8 @@ class Trainer:
 
         self.train_set, self.val_set = self._make_datasets()
         self.placement = self._plan_placement()
+        if self.placement.device == "cuda":  # every part shares one GPU: refuse a run that cannot fit it
+            check_gpu_memory(cfg, gpu_total_bytes())
         check_train_set_size(cfg, len(self.train_set))
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self.loss_args = self._policy_loss_args()
