@@ -99,3 +99,47 @@ def test_a_tree_never_holds_more_vectors_than_max_pending(count):
         peak = max(peak, len(alive))
         tree.finish_leaf()
     assert peak == max_pending(count)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_hooks_on_a_tied_model_give_the_bits_of_flattened_leaves(checkpointing):
+    """As ShardWorker feeds it: post-accumulate-grad hooks fold each parameter's gradient
+    (the tied embedding gets both uses' sum before its hook runs) and free it."""
+    from reprorl.models.tiny import init_weights, tiny_args
+    from reprorl.models.transformer import CausalLM
+
+    model = CausalLM(tiny_args("policy"))
+    init_weights(model, seed=0)
+    model.model.gradient_checkpointing = checkpointing
+    params = [p for p in model.parameters() if p.requires_grad]
+    layout = FlatLayout.of([(str(i), p) for i, p in enumerate(params)], world_size=1)
+    g = torch.Generator().manual_seed(0)
+    micros = [torch.randint(0, model.args.vocab_size, (2, 7), generator=g) for _ in range(5)]
+
+    def loss(ids: torch.Tensor) -> torch.Tensor:
+        return model(ids).float().log_softmax(-1)[..., 3].mean()
+
+    def flat_leaf(i: int) -> torch.Tensor:
+        for p in params:
+            p.grad = None
+        loss(micros[i]).backward()
+        return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params], layout, torch.float32)
+
+    expected = tree_reduce(0, len(micros), flat_leaf)
+    for p in params:
+        p.grad = None
+    tree = GradTree(0, len(micros), layout, torch.device("cpu"))
+
+    def fold(index: int, param: torch.nn.Parameter) -> None:
+        tree.add(index, param.grad)
+        param.grad = None
+
+    handles = [p.register_post_accumulate_grad_hook(lambda p, i=i: fold(i, p)) for i, p in enumerate(params)]
+    for ids in micros:
+        tree.start_leaf(empty=False)
+        loss(ids).backward()
+        tree.finish_leaf()
+    for h in handles:
+        h.remove()
+    assert all(p.grad is None for p in params)
+    assert torch.equal(tree.result(), expected)
