@@ -137,8 +137,8 @@ class GradTree:
     def _fold(self, start: int, end: int, value: torch.Tensor | None) -> None:
         """target[start:end] = taken[-1] + (... + (taken[0] + value)), skipping Nones (empty
         subtrees): each addition left + right, as `tree_reduce`'s `left.add_(right)`.
-        A taken sum on the device is read here once and never again, so it is added into
-        in place (the target, when it is one of them, is the outermost: written last)."""
+        A taken sum on the device is read here once and never again, so it is added into in
+        place; the target, when it is one of them, is written below, after its one read."""
         if self.target is None:
             if self.new_target is None:
                 return
