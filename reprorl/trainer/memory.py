@@ -331,29 +331,50 @@ def replace_key(cfg: Any, key: str, value: Any) -> Any:
 
 
 def what_fits(cfg: Any, gpu_total: int) -> list[str]:
-    """Changes that would make `cfg` fit `gpu_total` bytes, each alone: the largest actor
-    micro-batch that fits, gradient checkpointing, the gradient sums in host memory, LoRA
-    (rank 64, when the config has `model.lora_rank`); else all of them together."""
+    """Changes that would make `cfg` fit `gpu_total` bytes, each alone: the largest smaller
+    actor micro-batch that fits, gradient checkpointing, the gradient sums in host memory,
+    LoRA (rank 64, when the config has `model.lora_rank`); else all of those switches
+    together with the largest micro-batch that then fits; else none."""
+    lora = 64 if getattr(cfg.model, "lora_rank", None) == 0 else None  # None: off, or no such key yet
+
     def fits(c: Any, lora_rank: int | None = None) -> bool:
         return estimate_memory(c, gpu_total, lora_rank=lora_rank).peak <= gpu_total
 
     found = []
-    micro = cfg.actor.ppo_micro_batch_size
-    while micro > 1 and cfg.actor.ppo_max_token_len_per_micro_batch is None:
-        micro //= 2
-        if fits(replace_key(cfg, "actor.ppo_micro_batch_size", micro)):
-            found.append(f"actor.ppo_micro_batch_size={micro}")
-            break
-    switches = [("model.gradient_checkpointing", True), ("model.grad_sums_on_host", True)]
-    for key, value in switches:
-        if not getattr(cfg.model, key.split(".")[1]) and fits(replace_key(cfg, key, value)):
-            found.append(f"{key}=true")
-    if hasattr(cfg.model, "lora_rank") and not cfg.model.lora_rank and fits(cfg, lora_rank=64):
-        found.append("LoRA (model.lora_rank=64)")
+    micro = largest_micro_batch(cfg, fits, start=cfg.actor.ppo_micro_batch_size // 2)
+    if micro is not None:
+        found.append(f"actor.ppo_micro_batch_size={micro}")
+    switches = [key for key in ("model.gradient_checkpointing", "model.grad_sums_on_host")
+                if not getattr(cfg.model, key.split(".")[1])]
+    found += [f"{key}=true" for key in switches if fits(replace_key(cfg, key, True))]
+    if lora is not None and fits(cfg, lora_rank=lora):
+        found.append(f"LoRA (model.lora_rank={lora})")
     if found:
         return found
-    both = replace_key(replace_key(replace_key(cfg, *switches[0]), *switches[1]), "actor.ppo_micro_batch_size", 1)
-    return ["all of gradient checkpointing, grad_sums_on_host and actor.ppo_micro_batch_size=1"] if fits(both) else []
+    together = cfg
+    for key in switches:
+        together = replace_key(together, key, True)
+    names = [f"{key}=true" for key in switches] + ([f"model.lora_rank={lora}"] if lora is not None else [])
+    if cfg.actor.ppo_max_token_len_per_micro_batch is not None:  # no micro-batch size to change
+        return [" + ".join(names)] if names and fits(together, lora) else []
+    micro = largest_micro_batch(together, lambda c: fits(c, lora), start=cfg.actor.ppo_micro_batch_size)
+    if micro is None:
+        return []
+    return [" + ".join(names + ([f"actor.ppo_micro_batch_size={micro}"] if micro < cfg.actor.ppo_micro_batch_size
+                                else []))]
+
+
+def largest_micro_batch(cfg: Any, fits: Any, start: int) -> int | None:
+    """The largest of `start`, `start // 2`, ..., 1 as the actor's micro-batch with which
+    `fits(cfg)`; None if none does, or if micro-batches are cut by a token budget."""
+    if cfg.actor.ppo_max_token_len_per_micro_batch is not None:
+        return None
+    micro = start
+    while micro >= 1:
+        if fits(replace_key(cfg, "actor.ppo_micro_batch_size", micro)):
+            return micro
+        micro //= 2
+    return None
 
 
 def check_gpu_memory(cfg: Any, gpu_total: int) -> MemoryEstimate:

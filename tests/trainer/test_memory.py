@@ -141,6 +141,17 @@ def test_a_run_that_cannot_fit_stops_with_one_line_saying_what_would(tiny_dir):
         cfg.actor, ppo_micro_batch_size=16)), gpu).peak <= gpu  # what it says would fit does
 
 
+def test_when_no_change_alone_fits_the_error_gives_them_together(tiny_dir):
+    # a token budget: no micro-batch size to halve; checkpointing alone keeps 3 gradient
+    # vectors (5 micro-batches of 30 samples on 8 leaves), host sums alone keep the whole activations
+    cfg = small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=2160", "rollout.max_num_seqs=8")
+    both = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True,
+                                                               grad_sums_on_host=True))
+    with pytest.raises(ConfigError, match=r"would fit: model.gradient_checkpointing=true \+ "
+                                          r"model.grad_sums_on_host=true \(`reprorl config"):
+        check_gpu_memory(cfg, estimate_memory(both).peak)
+
+
 def test_a_gpu_too_small_for_the_weights_says_nothing_in_reach_fits(tiny_dir):
     with pytest.raises(ConfigError, match="nothing in reach fits"):
         check_gpu_memory(small_config(tiny_dir), 2**20)
