@@ -168,3 +168,23 @@ def test_config_memory_prints_the_table(tiny_dir, capsys):
 def test_config_memory_names_a_missing_model(tmp_path, capsys):
     assert cli.main(["config", f"model.path={tmp_path / 'none'}", "--memory"]) == 2
     assert "model.path=" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("restore_environ")
+def test_a_cuda_run_that_cannot_fit_stops_before_any_part_starts(tmp_path, monkeypatch):
+    from reprorl.data.synthetic import write_arithmetic_dataset
+    from reprorl.models.tiny import make_tiny
+    from reprorl.trainer import fit
+    from reprorl.trainer.placement import Placement
+
+    policy = make_tiny(tmp_path / "policy", kind="policy", seed=0)
+    data = write_arithmetic_dataset(tmp_path / "data", num_train=64, num_val=8, seed=0)
+    # A GPU of 1 GiB (2 processes' CUDA contexts alone are 1 GiB), and no Ray.
+    monkeypatch.setattr(fit, "plan_placement", lambda *args, **kwargs: Placement("cuda", 0.35, 0.3))
+    monkeypatch.setattr(fit, "gpu_total_bytes", lambda: GIB)
+    monkeypatch.setattr(fit, "init_ray", lambda: pytest.fail("a part started"))
+    cfg = load_config(None, [f"model.path={policy}", f"data.train_files=[{data['train']}]", "data.val_files=[]",
+                             f"trainer.run_dir={tmp_path / 'run'}", "rollout.num_replicas=1"])
+    with pytest.raises(ConfigError, match=r"^GPU memory: the run needs about [0-9.]+ GiB at its peak \(\w[\w -]*\) "
+                                          r"and the GPU has 1.0 GiB; "):
+        fit.Trainer(cfg)
