@@ -98,6 +98,18 @@ def test_the_estimate_of_a_small_run_by_hand(tiny_dir):
         est.phases[est.peak_phase].values()) + 4 * memory.CUDA_CONTEXT_BYTES
 
 
+def test_ppo_adds_the_critic_and_its_update(tiny_dir):
+    est = estimate_memory(small_config(tiny_dir, "algorithm.adv_estimator=gae"))
+    critic = 410_752 + 128 + 1  # the backbone and a value head [1, H] with its bias
+    assert est.resident["critic weights"] == critic * 4
+    assert est.resident["critic AdamW moments (float32)"] == 2 * 101 * 4096 * 4
+    assert est.phases["critic update"] == {
+        "gradient sums (2 x float32)": 2 * 101 * 4096 * 4,
+        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False, head="critic"),
+    }
+    assert est.processes == 5  # actor, reference, critic, 2 replicas
+
+
 def test_host_sums_hold_one_vector_and_a_token_budget_lays_leaves_on_a_power_of_two(tiny_dir):
     est = estimate_memory(small_config(tiny_dir, "model.grad_sums_on_host=true"))
     assert "gradient sums (1 x float32)" in est.phases["actor update"]
