@@ -25,7 +25,20 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
     path, overrides = _split_config_args(args.args)
     cfg = load_config(path, overrides)
-    print(config_to_yaml(cfg), end="")
+    if not args.memory:
+        print(config_to_yaml(cfg), end="")
+        return 0
+    from reprorl.trainer.memory import GIB, estimate_memory, gpu_total_bytes
+    from reprorl.trainer.placement import resolve_device
+
+    gpu_total = args.gpu_gib * GIB if args.gpu_gib else (
+        gpu_total_bytes() if resolve_device(cfg.resources.device) == "cuda" else None)
+    estimate = estimate_memory(cfg, gpu_total)
+    print(f"GPU memory estimate of one GPU ({cfg.model.path}, model.dtype={cfg.model.dtype})")
+    print(estimate.table())
+    if gpu_total is not None:
+        verdict = "fits" if estimate.peak <= gpu_total else "does NOT fit"
+        print(f"{verdict} a GPU of {gpu_total / GIB:.1f} GiB")
     return 0
 
 
@@ -101,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         "args", nargs="*", metavar="[CONFIG.yaml] [key=value ...]",
         help="a YAML config file (optional), then overrides such as rollout.temperature=0.7",
     )
+    p.add_argument("--memory", action="store_true",
+                   help="print the run's GPU memory estimate per part instead (reads the models' config.json only)")
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="with --memory: the GPU's size in GiB (default: this machine's GPU, if it has one)")
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser("make-tiny", help="write a tiny HF-format model directory made from a seed")

@@ -94,6 +94,11 @@ class ModelConfig:
         "all-linear", "the projections that get adapters: 'all-linear' or a list of q_proj, k_proj, v_proj, o_proj, "
         "gate_proj, up_proj, down_proj"
     )
+    grad_sums_on_host: bool = _field(
+        False, "keep the actor's and critic's pending partial sums of micro-batch gradients in pinned host memory: "
+        "one float32 gradient vector on the GPU instead of up to log2(micro-batches per worker), for about two "
+        "PCIe copies of it per micro-batch (the same bits)"
+    )
 
 
 @dataclass

@@ -61,6 +61,7 @@ from reprorl.trainer.checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
+from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs
@@ -180,6 +181,8 @@ class Trainer:
         self.lora = spec_from_config(cfg.model, cfg.seed)  # None: full fine-tuning
         self.train_set, self.val_set = self._make_datasets()
         self.placement = self._plan_placement()
+        if self.placement.device == "cuda":  # every part shares one GPU: refuse a run that cannot fit it
+            check_gpu_memory(cfg, gpu_total_bytes())
         check_train_set_size(cfg, len(self.train_set))
         self.sampler = PromptSampler(len(self.train_set), cfg.data.train_batch_size, cfg.seed, shuffle=cfg.data.shuffle)
         self.loss_args = self._policy_loss_args()
@@ -287,7 +290,8 @@ class Trainer:
         total = cfg.trainer.total_steps
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
-                  "gradient_checkpointing": cfg.model.gradient_checkpointing, "wait": False,
+                  "gradient_checkpointing": cfg.model.gradient_checkpointing,
+                  "grad_sums_on_host": cfg.model.grad_sums_on_host, "wait": False,
                   "part_timeout_s": cfg.trainer.part_timeout_s}
         self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
                                  lora=self.lora, **common)

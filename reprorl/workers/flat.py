@@ -20,7 +20,8 @@ What keeps the bits independent of N (the rule `config.py` checks for `trainer.n
   is a subtree: the rank sums it locally, and `fixed_order_reduce_scatter` sums the N
   block sums with the same tree over rank index. A collective's own reduction (ring,
   tree, gloo's or NCCL's choice) sums in an order that changes with N, so it is never used
-  to add gradients.
+  to add gradients. The worker evaluates that tree with `GradTree` (grad_tree.py): the same
+  bits, a parameter at a time as the backward pass makes them, with fewer whole vectors.
 - With a token budget (`actor.ppo_max_token_len_per_micro_batch`), a mini-batch's
   micro-batch count M is whatever its lengths make it (trainer/micro_batches.py), so N may
   not divide it. The M micro-batches are then laid on the P leaves of the tree, P the
@@ -167,11 +168,12 @@ def tree_sum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def fixed_order_reduce_scatter(full: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's shard of the sum over ranks of `full` (`[padded]`), added in the tree
-    over rank index: an all-to-all hands rank r every rank's piece r, then `tree_sum`."""
+    over rank index: an all-to-all hands rank r every rank's piece r, then `tree_sum`. With
+    one rank that is `full` itself, not a copy (a whole gradient vector less)."""
     world = layout.world_size
     send = list(full.view(world, layout.shard_size).unbind(0))
     if world == 1:
-        return send[0].clone()
+        return send[0]
     received = [torch.empty_like(send[0]) for _ in range(world)]
     exchange_pieces(received, send, group)
     return tree_sum(received)

@@ -4,7 +4,9 @@ moments (the layout and the reductions: flat.py). The shard is float32 whatever 
 model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the model's
 weights being the bf16 cast of the master after every step. `device="cuda"`: the model
 runs on the GPU Ray gave the process (the group's collectives then use NCCL), and
-`gradient_checkpointing` recomputes each decoder layer in the backward pass.
+`gradient_checkpointing` recomputes each decoder layer in the backward pass, and
+`grad_sums_on_host` keeps the gradient tree's pending sums in pinned host memory
+(grad_tree.py: one whole float32 gradient vector on the device, whatever the micro-batch count).
 
 The model and its losses are `PolicyWorker`'s and `CriticWorker`'s (trainer/): a rank runs
 their per-micro-batch loss and adds nothing itself; their own optimizer stays unused (it
@@ -26,6 +28,7 @@ own range, so a run saved with N workers resumes with M.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import socket
@@ -55,11 +58,10 @@ from reprorl.workers.flat import (
     budget_leaves,
     first_failure,
     fixed_order_reduce_scatter,
-    flatten,
     global_grad_norm,
     rank_block,
-    tree_reduce,
 )
+from reprorl.workers.grad_tree import GradTree
 
 WORKER_THREADS = 1
 MASTER_DTYPE = torch.float32
@@ -81,7 +83,8 @@ class ShardWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
-                 device: str = "cpu", gradient_checkpointing: bool = False, lora: LoraSpec | None = None) -> None:
+                 device: str = "cpu", gradient_checkpointing: bool = False, grad_sums_on_host: bool = False,
+                 lora: LoraSpec | None = None) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
         torch.set_num_threads(WORKER_THREADS)
@@ -104,6 +107,8 @@ class ShardWorker:
         self.trainable = optim is not None
         self.lora = lora
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
+        self.grad_sums_on_host = grad_sums_on_host  # the gradient tree's pending sums (grad_tree.py)
+        self._tree: GradTree | None = None  # the tree `_fold_grad` feeds, during an update's backward passes
 
     def ready(self) -> int:
         return self.rank
@@ -130,6 +135,8 @@ class ShardWorker:
         if not self.trainable:
             return
         self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._fold_grad, index))
         start, end = self.layout.shard_range(self.rank)
         # Master weights of this rank's range, float32 whatever the model computes in (mixed
         # precision with bf16); the model's weights are their cast, written by all_gather.
@@ -218,23 +225,8 @@ class ShardWorker:
                  for k, v in mini_batch_norms(mini, max_response_length).items()}
         stats: dict[int, dict[str, torch.Tensor]] = {}
         losses: dict[int, torch.Tensor] = {}
-
-        def micro_grad(leaf: int) -> torch.Tensor | None:
-            """The gradient of the leaf's micro-batch alone, as a new `[padded]` vector (None: empty leaf)."""
-            k = leaves[leaf]
-            if k is None:
-                return None
-            for p in self.params:
-                p.grad = None
-            total, stats[k] = self.model_worker.micro_batch_loss(self._micro_on_device(mini, micros[k]), norms, **loss)
-            losses[k] = total.detach()  # checked once the block is summed: no read of the device per micro-batch
-            total.backward()
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-            return flatten(grads, self.layout, MASTER_DTYPE)  # summed in float32, as the master
-
-        block_sum = tree_reduce(self.rank * per_rank, (self.rank + 1) * per_rank, micro_grad)
-        for p in self.params:
-            p.grad = None
+        block_sum = self._block_gradient(mini, micros, leaves[self.rank * per_rank : (self.rank + 1) * per_rank],
+                                         self.rank * per_rank, norms, loss, stats, losses)
         order = sorted(stats)
         read = read_stats([{"loss": losses[k], **stats[k]} for k in order])  # one read of the device
         bad = [(k, r["loss"]) for k, r in zip(order, read) if not math.isfinite(r["loss"])]
@@ -258,6 +250,38 @@ class ShardWorker:
         self._publish_master()
         return {"stats": [(k, {key: v for key, v in r.items() if key != "loss"}) for k, r in zip(order, read)],
                 "grad_norm": grad_norm}
+
+    def _block_gradient(self, mini: Batch, micros: list[Rows], block: list[int | None], first: int,
+                        norms: dict[str, Any], loss: dict[str, Any], stats: dict[int, dict[str, torch.Tensor]],
+                        losses: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """The sum of this rank's `block` of leaves (leaf indices from `first`) in flat.py's
+        tree, `[padded]` float32 (None: every leaf empty). Each parameter's gradient goes into
+        a `GradTree` as the backward pass finishes it (`_fold_grad`): grad_tree.py says why the
+        bits are `tree_reduce`'s, and how few whole gradient vectors it keeps. Fills `stats`
+        and `losses` (the loss tensors, read later) by micro-batch index."""
+        tree = GradTree(first, first + len(block), self.layout, self.flat.device, on_host=self.grad_sums_on_host)
+        for k in block:
+            tree.start_leaf(empty=k is None)
+            if k is not None:
+                for p in self.params:  # a .grad left by anything else would be added to this leaf's
+                    p.grad = None
+                total, stats[k] = self.model_worker.micro_batch_loss(self._micro_on_device(mini, micros[k]), norms,
+                                                                     **loss)
+                losses[k] = total.detach()  # checked once the block is summed: no read of the device per micro-batch
+                self._tree = tree
+                try:
+                    total.backward()
+                finally:
+                    self._tree = None
+            tree.finish_leaf()
+        return tree.result()
+
+    def _fold_grad(self, index: int, param: torch.nn.Parameter) -> None:
+        """Parameter `index`'s gradient, final once the backward pass has accumulated it, into
+        the update's gradient tree, then freed (outside an update, `.grad` stays as usual)."""
+        if self._tree is not None:
+            self._tree.add(index, param.grad)
+            param.grad = None
 
     # ---------------------------------------------------------------- weights and state
 

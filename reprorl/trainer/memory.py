@@ -1,0 +1,396 @@
+"""GPU memory of a run, estimated before it starts from the models' config.json and the Config.
+
+On one GPU every part shares it (trainer/placement.py), so the estimate is per GPU: the
+parts that stay for the whole run (each model's weights in the compute dtype; a trainable
+model's float32 master shard and AdamW moments; each rollout replica's weights, which stay
+on the GPU while it sleeps), plus, per phase, what that phase adds:
+
+- generation: each replica's KV cache, sized as `rollout/engine.py` `gpu_cache_shape` sizes
+  it (max_num_seqs slots of the run's longest sequence, rounded up to KEY_BLOCK tokens, plus
+  the CUDA graphs' spare slot, unless `gpu_memory_utilization` of the GPU holds fewer);
+  the engine sleeps (frees it) before the trainer's passes.
+- actor update (and critic update): the gradient tree's whole float32 vectors
+  (`workers/grad_tree.py`: `max_pending` of this rank's micro-batches, or one with
+  `model.grad_sums_on_host`) and the activations of one micro-batch (`activation_bytes`).
+
+The peak is the largest phase, plus a CUDA context per GPU process (`CUDA_CONTEXT_BYTES`).
+LoRA (`model.lora_rank` > 0):
+the base weights are frozen in the compute dtype with no master, moments or gradient;
+only the adapters have them, and there is no reference model (it is the base with the
+adapters off).
+
+Against issue 33's H200 peaks of bench/train_step.py (GRPO, prompt 128 + 256 new tokens,
+bf16, one engine and one rank in one process, so its allocated bytes without contexts):
+Qwen2.5-0.5B's shape, 64 x 8 samples, micro-batch 64: 46.5 GiB estimated, 46.8 measured;
+1.5B and 3B, 32 x 8 samples, micro-batch 16 (the issue does not say; 64 cannot give its
+figures): 61.1 vs 61.3 and 114.9 vs 115.3. Those were measured with `tree_reduce`, whose
+peak (the deepest stack beside a micro-batch's activations) `GradTree` keeps unless the
+sums go to the host. Allocator fragmentation is not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reprorl.errors import ConfigError
+from reprorl.kernels.shared import KEY_BLOCK
+from reprorl.models.arch import ModelArgs
+from reprorl.workers.flat import CHUNK
+from reprorl.workers.grad_tree import max_pending
+
+GIB = 2**30
+FP32 = 4
+CUDA_CONTEXT_BYTES = 512 * 2**20
+"""A GPU process's CUDA context and torch's kernel images, not counted by torch's allocator
+(about 0.5 GiB on an H200 with CUDA 12)."""
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def read_model_args(path: str, key: str) -> ModelArgs:
+    """The ModelArgs of `path`/config.json; a one-line error naming `key` when it is missing."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"{key}={path}: no config.json there, so its memory cannot be estimated")
+    return ModelArgs.from_hf_config(json.loads(config.read_text()))
+
+
+# ------------------------------------------------------------------------------ sizes
+
+
+def linear_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection of one decoder layer, by name."""
+    h, q, kv, i = args.hidden_size, args.num_attention_heads * args.head_dim, \
+        args.num_key_value_heads * args.head_dim, args.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def param_count(args: ModelArgs, head: str = "causal_lm") -> int:
+    """Parameters of the model (`reprorl/models/transformer.py`): head "causal_lm" (the LM
+    head unless tied), "critic" (a value head [1, H] with bias) or "reward" ([num_labels, H])."""
+    shapes = linear_shapes(args)
+    q, kv = shapes["q_proj"][1], shapes["k_proj"][1]
+    layer = sum(i * o for i, o in shapes.values()) + 2 * args.hidden_size  # + the two norms
+    layer += (q + 2 * kv) * args.qkv_bias + args.hidden_size * args.o_bias
+    layer += (2 * args.intermediate_size + args.hidden_size) * args.mlp_bias + 2 * args.head_dim * args.qk_norm
+    backbone = args.vocab_size * args.hidden_size + args.num_hidden_layers * layer + args.hidden_size
+    heads = {"causal_lm": 0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size,
+             "critic": args.hidden_size + 1, "reward": args.num_labels * args.hidden_size}
+    return backbone + heads[head]
+
+
+def lora_param_count(args: ModelArgs, rank: int, target_modules: Any) -> int:
+    """Adapter parameters: rank x (in + out) per targeted projection per layer."""
+    names = LORA_MODULES if target_modules in (None, "all-linear") else tuple(target_modules)
+    shapes = linear_shapes(args)
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise ConfigError(f"model.target_modules: unknown module {unknown[0]!r}; expected all-linear or a list of "
+                          f"{', '.join(LORA_MODULES)}")
+    return args.num_hidden_layers * sum(rank * sum(shapes[n]) for n in names)
+
+
+def padded_size(numel: int, world_size: int) -> int:
+    """`FlatLayout.padded`: whole CHUNKs, the same count on every rank."""
+    return math.ceil(math.ceil(numel / CHUNK) / world_size) * CHUNK * world_size
+
+
+def kv_cache_bytes(args: ModelArgs, dtype_bytes: int, max_num_seqs: int, max_model_len: int,
+                   utilization: float, free_bytes: int | None) -> int:
+    """One native replica's GPU KV cache, as `gpu_cache_shape` sizes it from `free_bytes`
+    (None: as if max_num_seqs slots fit), the spare slot included."""
+    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * dtype_bytes
+    capacity = -(-max_model_len // KEY_BLOCK) * KEY_BLOCK
+    slots = max_num_seqs
+    if free_bytes is not None:
+        slots = min(max_num_seqs, int(utilization * free_bytes) // (capacity * per_token) - 1)
+        if slots < 1:  # one shorter slot (and the spare)
+            capacity = int(utilization * free_bytes) // (2 * per_token) // KEY_BLOCK * KEY_BLOCK
+            slots = 1
+    return (slots + 1) * capacity * per_token
+
+
+def layer_activation_elems(args: ModelArgs) -> int:
+    """Elements per token one decoder layer keeps for its backward pass: six H-wide tensors
+    (the layer's input, the normed input, the residual sum, its normed copy, and the two
+    copies of rows moved to their front for attention), q, k, v and the attention output,
+    gate, up and their SwiGLU product. Measured on the H200 (bf16, 64 x 384 tokens, 0.5B
+    and 1.5B widths, 2 vs 4 layers): 1.015 and 1.830 GiB a layer; this gives 1.008 and 1.816."""
+    h, i = args.hidden_size, args.intermediate_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    return 6 * h + 2 * q + 2 * kv + 3 * i
+
+
+def activation_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int, response_len: int, *,
+                     checkpointing: bool, head: str = "causal_lm") -> int:
+    """The peak of one micro-batch of `rows` x `seq_len` tokens, forward and backward, at the
+    start of the backward pass: every layer's saved activations (with checkpointing, each
+    layer's input only), three H-wide tensors around the backbone (the embedding, the final
+    norm's input and output), and the head's output and its gradient: for the LM head the
+    logits `[rows, response_len, V]` in the compute dtype, twice (the log-probs kernel keeps
+    no float32 copy). With checkpointing, a layer recomputed later needs its whole set, after
+    the logits' gradient is freed. Measured on the H200 at 0.5B and 1.5B widths: within 1%."""
+    tokens = rows * seq_len
+    layer = layer_activation_elems(args) * dtype_bytes * tokens
+    around = 3 * args.hidden_size * dtype_bytes * tokens
+    output = rows * response_len * args.vocab_size * dtype_bytes if head == "causal_lm" else tokens * FP32
+    if checkpointing:
+        return args.num_hidden_layers * args.hidden_size * dtype_bytes * tokens + around + output + max(output, layer)
+    return args.num_hidden_layers * layer + around + 2 * output
+
+
+def forward_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int, response_len: int) -> int:
+    """One micro-batch's forward without a gradient (log-probs): the logits in the compute
+    dtype and two H-wide tensors; a layer's own tensors are freed as it ends (H200: 4.71 GiB
+    measured at 64 x 384 tokens, 0.5B width; this gives 4.72)."""
+    return rows * response_len * args.vocab_size * dtype_bytes + 2 * args.hidden_size * dtype_bytes * rows * seq_len
+
+
+# ------------------------------------------------------------------------------ the estimate
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes by part: `resident` for the whole run, `phases` what each phase adds to them."""
+
+    resident: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    processes: int = 1
+    """GPU processes (a CUDA context each)."""
+
+    def phase_total(self, phase: str) -> int:
+        return sum(self.resident.values()) + sum(self.phases[phase].values()) + self.contexts
+
+    @property
+    def contexts(self) -> int:
+        return self.processes * CUDA_CONTEXT_BYTES
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_total)
+
+    @property
+    def peak(self) -> int:
+        return self.phase_total(self.peak_phase)
+
+    def table(self) -> str:
+        """The parts in GiB: resident ones, each phase's own, then each phase's total."""
+        rows = [("part", "GiB")] + [(name, b) for name, b in self.resident.items()]
+        rows.append((f"CUDA contexts ({self.processes} processes)", self.contexts))
+        for phase, parts in self.phases.items():
+            rows += [(f"{phase}: {name}", b) for name, b in parts.items()]
+        for phase in self.phases:
+            mark = "  <- peak" if phase == self.peak_phase else ""
+            rows.append((f"total during {phase}{mark}", self.phase_total(phase)))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {b if isinstance(b, str) else f'{b / GIB:8.2f}'}" for name, b in rows)
+
+
+def lora_settings(model_cfg: Any, lora_rank: int | None = None) -> tuple[int, Any]:
+    """(rank, target_modules): `model.lora_rank` (0 = off) and `model.target_modules`;
+    `lora_rank` overrides the config's (for what-would-fit)."""
+    rank = model_cfg.lora_rank if lora_rank is None else lora_rank
+    return int(rank), model_cfg.target_modules
+
+
+def micro_batch_geometry(mini_samples: int, micro_batch_size: int, max_token_len: int | None,
+                         seq_len: int) -> tuple[int, int]:
+    """(micro-batches of a mini-batch, rows of the widest one), every sample at full length:
+    by `micro_batch_size` samples, or by a token budget (`trainer/micro_batches.py`)."""
+    rows = micro_batch_size if max_token_len is None else max(1, max_token_len // seq_len)
+    rows = min(rows, mini_samples)
+    return math.ceil(mini_samples / rows), rows
+
+
+def gradient_vectors(micro_batches: int, world_size: int, by_tokens: bool, on_host: bool) -> int:
+    """Whole float32 gradient vectors a rank's update holds on the GPU at once (grad_tree.py):
+    one with `on_host`, else `max_pending` of this rank's leaves (a token budget lays them on
+    a power of two, `flat.budget_leaves`); one more for the exchange between ranks."""
+    leaves = max(1 << (micro_batches - 1).bit_length(), world_size) if by_tokens else micro_batches
+    vectors = 1 if on_host else max_pending(max(1, leaves // world_size))
+    return vectors + (world_size > 1)
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """A trainable group's settings that decide its memory (plain values from the Config)."""
+
+    name: str  # "actor" | "critic"
+    mini_samples: int
+    micro_batch_size: int
+    max_token_len: int | None
+
+
+def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head: str, trainable: int,
+                    cfg: Any) -> None:
+    """A trainable group's master shard and AdamW moments (float32, this rank's share of the
+    padded flat vector) into `resident`, and its update phase: gradient vectors and activations."""
+    world, dsize = cfg.trainer.num_workers, dtype_bytes(cfg.model.dtype)
+    shard = padded_size(trainable, world) // world * FP32
+    est.resident[f"{train.name} master weights (float32)"] = shard
+    est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
+    seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
+    count, rows = micro_batch_geometry(train.mini_samples, train.micro_batch_size, train.max_token_len, seq)
+    by_tokens = train.max_token_len is not None
+    vectors = gradient_vectors(count, world, by_tokens, getattr(cfg.model, "grad_sums_on_host", False))
+    est.phases[f"{train.name} update"] = {
+        f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32,
+        f"activations ({rows} x {seq} tokens)": activation_bytes(
+            args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head),
+    }
+
+
+def dtype_bytes(name: str) -> int:
+    return {"float32": 4, "bfloat16": 2}[name]
+
+
+def rollout_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any, gpu_total: int | None) -> None:
+    """Each replica's weights (resident: they stay on the GPU while it sleeps) and, while it
+    generates, its KV cache (`kv_cache_bytes`, from the GPU's size: its free memory is not
+    known before the run) and its last step's float32 logits."""
+    ro, dsize, replicas = cfg.rollout, dtype_bytes(cfg.model.dtype), cfg.rollout.num_replicas
+    weights = param_count(args) * dsize
+    if ro.backend == "vllm":  # vLLM takes its share of the GPU, weights included, or weights + a KV size
+        share = int(ro.vllm_kv_cache_gib * GIB) + weights if ro.vllm_kv_cache_gib is not None else (
+            int(ro.vllm_gpu_memory_utilization * gpu_total) if gpu_total is not None else weights)
+        est.resident[f"rollout: vLLM, {replicas} replica(s)"] = replicas * share
+        est.phases["generation"] = {}
+        return
+    est.resident[f"rollout weights ({replicas} replica(s))"] = replicas * weights
+    max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    kv = kv_cache_bytes(args, dsize, ro.max_num_seqs, max_len, ro.gpu_memory_utilization, gpu_total)
+    est.phases["generation"] = {f"KV cache ({replicas} replica(s))": replicas * kv,
+                                "engine logits (float32)": replicas * ro.max_num_seqs * args.vocab_size * FP32}
+
+
+def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | None = None) -> MemoryEstimate:
+    """Each part's GPU memory on one GPU for the run `cfg` (module doc), reading only the
+    models' config.json. `gpu_total`: the GPU's bytes (sizes the KV cache as the engine
+    would, from the most it could find free; None: as if max_num_seqs slots fit).
+    `lora_rank`: instead of the config's `model.lora_rank`."""
+    m, dsize = cfg.model, dtype_bytes(cfg.model.dtype)
+    rank, targets = lora_settings(m, lora_rank)
+    actor = read_model_args(m.path, "model.path")
+    est = MemoryEstimate()
+    total = param_count(actor)
+    est.resident["actor weights" + (" (frozen base)" if rank else "")] = total * dsize
+    trainable = total
+    if rank:
+        trainable = lora_param_count(actor, rank, targets)
+        est.resident[f"actor LoRA adapters (rank {rank})"] = trainable * dsize
+    n = cfg.rollout.n
+    mini = cfg.actor.ppo_mini_batch_size * n
+    trainable_parts(est, TrainArgs("actor", mini, cfg.actor.ppo_micro_batch_size,
+                                   cfg.actor.ppo_max_token_len_per_micro_batch), actor, "causal_lm", trainable, cfg)
+    seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
+    _, rows = micro_batch_geometry(mini, cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_max_token_len_per_micro_batch,
+                                   seq)
+    est.phases["log-probs"] = {f"forward ({rows} x {seq} tokens)": forward_bytes(actor, dsize, rows, seq, response)}
+    workers = 1
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not rank:  # LoRA: the base is the reference
+        est.resident["reference weights"] = param_count(read_model_args(m.ref_path or m.path, "model.ref_path")) * dsize
+        workers += 1
+    if cfg.algorithm.adv_estimator == "gae":
+        critic_parts(est, read_model_args(m.critic_path or m.path, "model.critic_path"), cfg)
+        workers += 1
+    processes = workers * cfg.trainer.num_workers + cfg.rollout.num_replicas
+    if cfg.reward.model_path is not None:
+        reward = read_model_args(cfg.reward.model_path, "reward.model_path")
+        est.resident[f"reward model weights ({cfg.reward.num_replicas} replica(s))"] = (
+            cfg.reward.num_replicas * param_count(reward, "reward") * dsize)
+        processes += cfg.reward.num_replicas
+    rollout_parts(est, actor, cfg, gpu_total)
+    est.processes = processes
+    return est
+
+
+def critic_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any) -> None:
+    """The critic: its weights, master and moments, and its update (PPO with GAE only)."""
+    c, a = cfg.critic, cfg.actor
+    total = param_count(args, "critic")
+    est.resident["critic weights"] = total * dtype_bytes(cfg.model.dtype)
+    mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) * cfg.rollout.n
+    budget = c.ppo_max_token_len_per_micro_batch or a.ppo_max_token_len_per_micro_batch
+    trainable_parts(est, TrainArgs("critic", mini, c.ppo_micro_batch_size or a.ppo_micro_batch_size, budget),
+                    args, "critic", total, cfg)
+
+
+# ------------------------------------------------------------------------------ the check
+
+
+def replace_key(cfg: Any, key: str, value: Any) -> Any:
+    """A copy of `cfg` with the dotted `key` ("section.name") set to `value`."""
+    section, name = key.split(".")
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{name: value})})
+
+
+def what_fits(cfg: Any, gpu_total: int) -> list[str]:
+    """Changes that would make `cfg` fit `gpu_total` bytes, each alone: the largest smaller
+    actor micro-batch that fits, gradient checkpointing, the gradient sums in host memory,
+    LoRA (rank 64, when the run is not LoRA already); else all of those switches
+    together with the largest micro-batch that then fits; else none."""
+    lora = 64 if cfg.model.lora_rank == 0 else None  # None: the run is LoRA already
+
+    def fits(c: Any, lora_rank: int | None = None) -> bool:
+        return estimate_memory(c, gpu_total, lora_rank=lora_rank).peak <= gpu_total
+
+    found = []
+    micro = largest_micro_batch(cfg, fits, start=cfg.actor.ppo_micro_batch_size // 2)
+    if micro is not None:
+        found.append(f"actor.ppo_micro_batch_size={micro}")
+    switches = [key for key in ("model.gradient_checkpointing", "model.grad_sums_on_host")
+                if not getattr(cfg.model, key.split(".")[1])]
+    found += [f"{key}=true" for key in switches if fits(replace_key(cfg, key, True))]
+    if lora is not None and fits(cfg, lora_rank=lora):
+        found.append(f"LoRA (model.lora_rank={lora})")
+    if found:
+        return found
+    together = cfg
+    for key in switches:
+        together = replace_key(together, key, True)
+    names = [f"{key}=true" for key in switches] + ([f"model.lora_rank={lora}"] if lora is not None else [])
+    if cfg.actor.ppo_max_token_len_per_micro_batch is not None:  # no micro-batch size to change
+        return [" + ".join(names)] if names and fits(together, lora) else []
+    micro = largest_micro_batch(together, lambda c: fits(c, lora), start=cfg.actor.ppo_micro_batch_size)
+    if micro is None:
+        return []
+    return [" + ".join(names + ([f"actor.ppo_micro_batch_size={micro}"] if micro < cfg.actor.ppo_micro_batch_size
+                                else []))]
+
+
+def largest_micro_batch(cfg: Any, fits: Any, start: int) -> int | None:
+    """The largest of `start`, `start // 2`, ..., 1 as the actor's micro-batch with which
+    `fits(cfg)`; None if none does, or if micro-batches are cut by a token budget."""
+    if cfg.actor.ppo_max_token_len_per_micro_batch is not None:
+        return None
+    micro = start
+    while micro >= 1:
+        if fits(replace_key(cfg, "actor.ppo_micro_batch_size", micro)):
+            return micro
+        micro //= 2
+    return None
+
+
+def check_gpu_memory(cfg: Any, gpu_total: int) -> MemoryEstimate:
+    """Stop a run that cannot fit a GPU of `gpu_total` bytes before anything starts: a one-line
+    ConfigError with the estimate, the GPU's size and what would fit. Returns the estimate."""
+    est = estimate_memory(cfg, gpu_total)
+    if est.peak <= gpu_total:
+        return est
+    fixes = what_fits(cfg, gpu_total)
+    hint = f"would fit: {'; '.join(fixes)}" if fixes else "nothing in reach fits (a bigger GPU, or a smaller model)"
+    raise ConfigError(
+        f"GPU memory: the run needs about {est.peak / GIB:.1f} GiB at its peak ({est.peak_phase}) and the GPU "
+        f"has {gpu_total / GIB:.1f} GiB; {hint} (`reprorl config ... --memory` shows each part)")
+
+
+def gpu_total_bytes() -> int:
+    """The total memory of the GPU this process sees first (no context is created for it)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory

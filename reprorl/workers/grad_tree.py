@@ -1,0 +1,157 @@
+"""The micro-batch gradient tree of flat.py, summed one parameter at a time as the backward
+pass makes each gradient, with its pending partial sums on the device or in host memory.
+
+`tree_reduce` (flat.py) fixes the sum: over the leaves [lo, hi), the sum over [lo, mid)
+plus the sum over [mid, hi), mid = (lo + hi) // 2. Evaluated as it is written, each leaf
+is a whole new float32 `[padded]` vector (the micro-batch's gradient, flattened), and up to
+log2(M) + 1 of them are alive at once beside the model's own `.grad` tensors (26 GiB a
+vector at 7B). `GradTree` computes the same sum with less:
+
+- Each parameter's gradient is folded into the tree as soon as the backward pass has
+  finished it (a post-accumulate-grad hook: `ShardWorker` calls `add`), and its `.grad`
+  is freed at once: no whole-model `.grad`, no flattened leaf.
+- The tree is evaluated in post order with a stack: after leaf i, every internal node
+  whose range ends at i (innermost first) adds its pending left sum to the running one
+  (`tree_pops`), and the result is pushed unless i is the last leaf. Popped storage is
+  reused for the result, so at most `max_pending(M)` <= log2(M) whole vectors are alive.
+- `on_host`: the pushed sums live in pinned host memory and only the root is a device
+  vector, so the device holds one float32 gradient vector whatever M is (two PCIe
+  transfers of a vector per leaf, about; `bench/grad_memory.py` measures both).
+
+Why the bits are those of `tree_reduce`: every operation is elementwise, so element j of
+the sum depends only on element j of the leaves and on the order in which they are added;
+cutting the vector into per-parameter ranges, or moving a partial sum to the host and
+back (a copy), changes neither. The order is the same: each addition is `left + right`
+of the same two float32 operands in the same tree (a range of `x.add_(y)` computes what
+the whole vector's does at those elements), an empty leaf (None) adds nothing as in
+`tree_reduce`, and a bf16 gradient becomes float32 exactly, as `flatten` made it. A
+parameter that the backward pass did not reach adds +0.0, as `torch.zeros_like` did, and
+so does the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reprorl.workers.flat import FlatLayout
+
+
+def tree_pops(lo: int, hi: int) -> list[int]:
+    """For each leaf i of [lo, hi) (index i - lo): how many pending left sums are added to
+    the running sum right after it: one per internal node whose range ends at i + 1."""
+    pops = [0] * (hi - lo)
+
+    def visit(a: int, b: int) -> None:
+        if b - a == 1:
+            return
+        mid = (a + b) // 2
+        visit(a, mid)
+        visit(mid, b)
+        pops[b - 1 - lo] += 1
+
+    visit(lo, hi)
+    return pops
+
+
+def max_pending(count: int) -> int:
+    """The most whole vectors a `GradTree` of `count` leaves holds at once (pending sums,
+    the running one included): the deepest stack after any leaf. log2(count) for a power of two."""
+    depth, peak = 0, 1
+    for pops in tree_pops(0, count)[:-1]:
+        depth += 1 - pops
+        peak = max(peak, depth)
+    return peak
+
+
+class GradTree:
+    """The sum of leaves [lo, hi) in `tree_reduce`'s tree, fed a parameter range at a time.
+
+    Per leaf, in index order: `start_leaf(empty)`, then `add` for the parameters' gradients
+    (any order), then `finish_leaf` (it adds +0.0 for what was not added). `result()`: the
+    `[padded]` float32 sum on `device`, or None when every leaf was empty.
+    """
+
+    def __init__(self, lo: int, hi: int, layout: FlatLayout, device: torch.device, on_host: bool = False) -> None:
+        if hi <= lo:
+            raise ValueError(f"GradTree: empty leaf range [{lo}, {hi})")
+        self.layout, self.device = layout, torch.device(device)
+        self.host = torch.device("cpu") if on_host else self.device
+        self.pops, self.lo = tree_pops(lo, hi), lo
+        self.offsets = layout.offsets() + [layout.numel]
+        self.stack: list[torch.Tensor | None] = []
+        self.leaf = lo
+        self.root: torch.Tensor | None = None
+
+    def start_leaf(self, empty: bool) -> None:
+        """Take the pending sums this leaf's nodes add (innermost first) and pick the storage
+        the running sum is written to: a taken one in the right place, else a new vector,
+        made at the first `add` (after the forward pass's peak, not beside it)."""
+        count = self.pops[self.leaf - self.lo]
+        taken = self.stack[len(self.stack) - count :][::-1]  # innermost (most recent) first
+        del self.stack[len(self.stack) - count :]
+        self.taken = taken
+        self.empty = empty
+        self.done = [False] * len(self.layout.names)
+        last = self.leaf == self.lo + len(self.pops) - 1
+        where = self.device if last else self.host
+        self.target, self.new_target = None, None
+        if empty and all(t is None for t in taken):
+            return
+        reuse = [t for t in taken if t is not None and t.device == where]
+        if reuse:
+            self.target = reuse[-1]
+        else:  # allocated by the first `_fold`: in the backward pass, once the logits' gradient is freed
+            self.new_target = where
+
+    def add(self, index: int, grad: torch.Tensor | None) -> None:
+        """Parameter `index`'s gradient (any float dtype; None: +0.0) into the running sum."""
+        if self.empty:
+            raise RuntimeError(f"GradTree.add: leaf {self.leaf} was started empty")
+        start, end = self.offsets[index], self.offsets[index + 1]
+        if grad is None:
+            grad = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+        self._fold(start, end, grad.reshape(-1).to(torch.float32))  # exact: a wider float
+        self.done[index] = True
+
+    def finish_leaf(self) -> None:
+        """The ranges not added (unreached parameters, the padding, or all of an empty leaf),
+        then push the running sum (or keep it as the root after the last leaf)."""
+        ranges = [(self.offsets[i], self.offsets[i + 1]) for i, done in enumerate(self.done) if not done]
+        if self.layout.padded > self.layout.numel:
+            ranges.append((self.layout.numel, self.layout.padded))
+        for start, end in ranges:
+            zeros = None if self.empty else torch.zeros(end - start, dtype=torch.float32, device=self.device)
+            self._fold(start, end, zeros)
+        self.taken = []
+        if self.leaf == self.lo + len(self.pops) - 1:
+            self.root = self.target
+        else:
+            self.stack.append(self.target)
+        self.leaf += 1
+
+    def result(self) -> torch.Tensor | None:
+        if self.leaf != self.lo + len(self.pops):
+            raise RuntimeError(f"GradTree.result: leaf {self.leaf} of [{self.lo}, {self.lo + len(self.pops)}) is next")
+        return self.root
+
+    def _fold(self, start: int, end: int, value: torch.Tensor | None) -> None:
+        """target[start:end] = taken[-1] + (... + (taken[0] + value)), skipping Nones (empty
+        subtrees): each addition left + right, as `tree_reduce`'s `left.add_(right)`.
+        A taken sum on the device is read here once and never again, so it is added into in
+        place; the target, when it is one of them, is written below, after its one read."""
+        if self.target is None:
+            if self.new_target is None:
+                return
+            where = self.new_target
+            self.target = torch.empty(self.layout.padded, dtype=torch.float32, device=where,
+                                      pin_memory=where.type == "cpu" and self.device.type == "cuda")
+        for left in self.taken:
+            if left is None:
+                continue
+            piece = left[start:end]
+            if piece.device != self.device:
+                piece = piece.to(self.device, non_blocking=True)  # from the host: a copy
+            value = piece if value is None else piece.add_(value)
+        dest = self.target[start:end]
+        if value.data_ptr() != dest.data_ptr() or value.device != dest.device:
+            dest.copy_(value, non_blocking=True)

@@ -1,0 +1,203 @@
+"""The GPU memory estimate (trainer/memory.py): literal bytes on small shapes, the KV cache
+as the engine sizes it, the one-line error, and `reprorl config --memory`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from reprorl import cli
+from reprorl.config import load_config
+from reprorl.errors import ConfigError
+from reprorl.models.arch import ModelArgs
+from reprorl.models.transformer import CausalLM
+from reprorl.trainer import memory
+from reprorl.trainer.memory import GIB, activation_bytes, check_gpu_memory, estimate_memory, kv_cache_bytes, param_count
+
+# One layer, 2 query heads and 1 kv head of 2, vocab 10, tied: small enough to count by hand.
+SMALL = ModelArgs(model_type="qwen2", vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=2, tie_word_embeddings=True, qkv_bias=True)
+# The tiny test model's shape (models/tiny.py): 128 wide, 2 layers, vocab 128, tied.
+TINY = ModelArgs(model_type="qwen2", vocab_size=128, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True, qkv_bias=True)
+
+
+def test_parameter_count_by_hand_and_as_the_model_has_it():
+    # embedding 10x4 = 40; q 4x4 + 4, k 4x2 + 2, v 4x2 + 2, o 4x4; mlp 3 x 4x6 = 72; 2 norms 8; final norm 4
+    assert param_count(SMALL) == 40 + (16 + 4) + (8 + 2) + (8 + 2) + 16 + 72 + 8 + 4 == 180
+    assert param_count(SMALL) == sum(p.numel() for p in CausalLM(SMALL).parameters())
+    untied = dataclasses.replace(SMALL, tie_word_embeddings=False)
+    assert param_count(untied) == 180 + 40 == sum(p.numel() for p in CausalLM(untied).parameters())
+    assert param_count(SMALL, "critic") == 180 + 4 + 1
+
+
+def test_kv_cache_by_hand():
+    # 2 (k, v) x 1 layer x 1 kv head x 2 dims x 2 bytes = 8 bytes a token; 100 tokens -> one KEY_BLOCK of 128
+    assert kv_cache_bytes(SMALL, 2, max_num_seqs=4, max_model_len=100, utilization=0.5, free_bytes=None) == 5 * 128 * 8
+    # 0.5 x 6000 bytes hold 2 slots of 1024 bytes, one of them the spare: 1 sequence
+    assert kv_cache_bytes(SMALL, 2, max_num_seqs=4, max_model_len=100, utilization=0.5, free_bytes=6000) == 2 * 1024
+    # not one whole slot of 1024 tokens: one shorter slot, 3000 // 16 // 128 = 1 block, and its spare
+    assert kv_cache_bytes(SMALL, 2, max_num_seqs=4, max_model_len=1000, utilization=0.5, free_bytes=6000) == 2 * 128 * 8
+
+
+@pytest.mark.parametrize("free,max_len", [(10**9, 300), (2_000_000, 300), (2_000_000, 3000)])
+def test_kv_cache_is_what_the_engine_allocates(monkeypatch, free, max_len):
+    from reprorl.rollout import engine
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 8 * free))
+    slots, capacity = engine.gpu_cache_shape(TINY, torch.bfloat16, torch.device("cuda"), 16, max_len, 0.5)
+    per_token = 2 * 2 * 1 * 64 * 2
+    assert kv_cache_bytes(TINY, 2, 16, max_len, 0.5, free) == (slots + 1) * capacity * per_token
+
+
+def test_activations_by_hand():
+    # a layer keeps 6H + 2q + 2kv + 3I = 24 + 8 + 4 + 18 = 54 elements a token; 2 rows x 5 tokens, fp32
+    tokens, layer = 10, 54 * 4 * 10
+    around = 3 * 4 * 4 * tokens
+    logits = 2 * 3 * 10 * 4  # rows x response x vocab x 4 bytes
+    assert activation_bytes(SMALL, 4, 2, 5, 3, checkpointing=False) == layer + around + 2 * logits
+    assert activation_bytes(SMALL, 4, 2, 5, 3, checkpointing=True) == 4 * 4 * tokens + around + logits + max(
+        logits, layer)
+
+
+def small_config(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", "data.max_prompt_length=64", "data.max_response_length=8",
+                              "rollout.n=8", "data.train_batch_size=16", "actor.ppo_mini_batch_size=16",
+                              "actor.ppo_micro_batch_size=32", "rollout.num_replicas=2", "rollout.max_num_seqs=64",
+                              *extra])
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf_config()))
+    return tmp_path
+
+
+def test_the_estimate_of_a_small_run_by_hand(tiny_dir):
+    est = estimate_memory(small_config(tiny_dir))  # float32, GRPO with a KL loss: actor, reference, 2 replicas
+    params, padded = 410_752, 101 * 4096  # 16384 + 2 x 197120 + 128; 101 chunks of 4096
+    weights = params * 4
+    assert est.resident == {
+        "actor weights": weights, "actor master weights (float32)": padded * 4,
+        "actor AdamW moments (float32)": 2 * padded * 4, "reference weights": weights,
+        "rollout weights (2 replica(s))": 2 * weights,
+    }
+    # 128 samples, 32 a micro-batch: 4 leaves, at most 2 whole vectors (grad_tree.max_pending)
+    assert est.phases["actor update"] == {
+        "gradient sums (2 x float32)": 2 * padded * 4,
+        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False),
+    }
+    # 2 x 64 slots (+1 spare) of 128 tokens x 1024 bytes; the last step's logits, 64 x 128 x 4
+    assert est.phases["generation"] == {"KV cache (2 replica(s))": 2 * 65 * 128 * 1024,
+                                       "engine logits (float32)": 2 * 64 * 128 * 4}
+    assert est.processes == 4
+    assert est.peak == est.phase_total(est.peak_phase) == sum(est.resident.values()) + sum(
+        est.phases[est.peak_phase].values()) + 4 * memory.CUDA_CONTEXT_BYTES
+
+
+def test_ppo_adds_the_critic_and_its_update(tiny_dir):
+    est = estimate_memory(small_config(tiny_dir, "algorithm.adv_estimator=gae"))
+    critic = 410_752 + 128 + 1  # the backbone and a value head [1, H] with its bias
+    assert est.resident["critic weights"] == critic * 4
+    assert est.resident["critic AdamW moments (float32)"] == 2 * 101 * 4096 * 4
+    assert est.phases["critic update"] == {
+        "gradient sums (2 x float32)": 2 * 101 * 4096 * 4,
+        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False, head="critic"),
+    }
+    assert est.processes == 5  # actor, reference, critic, 2 replicas
+
+
+def test_host_sums_hold_one_vector_and_a_token_budget_lays_leaves_on_a_power_of_two(tiny_dir):
+    est = estimate_memory(small_config(tiny_dir, "model.grad_sums_on_host=true"))
+    assert "gradient sums (1 x float32)" in est.phases["actor update"]
+    # 72-token samples, 3 to a 216-token micro-batch: 43 micro-batches -> 64 leaves -> max_pending 6
+    est = estimate_memory(small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=216"))
+    assert "gradient sums (6 x float32)" in est.phases["actor update"]
+
+
+def test_lora_counts_the_adapters_alone(tiny_dir):
+    cfg = small_config(tiny_dir, "model.lora_rank=8")
+    est = estimate_memory(cfg)
+    # rank 8 x (in + out) per projection: q 256, k 192, v 192, o 256, gate, up, down 512 each: 2432 x 8 x 2 layers
+    adapters = 8 * 2432 * 2
+    assert est.resident["actor LoRA adapters (rank 8)"] == adapters * 4
+    assert est.resident["actor master weights (float32)"] == 10 * 4096 * 4  # 38,912 padded to 10 chunks
+    assert "reference weights" not in est.resident  # the base with the adapters off
+    cfg.model.target_modules = ["q_proj", "qkv"]
+    with pytest.raises(ConfigError, match="model.target_modules: unknown module 'qkv'"):
+        estimate_memory(cfg)
+
+
+def test_a_run_that_cannot_fit_stops_with_one_line_saying_what_would(tiny_dir):
+    cfg = small_config(tiny_dir, "rollout.max_num_seqs=8")
+    est = estimate_memory(cfg)
+    assert check_gpu_memory(cfg, est.peak) is not None  # fits exactly
+    gpu = est.peak - 1
+    with pytest.raises(ConfigError) as err:
+        check_gpu_memory(cfg, gpu)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"needs about {est.peak / GIB:.1f} GiB at its peak (actor update)" in message
+    assert f"the GPU has {gpu / GIB:.1f} GiB" in message
+    assert "actor.ppo_micro_batch_size=16" in message and "model.gradient_checkpointing=true" in message
+    assert estimate_memory(dataclasses.replace(cfg, actor=dataclasses.replace(
+        cfg.actor, ppo_micro_batch_size=16)), gpu).peak <= gpu  # what it says would fit does
+
+
+def test_when_no_change_alone_fits_the_error_gives_them_together(tiny_dir):
+    # a token budget: no micro-batch size to halve; a LoRA run, so LoRA is no suggestion; at
+    # the peak of both switches on, neither alone is enough
+    cfg = small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=2160", "rollout.max_num_seqs=8",
+                       "model.lora_rank=8")
+    both = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True,
+                                                               grad_sums_on_host=True))
+    with pytest.raises(ConfigError, match=r"would fit: model.gradient_checkpointing=true \+ "
+                                          r"model.grad_sums_on_host=true \(`reprorl config"):
+        check_gpu_memory(cfg, estimate_memory(both).peak)
+    # Full fine-tuning at the peak of its own two switches on: LoRA alone fits that GPU
+    full = small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=2160", "rollout.max_num_seqs=8")
+    full_both = dataclasses.replace(full, model=dataclasses.replace(full.model, gradient_checkpointing=True,
+                                                                     grad_sums_on_host=True))
+    with pytest.raises(ConfigError, match=r"would fit: LoRA \(model.lora_rank=64\) \(`reprorl config"):
+        check_gpu_memory(full, estimate_memory(full_both).peak)
+
+
+def test_a_gpu_too_small_for_the_weights_says_nothing_in_reach_fits(tiny_dir):
+    with pytest.raises(ConfigError, match="nothing in reach fits"):
+        check_gpu_memory(small_config(tiny_dir), 2**20)
+
+
+def test_config_memory_prints_the_table(tiny_dir, capsys):
+    assert cli.main(["config", f"model.path={tiny_dir}", "resources.device=cpu", "--memory", "--gpu-gib", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "actor AdamW moments (float32)" in out and "actor update: gradient sums" in out
+    assert "total during actor update" in out and "<- peak" in out
+    assert "does NOT fit a GPU of 1.0 GiB" in out  # 5 CUDA contexts alone are 2.5 GiB
+
+
+def test_config_memory_names_a_missing_model(tmp_path, capsys):
+    assert cli.main(["config", f"model.path={tmp_path / 'none'}", "--memory"]) == 2
+    assert "model.path=" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("restore_environ")
+def test_a_cuda_run_that_cannot_fit_stops_before_any_part_starts(tmp_path, monkeypatch):
+    from reprorl.data.synthetic import write_arithmetic_dataset
+    from reprorl.models.tiny import make_tiny
+    from reprorl.trainer import fit
+    from reprorl.trainer.placement import Placement
+
+    policy = make_tiny(tmp_path / "policy", kind="policy", seed=0)
+    data = write_arithmetic_dataset(tmp_path / "data", num_train=64, num_val=8, seed=0)
+    # A GPU of 1 GiB (2 processes' CUDA contexts alone are 1 GiB), and no Ray.
+    monkeypatch.setattr(fit, "plan_placement", lambda *args, **kwargs: Placement("cuda", 0.35, 0.3))
+    monkeypatch.setattr(fit, "gpu_total_bytes", lambda: GIB)
+    monkeypatch.setattr(fit, "init_ray", lambda: pytest.fail("a part started"))
+    cfg = load_config(None, [f"model.path={policy}", f"data.train_files=[{data['train']}]", "data.val_files=[]",
+                             f"trainer.run_dir={tmp_path / 'run'}", "rollout.num_replicas=1"])
+    with pytest.raises(ConfigError, match=r"^GPU memory: the run needs about [0-9.]+ GiB at its peak \(\w[\w -]*\) "
+                                          r"and the GPU has 1.0 GiB; "):
+        fit.Trainer(cfg)
