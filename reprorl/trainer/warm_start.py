@@ -113,8 +113,10 @@ def sft_train(
     log_every: int = 50,
     device: str = "cpu",
     batch_invariant: bool = False,
+    stop_after: int | None = None,
 ) -> list[float]:
     """Train `model` in place on tokenised examples (`sft_example`); returns each step's loss.
+    `stop_after`: stop after that many of the `steps` (whose schedule it keeps), for probes.
 
     `device` "cuda": the model (float32 weights and AdamW state) is moved there and its
     forward runs under bf16 autocast (mixed precision); the loss is taken in float32.
@@ -134,7 +136,7 @@ def sft_train(
     optimizer = make_adamw(params, optim_args)
     model.train()
     losses = []
-    for step, indices in enumerate(batch_indices(len(examples), batch_size, steps, seed)):
+    for step, indices in enumerate(batch_indices(len(examples), batch_size, steps, seed)[:stop_after]):
         step_lr = lr * lr_multiplier(step, warmup_steps=0, total_steps=steps, schedule=lr_schedule)
         set_lr(optimizer, step_lr)
         input_ids, attention_mask, loss_mask = (t.to(device) for t in collate([examples[i] for i in indices],

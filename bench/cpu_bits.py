@@ -1,0 +1,133 @@
+"""Where two CPUs part: the default policy's warm start, step by step and op by op.
+
+    python bench/cpu_bits.py --out amd.json              # on one machine
+    python bench/cpu_bits.py --out xeon.json             # on another (same torch build)
+    python bench/cpu_bits.py --compare amd.json xeon.json
+
+A run records, with full determinism's pinned CPU kernels:
+- every module's output, every parameter's gradient and the loss of the first warm-start
+  step (digests, in module order, from forward and backward hooks);
+- the loss of every step of the warm start the default run makes (its data, base model,
+  schedule and batch order), as exact hex floats.
+`--compare` names the first step whose loss differs and, if the first step already does,
+the first op whose output differs: where to look when the default run's bits differ
+between machines. `--steps N` stops the per-step record after N steps (the schedule stays
+the default run's, so the steps recorded are the same ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+from reprorl.determinism import ATEN_CPU_CAPABILITY
+
+os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN_CPU_CAPABILITY)  # before torch starts, as `reprorl train`
+
+import torch  # noqa: E402
+
+
+def record(steps: int | None) -> dict:
+    from transformers import AutoTokenizer
+
+    from reprorl.data.dataset import read_rows
+    from reprorl.determinism import pin_cpu_kernels, tensor_digest
+    from reprorl.models.hf_io import load_model
+    from reprorl.models.tiny import make_tiny
+    from reprorl.trainer import default_run
+    from reprorl.trainer.warm_start import collate, sft_example, sft_loss, sft_train
+
+    pin_cpu_kernels()
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        default_run.make_default_data(root / "data")
+        pairs = default_run.run_on_pairs(read_rows(root / "data" / "train.parquet"), default_run.RUN_ON_FRACTION,
+                                         seed=default_run.MODEL_SEED)
+        base = make_tiny(root / "base", kind="policy", seed=default_run.MODEL_SEED)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        examples = [sft_example(tokenizer, messages, answer) for messages, answer in pairs]
+        model, _ = load_model(base, kind="causal_lm")
+
+        from reprorl.kernels import select_kernels
+
+        model.kernels = select_kernels("cpu", batch_invariant=True)
+        ops = first_step_ops(model, examples, tokenizer.pad_token_id, collate, sft_loss, tensor_digest)
+        model, _ = load_model(base, kind="causal_lm")  # the warm start from the same base
+        total = default_run.WARM_START_STEPS
+        losses = sft_train(model, examples, steps=total, batch_size=default_run.WARM_START_BATCH_SIZE,
+                           lr=default_run.WARM_START_LR, seed=default_run.MODEL_SEED, pad_token_id=tokenizer.pad_token_id,
+                           batch_invariant=True, log_every=0, stop_after=steps)
+    return {"machine": platform.processor() or platform.machine(), "cpu": _cpu_name(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "ops": ops, "losses": [float(x).hex() for x in losses]}
+
+
+def first_step_ops(model, examples, pad_token_id, collate, sft_loss, digest) -> list[list[str]]:
+    """[name, digest] of every module's output, the loss and every gradient, for the first batch."""
+    from reprorl.trainer import default_run
+    from reprorl.trainer.warm_start import batch_indices
+
+    ops: list[list[str]] = []
+    hooks = [m.register_forward_hook(lambda m, i, out, name=name: ops.append([f"forward {name}", _digest(out, digest)]))
+             for name, m in model.named_modules() if name]
+    indices = batch_indices(len(examples), default_run.WARM_START_BATCH_SIZE, 1, default_run.MODEL_SEED)[0]
+    input_ids, attention_mask, loss_mask = collate([examples[i] for i in indices], pad_token_id)
+    loss = sft_loss(model(input_ids, attention_mask), input_ids, loss_mask)
+    ops.append(["loss", digest(loss.detach())])
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    ops.extend([f"grad {name}", digest(p.grad)] for name, p in model.named_parameters() if p.grad is not None)
+    return ops
+
+
+def _digest(out, digest) -> str:
+    return digest(out.detach()) if isinstance(out, torch.Tensor) else digest(torch.zeros(0))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def compare(a_path: str, b_path: str) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
+    print(f"a: {a['cpu']}, torch {a['torch']}, {a['threads']} threads\nb: {b['cpu']}, torch {b['torch']}, "
+          f"{b['threads']} threads")
+    op = next(((x, y) for x, y in zip(a["ops"], b["ops"]) if x != y), None)
+    print("first step, op by op: " + ("all equal" if op is None else f"first difference at {op[0][0]}"))
+    step = next((i for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if x != y), None)
+    common = min(len(a["losses"]), len(b["losses"]))
+    print(f"losses of {common} steps: " + ("all equal" if step is None else
+                                            f"first difference at step {step + 1}: {a['losses'][step]} vs "
+                                            f"{b['losses'][step]}"))
+    return 0 if op is None and step is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--steps", type=int, default=None, help="record only the first N warm-start steps")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two records")
+    args = p.parse_args(argv)
+    if args.compare:
+        return compare(*args.compare)
+    if not args.out:
+        p.error("--out or --compare is needed")
+    result = record(args.steps)
+    Path(args.out).write_text(json.dumps(result) + "\n")
+    print(f"{result['cpu']}: {len(result['ops'])} ops, {len(result['losses'])} steps -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
