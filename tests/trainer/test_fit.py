@@ -19,21 +19,10 @@ from reprorl.trainer.checks import check_paths
 from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV, Trainer
 from small_run import run_trainer, small_run_overrides
 
-pytestmark = pytest.mark.slow
+# One Ray for the module (ray_local): Trainer.close leaves a caller's Ray up.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 ESTIMATORS = ["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-    root = tmp_path_factory.mktemp("fit")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    policy = make_tiny(root / "policy", kind="policy", seed=0)
-    reward = make_tiny(root / "reward", kind="reward", seed=1)
-    # One Ray for the module (ray_local): Trainer.close leaves a caller's Ray up.
-    yield {"train": paths["train"], "val": paths["val"], "policy": policy, "reward": reward}
 
 
 def small_config(assets, run_dir, *overrides):

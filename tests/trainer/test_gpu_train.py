@@ -42,17 +42,6 @@ GPU_RUN = (
 )
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("gpu_train")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    return {"root": root, "train": paths["train"], "val": paths["val"],
-            "policy": make_tiny(root / "policy", kind="policy", seed=0)}
-
-
 def _start(assets, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
     args = small_run_overrides(assets, run_dir, *GPU_RUN, *extra)
     # stderr to a file, not a pipe: four runs at once, one waited on while the others write.
@@ -78,9 +67,9 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(assets):
+def runs(assets, tmp_path_factory):
     """{name: (run dir, exit code)} of the four runs started together (module doc)."""
-    root = assets["root"]
+    root = tmp_path_factory.mktemp("gpu_train")
     started = {
         "a": _start(assets, root / "a"),
         "b": _start(assets, root / "b"),
