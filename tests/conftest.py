@@ -93,6 +93,18 @@ def assets(tmp_path_factory, tiny_policy_dir):
             "reward": make_tiny(root / "reward", kind="reward", seed=1)}
 
 
+@pytest.fixture(scope="session")
+def three_step_run(assets, tmp_path_factory):
+    """The run directory of a plain 3-step small run (tests/small_run.py), trained once a
+    session: the uninterrupted run that reruns, resumed runs and other seeds compare with."""
+    from reprorl.config import load_config
+    from small_run import run_trainer, small_run_overrides
+
+    run_dir = tmp_path_factory.mktemp("three-step-run") / "run"
+    run_trainer(load_config(None, small_run_overrides(assets, run_dir, "trainer.total_steps=3")))
+    return run_dir
+
+
 @pytest.fixture
 def assert_bitwise_identical(capsys):
     """`assert_bitwise_identical(run_a, run_b, steps)`: `reprorl compare` exits 0 and prints

@@ -311,9 +311,9 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exactly(
-    inputs, tmp_path, ray_local, monkeypatch
+    inputs, tmp_path, ray_local, monkeypatch, three_step_run
 ):
-    run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
+    run_dir = tmp_path / "run"
     common = ("trainer.total_steps=3", "trainer.save_freq=1")
     saved = {}
     real_save = Trainer.save
@@ -361,12 +361,12 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     assert load_checkpoint(run_dir)[0] == 1
     assert [k for k, v in weights_at_save[1].items() if not torch.equal(live_actor[k], v)] == []
 
-    # resume=auto (the default) continues from step 1, exactly as a run that never stopped.
+    # resume=auto (the default) continues from step 1, exactly as a run that never stopped
+    # (conftest.py's 3-step run).
     monkeypatch.undo()
     run_trainer(config(inputs, run_dir, *common))
-    run_trainer(config(inputs, whole_dir, *common))
     assert _steps(run_dir) == [1, 2, 3]
-    result = compare_runs(whole_dir, run_dir)
+    result = compare_runs(three_step_run, run_dir)
     assert result.identical and result.common_steps == [1, 2, 3], result
 
 
