@@ -1,6 +1,6 @@
-"""Shared fixtures: the project's tokenizer, a tiny policy, the small runs' assets, rollout-shaped
-batches, a local Ray and whether one of its actors is dead, the tolerance of gradients summed in
-another grouping, and `reprorl compare`'s verdict on two runs.
+"""Shared fixtures: the project's tokenizer, a tiny policy, the small runs' assets and one plain
+run trained on them, rollout-shaped batches, a local Ray and whether one of its actors is dead,
+the tolerance of gradients summed in another grouping, and `reprorl compare`'s verdict on two runs.
 
 The whole session runs torch's portable CPU kernels (`ATEN_CPU_CAPABILITY=default`), as a
 full-determinism run does: a run inside this process must agree with one in a subprocess.
