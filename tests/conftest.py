@@ -1,5 +1,6 @@
-"""Shared fixtures: the project's tokenizer, a tiny policy, rollout-shaped batches, a local Ray
-and whether one of its actors is dead, the tolerance of gradients summed in another grouping.
+"""Shared fixtures: the project's tokenizer, a tiny policy, the small runs' assets and one plain
+run trained on them, rollout-shaped batches, a local Ray and whether one of its actors is dead,
+the tolerance of gradients summed in another grouping, and `reprorl compare`'s verdict on two runs.
 
 The whole session runs torch's portable CPU kernels (`ATEN_CPU_CAPABILITY=default`), as a
 full-determinism run does: a run inside this process must agree with one in a subprocess.
@@ -77,6 +78,47 @@ def tiny_policy_dir(tmp_path_factory):
     from reprorl.models.tiny import make_tiny
 
     return make_tiny(tmp_path_factory.mktemp("tiny-policy"), kind="policy", seed=0)
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory, tiny_policy_dir):
+    """What the small end-to-end runs (tests/small_run.py) train on: arithmetic data (64 train,
+    8 validation rows), the tiny policy and a tiny reward model. Read-only: runs write elsewhere."""
+    from reprorl.data.synthetic import write_arithmetic_dataset
+    from reprorl.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("assets")
+    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
+    return {"train": paths["train"], "val": paths["val"], "policy": tiny_policy_dir,
+            "reward": make_tiny(root / "reward", kind="reward", seed=1)}
+
+
+@pytest.fixture(scope="session")
+def three_step_run(assets, tmp_path_factory):
+    """The run directory of a plain 3-step small run (tests/small_run.py), trained once a
+    session: the uninterrupted run that reruns, resumed runs and other seeds compare with."""
+    from reprorl.config import load_config
+    from small_run import run_trainer, small_run_overrides
+
+    run_dir = tmp_path_factory.mktemp("three-step-run") / "run"
+    run_trainer(load_config(None, small_run_overrides(assets, run_dir, "trainer.total_steps=3")))
+    return run_dir
+
+
+@pytest.fixture
+def assert_bitwise_identical(capsys):
+    """`assert_bitwise_identical(run_a, run_b, steps)`: `reprorl compare` exits 0 and prints
+    "bitwise identical over `steps` steps" (its plot goes beside run_b)."""
+    from reprorl import cli
+
+    def check(run_a, run_b, steps: int) -> None:
+        capsys.readouterr()
+        code = cli.main(["compare", str(run_a), str(run_b), "--plot", str(run_b.parent / f"{run_b.name}.compare.png")])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert f"bitwise identical over {steps} steps" in out, out
+
+    return check
 
 
 def _rollout_batch(batch_size: int, prompt_len: int, response_len: int, seed: int, vocab: int = 128) -> Batch:

@@ -25,21 +25,8 @@ from reprorl.determinism_report import REPORT_FILE, TEXT_FILE, build_report
 from small_run import small_run_overrides
 
 # restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    """Data, a tiny policy and a tiny reward model, as in tests/trainer/test_fit.py."""
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("gates")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    return {
-        "train": paths["train"], "val": paths["val"],
-        "policy": make_tiny(root / "policy", kind="policy", seed=0),
-        "reward": make_tiny(root / "reward", kind="reward", seed=1),
-    }
+# One Ray for the module (ray_local): the runs leave a caller's Ray up.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_environ")]
 
 
 def train(assets, run_dir: Path, *overrides: str) -> Path:
@@ -47,14 +34,6 @@ def train(assets, run_dir: Path, *overrides: str) -> Path:
     args = small_run_overrides(assets, run_dir, "rollout.num_replicas=1", *overrides)
     assert cli.main(["train", *args]) == 0
     return run_dir
-
-
-def assert_bitwise_identical(capsys, run_a: Path, run_b: Path, steps: int) -> None:
-    capsys.readouterr()
-    code = cli.main(["compare", str(run_a), str(run_b), "--plot", str(run_a.parent / "compare.png")])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert f"bitwise identical over {steps} steps" in out, out
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -66,10 +45,10 @@ def report(run_dir: Path) -> dict:
     return json.loads((run_dir / REPORT_FILE).read_text())
 
 
-def test_grpo_n4_one_replica_vs_three(assets, tmp_path, capsys):
+def test_grpo_n4_one_replica_vs_three(assets, tmp_path, assert_bitwise_identical):
     a = train(assets, tmp_path / "one", "rollout.n=4")
     b = train(assets, tmp_path / "three", "rollout.n=4", "rollout.num_replicas=3")
-    assert_bitwise_identical(capsys, a, b, steps=2)
+    assert_bitwise_identical(a, b, steps=2)
     got = report(b)
     assert got["verdict"] == "full determinism: on, all parts agree" and got["problems"] == []
     assert list(got["parts"]) == ["actor worker 0", "ref worker 0", "rollout replica 0", "rollout replica 1",
@@ -77,18 +56,19 @@ def test_grpo_n4_one_replica_vs_three(assets, tmp_path, capsys):
     assert all(got["parts"][f"rollout replica {i}"]["batch_invariant"] is True for i in range(3))
 
 
-def test_remax_with_a_reward_model_one_rm_replica_vs_two(assets, tmp_path, capsys):
+def test_remax_with_a_reward_model_one_rm_replica_vs_two(assets, tmp_path, assert_bitwise_identical):
     common = ("algorithm.adv_estimator=remax", f"reward.model_path={assets['reward']}", "reward.model_weight=0.5")
     a = train(assets, tmp_path / "one", *common)
     b = train(assets, tmp_path / "two", *common, "reward.num_replicas=2")
-    assert_bitwise_identical(capsys, a, b, steps=2)
+    assert_bitwise_identical(a, b, steps=2)
     assert "reward/model_mean" in metrics(b)[0] and "reward/baseline_mean" in metrics(b)[0]
     parts = report(b)["parts"]
     assert {"reward replica 0", "reward replica 1", "rollout replica 0"} <= set(parts)
     assert parts["reward replica 1"]["batch_invariant"] is True
 
 
-def test_ppo_with_a_critic_multi_turn_calculator_one_replica_vs_two_with_two_workers(assets, tmp_path, capsys):
+def test_ppo_with_a_critic_multi_turn_calculator_one_replica_vs_two_with_two_workers(assets, tmp_path,
+                                                                                     assert_bitwise_identical):
     # The random tiny policy writes a <tool_call> by chance (malformed: the calculator
     # answers with an error) and goes on after the tool's turn; with 96 tokens and n=4,
     # one sample of step 1's eight does at this seed (the assertion makes sure).
@@ -96,7 +76,7 @@ def test_ppo_with_a_critic_multi_turn_calculator_one_replica_vs_two_with_two_wor
               "data.max_response_length=96")
     a = train(assets, tmp_path / "one", *common)
     b = train(assets, tmp_path / "two", *common, "rollout.num_replicas=2", "rollout.num_agent_workers=2")
-    assert_bitwise_identical(capsys, a, b, steps=2)
+    assert_bitwise_identical(a, b, steps=2)
     records = metrics(a)
     assert any(r["rollout/turns_mean"] > 1 for r in records), "no tool turn ran: the gate would test one turn only"
     assert "critic/vf_loss" in records[0]

@@ -1,13 +1,12 @@
-"""One tiny policy (per session) and rollout replica pools (per module) for the agent-loop tests."""
+"""The tiny policy's path (conftest.py's, as a string) and rollout replica pools (per module) for the
+agent-loop tests."""
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_policy(tmp_path_factory):
-    from reprorl.models.tiny import make_tiny
-
-    return str(make_tiny(tmp_path_factory.mktemp("agent_loop") / "policy", kind="policy", seed=0))
+def tiny_policy(tiny_policy_dir):
+    return str(tiny_policy_dir)
 
 
 @pytest.fixture(scope="module")

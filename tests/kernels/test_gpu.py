@@ -113,13 +113,6 @@ def test_startup_check_passes_at_real_shapes():
             verify_batch_invariance(kernels(), args, dtype, "cuda")
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from reprorl.models.tiny import make_tiny
-
-    return make_tiny(tmp_path_factory.mktemp("tiny"), seed=3)
-
-
 def _forward_digest(model_dir: str, dtype: str) -> str:
     from reprorl.kernels import select_kernels
     from reprorl.models.hf_io import load_model
@@ -170,16 +163,16 @@ def test_padded_forward_rows_equal_each_sequence_alone(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_two_processes_give_the_same_bits(tiny_dir, dtype):
-    here = _forward_digest(str(tiny_dir), dtype)
+def test_two_processes_give_the_same_bits(tiny_policy_dir, dtype):
+    here = _forward_digest(str(tiny_policy_dir), dtype)
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_gpu; "
-            f"print(test_gpu._forward_digest({str(tiny_dir)!r}, {dtype!r}))")
+            f"print(test_gpu._forward_digest({str(tiny_policy_dir)!r}, {dtype!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == here
 
 
 @pytest.mark.parametrize("dtype,temperature", [(torch.bfloat16, 1.0), (torch.float32, 1.0), (torch.bfloat16, 0.7)])
-def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype, temperature):
+def test_engine_log_probs_equal_the_trainers_forward(tiny_policy_dir, dtype, temperature):
     """The engine on the GPU (prefill, decode, 12 requests batched and one alone) against
     the trainer's padded forward on the same tokens: bitwise equal log-probs (at T != 1 too:
     both divide by the temperature on the device)."""
@@ -187,7 +180,7 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype, temperatur
     from reprorl.rollout.engine import Engine
     from reprorl.rollout.sampling import SamplingParams
 
-    model, _ = load_model(tiny_dir, dtype=dtype)
+    model, _ = load_model(tiny_policy_dir, dtype=dtype)
     model = model.cuda()
     engine = Engine(model, batch_invariant=True, eos_token_id=None, max_num_seqs=16)
     prompts = [[5 + i, 17, 33 + i, 8, 91][: 2 + i % 4] + [40] * (i % 7) for i in range(12)]

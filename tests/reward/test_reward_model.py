@@ -149,20 +149,8 @@ def test_score_errors(scorer):
 # ---- Ray replicas ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_instance():
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.slow  # three replica actors start (torch + model each): 15-25 s on 2 shared cores
-def test_replicas_give_the_same_scores(ray_instance, rm_path, scorer):
+def test_replicas_give_the_same_scores(ray_local, rm_path, scorer):
     from reprorl.reward.reward_model import RewardModelPool
 
     prompts, responses = _pairs(13, seed=5)  # 13: chunks of 7 and 6 over two replicas
@@ -179,7 +167,7 @@ def test_replicas_give_the_same_scores(ray_instance, rm_path, scorer):
 
 
 @pytest.mark.slow  # replica actors start, one hangs for the pool's limit: about 30 s
-def test_a_reward_replica_that_hangs_in_score_is_replaced_and_the_scores_kept(ray_instance, rm_path, scorer,
+def test_a_reward_replica_that_hangs_in_score_is_replaced_and_the_scores_kept(ray_local, rm_path, scorer,
                                                                              monkeypatch):
     """Replica 1 SIGSTOPs itself at its first score call: past `part_timeout_s` it is killed
     and replaced, its chunk scored again, and the scores are the same bits."""
@@ -199,11 +187,11 @@ def test_a_reward_replica_that_hangs_in_score_is_replaced_and_the_scores_kept(ra
     assert torch.equal(scores, scorer.score(prompts, responses))
 
 
-def test_replica_without_the_determinism_env_fails_at_start(ray_instance, rm_path):
+def test_replica_without_the_determinism_env_fails_at_start(ray_local, rm_path):
     from reprorl.determinism import determinism_env
     from reprorl.reward.reward_model import RewardReplica
 
-    ray = ray_instance
+    ray = ray_local
     actor = ray.remote(RewardReplica).options(num_cpus=0.1).remote(
         7, rm_path, {"max_num_seqs": 4}, determinism_env(0, full_determinism=True)
     )
@@ -247,7 +235,7 @@ def test_the_two_scorer_backends_do_not_import_each_other():
 
 
 @pytest.mark.slow  # one replica actor starts (torch + model): 10-20 s on 2 shared cores
-def test_the_pool_passes_its_device_and_dtype_to_its_replicas(ray_instance, rm_path):
+def test_the_pool_passes_its_device_and_dtype_to_its_replicas(ray_local, rm_path):
     """Started with wait=False (as the trainer starts its parts together), the replica runs
     on the pool's device in its dtype and scores as an in-process scorer in that dtype does."""
     from reprorl.reward.reward_model import RewardModelPool, RewardModelScorer

@@ -11,54 +11,22 @@ import random
 import pytest
 import torch
 
-from engine_runs import generate_all
+from engine_runs import EOS, assert_same, generate_all, req
 from kernel_modes import on_kernels
 from reprorl.kernels import KEY_BLOCK, CpuInvariantKernels
 from reprorl.models.hf_io import load_model
-from reprorl.models.tiny import make_tiny
-from reprorl.rollout.engine import Engine, GenerateOutput
+from reprorl.rollout.engine import Engine
 from reprorl.rollout.sampling import SamplingParams
 
-EOS = 2
-
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny") / "policy"
-    make_tiny(str(out), kind="policy", seed=0)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_dir):
-    return load_model(tiny_dir)[0]
+def model(tiny_policy_dir):
+    return load_model(tiny_policy_dir)[0]
 
 
 def make_engine(model, **kwargs) -> Engine:
     kwargs = {"batch_invariant": True, "eos_token_id": EOS, "max_num_seqs": 64, "max_num_batched_tokens": 256, **kwargs}
     return Engine(model, **kwargs)
-
-
-def req(rid, prompt, seed=0, priority=0, **params):
-    return {
-        "request_id": rid,
-        "prompt_ids": prompt,
-        "sampling_params": SamplingParams(**params),
-        "seed": seed,
-        "priority": priority,
-    }
-
-
-def key(out: GenerateOutput):
-    """What must be bitwise equal between two runs of one request."""
-    return out.token_ids, torch.tensor(out.log_probs, dtype=torch.float32), out.finish_reason
-
-
-def assert_same(a: GenerateOutput, b: GenerateOutput):
-    ta, la, fa = key(a)
-    tb, lb, fb = key(b)
-    assert ta == tb and fa == fb
-    assert torch.equal(la, lb)
 
 
 def random_prompt(rng, lo=1, hi=40):
@@ -111,11 +79,11 @@ def test_same_request_alone_or_in_a_crowd_sweep(model):
     crowd_trials(model, n_trials=50, max_others=63, seed=1)
 
 
-def test_two_engines_agree(tiny_dir, model):
+def test_two_engines_agree(tiny_policy_dir, model):
     rng = random.Random(3)
     requests = [random_request(rng, f"r{i}") for i in range(16)]
     a = generate_all(make_engine(model), requests)
-    b = generate_all(make_engine(load_model(tiny_dir)[0], max_num_seqs=4, max_num_batched_tokens=32), requests)
+    b = generate_all(make_engine(load_model(tiny_policy_dir)[0], max_num_seqs=4, max_num_batched_tokens=32), requests)
     for x, y in zip(a, b):
         assert_same(x, y)
 
@@ -298,8 +266,8 @@ def test_sleep_and_wake_up(model):
     assert_same(before, after)
 
 
-def test_update_weights(tiny_dir):
-    model = load_model(tiny_dir)[0]
+def test_update_weights(tiny_policy_dir):
+    model = load_model(tiny_policy_dir)[0]
     engine = make_engine(model)
     requests = [req(f"r{i}", [10 + i, 20, 30], seed=i, max_tokens=10, ignore_eos=True) for i in range(4)]
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -390,8 +358,8 @@ def test_kv_store_grows_while_sequences_run(model):
         assert_same(out, generate_all(make_engine(model), [r])[0])
 
 
-def test_a_model_error_fails_the_requests_in_flight_and_the_engine_recovers(tiny_dir):
-    model = load_model(tiny_dir)[0]
+def test_a_model_error_fails_the_requests_in_flight_and_the_engine_recovers(tiny_policy_dir):
+    model = load_model(tiny_policy_dir)[0]
     engine = make_engine(model)
     r = req("a", [4, 5, 6], max_tokens=4)
     good = generate_all(engine, [r])[0]

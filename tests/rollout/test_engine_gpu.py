@@ -9,29 +9,20 @@ import random
 import pytest
 import torch
 
-from engine_runs import generate_all
+from engine_runs import EOS, assert_same, generate_all, req
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-EOS = 2
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from reprorl.models.tiny import make_tiny
-
-    return str(make_tiny(tmp_path_factory.mktemp("tiny") / "policy", seed=3))
-
-
-def load(tiny_dir, dtype=torch.bfloat16):
+def load(path, dtype=torch.bfloat16):
     from reprorl.models.hf_io import load_model
 
-    return load_model(tiny_dir, dtype=dtype)[0].cuda()
+    return load_model(path, dtype=dtype)[0].cuda()
 
 
 @pytest.fixture(scope="module")
-def model(tiny_dir):
-    return load(tiny_dir)
+def model(tiny_policy_dir):
+    return load(tiny_policy_dir)
 
 
 def make_engine(model, **kwargs):
@@ -40,17 +31,6 @@ def make_engine(model, **kwargs):
     kwargs = {"batch_invariant": True, "eos_token_id": EOS, "max_num_seqs": 256, "max_num_batched_tokens": 4096,
               "max_model_len": 512, "gpu_memory_utilization": 0.05, **kwargs}
     return Engine(model, **kwargs)
-
-
-def req(rid, prompt, seed=0, **params):
-    from reprorl.rollout.sampling import SamplingParams
-
-    return {"request_id": rid, "prompt_ids": prompt, "sampling_params": SamplingParams(**params), "seed": seed}
-
-
-def assert_same(a, b):
-    assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-    assert torch.equal(torch.tensor(a.log_probs, dtype=torch.float32), torch.tensor(b.log_probs, dtype=torch.float32))
 
 
 def random_request(rng, rid):
@@ -123,8 +103,8 @@ def test_prefix_sharing_changes_nothing_but_work(model):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_engine_log_probs_equal_the_trainers_forward(tiny_dir, dtype):
-    model = load(tiny_dir, dtype)
+def test_engine_log_probs_equal_the_trainers_forward(tiny_policy_dir, dtype):
+    model = load(tiny_policy_dir, dtype)
     engine = make_engine(model)
     rng = random.Random(3)
     requests = [req(f"r{i}", [rng.randrange(3, 128) for _ in range(rng.randint(2, 150))], seed=i,
@@ -185,8 +165,8 @@ def test_cache_smaller_than_max_num_seqs_makes_admission_wait(model):
     assert gpu_cache_shape(args, torch.bfloat16, torch.device("cuda"), 8, 512, 0.5) == (8, 512)
 
 
-def test_sleep_wake_and_weight_updates(tiny_dir):
-    model = load(tiny_dir)
+def test_sleep_wake_and_weight_updates(tiny_policy_dir):
+    model = load(tiny_policy_dir)
     engine = make_engine(model, gpu_memory_utilization=0.2)
     requests = [req(f"r{i}", [10 + i, 20, 30], seed=i, max_tokens=20, ignore_eos=True) for i in range(4)]
     before = generate_all(engine, requests)
@@ -229,11 +209,11 @@ def test_fast_mode_runs_graphs_and_agrees_on_greedy_tokens_mostly(model):
     assert sum(f.token_ids[0] == d.token_ids[0] for f, d in zip(fast, det)) >= 12
 
 
-def test_from_path_onto_the_gpu(tiny_dir, model):
+def test_from_path_onto_the_gpu(tiny_policy_dir, model):
     from reprorl.rollout.engine import Engine
 
-    engine = Engine.from_path(tiny_dir, batch_invariant=True, dtype=torch.bfloat16, device="cuda", eos_token_id=EOS,
-                              max_model_len=512, gpu_memory_utilization=0.05)
+    engine = Engine.from_path(str(tiny_policy_dir), batch_invariant=True, dtype=torch.bfloat16, device="cuda",
+                              eos_token_id=EOS, max_model_len=512, gpu_memory_utilization=0.05)
     assert engine.device.type == "cuda" and engine.stats()["kv_slots"] == 64
     r = [req("a", [7, 8, 9], seed=5, max_tokens=12, ignore_eos=True)]
     assert_same(generate_all(engine, r)[0], generate_all(make_engine(model), r)[0])

@@ -16,10 +16,8 @@ PROMPT = [1, 40, 41, 42, 2, 8, 1, 60, 8]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from reprorl.models.tiny import make_tiny
-
-    return str(make_tiny(tmp_path_factory.mktemp("tiny") / "policy", kind="policy", seed=0))
+def model_dir(tiny_policy_dir):
+    return str(tiny_policy_dir)
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,8 @@ PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [20, 21], [30, 31, 32, 33]]
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    from reprorl.models.tiny import make_tiny
-
-    return str(make_tiny(tmp_path_factory.mktemp("vllm-policy"), kind="policy", seed=0))
+def policy(tiny_policy_dir):
+    return str(tiny_policy_dir)
 
 
 class _Records(logging.Handler):

@@ -24,17 +24,6 @@ if importlib.util.find_spec("vllm") is None:
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("vllm-train")
-    paths = write_arithmetic_dataset(root / "data", num_train=16, num_val=4, seed=0)
-    return {"train": paths["train"], "val": paths["val"], "policy": make_tiny(root / "policy", kind="policy", seed=0),
-            "reward": make_tiny(root / "reward", kind="reward", seed=1)}
-
-
 def train(assets, run_dir):
     args = small_run_overrides(
         assets, run_dir, f"reward.model_path={assets['reward']}", "reward.backend=vllm", "rollout.backend=vllm",

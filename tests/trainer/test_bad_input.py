@@ -16,6 +16,7 @@ checkpoint stays intact.
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,18 +54,15 @@ def _tiny_policy(out: Path, tokenizer=None, **changes) -> Path:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-
+def inputs(assets, tmp_path_factory):
+    """The small runs' assets (conftest.py), and tiny policies that differ from their policy."""
     root = tmp_path_factory.mktemp("bad-input")
-    paths = write_arithmetic_dataset(root / "data", num_train=16, num_val=4, seed=0)
     no_pad = make_char_tokenizer()
     no_pad.pad_token = None
     eos_beyond = _tiny_policy(root / "eos-beyond")
     (eos_beyond / "generation_config.json").write_text(json.dumps({"eos_token_id": 500}))
     return {
-        "train": paths["train"], "val": paths["val"],
-        "policy": _tiny_policy(root / "policy"),  # vocab 128, as the char tokenizer
+        **assets,  # train, val, policy (vocab 128, as the char tokenizer), reward
         "small_vocab": _tiny_policy(root / "small-vocab", vocab_size=100),
         "big_vocab": _tiny_policy(root / "big-vocab", vocab_size=160),  # padded embeddings: allowed
         "eos_beyond": eos_beyond,
@@ -72,12 +70,12 @@ def assets(tmp_path_factory):
     }
 
 
-def overrides(assets, run_dir, *extra):
-    return small_run_overrides(assets, run_dir, "rollout.num_replicas=1", *extra)
+def overrides(inputs, run_dir, *extra):
+    return small_run_overrides(inputs, run_dir, "rollout.num_replicas=1", *extra)
 
 
-def config(assets, run_dir, *extra):
-    return load_config(None, overrides(assets, run_dir, *extra))
+def config(inputs, run_dir, *extra):
+    return load_config(None, overrides(inputs, run_dir, *extra))
 
 
 @pytest.fixture
@@ -95,12 +93,12 @@ def no_workers(monkeypatch):
 
 
 @pytest.mark.parametrize("key", ["model.path", "model.ref_path", "model.critic_path"])
-def test_model_vocab_smaller_than_the_tokenizer_fails_at_start(assets, tmp_path, no_workers, key):
-    extra = [f"{key}={assets['small_vocab']}"]
+def test_model_vocab_smaller_than_the_tokenizer_fails_at_start(inputs, tmp_path, no_workers, key):
+    extra = [f"{key}={inputs['small_vocab']}"]
     if key == "model.critic_path":
         extra.append("algorithm.adv_estimator=gae")
-    cfg = config(assets, tmp_path / "run", *extra)
-    path = str(assets["small_vocab"])
+    cfg = config(inputs, tmp_path / "run", *extra)
+    path = str(inputs["small_vocab"])
     expected = (f"{key}: {path!r} has vocab_size=100 in config.json but the tokenizer of model.path has 128 tokens; "
                 "expected vocab_size >= 128")
     with pytest.raises(ConfigError) as info:
@@ -109,36 +107,36 @@ def test_model_vocab_smaller_than_the_tokenizer_fails_at_start(assets, tmp_path,
     assert not (tmp_path / "run").exists()  # nothing written for a run that cannot start
 
 
-def test_model_vocab_larger_than_the_tokenizer_is_allowed(assets, tmp_path):
-    cfg = config(assets, tmp_path / "run", f"model.path={assets['big_vocab']}", "algorithm.adv_estimator=gae")
+def test_model_vocab_larger_than_the_tokenizer_is_allowed(inputs, tmp_path):
+    cfg = config(inputs, tmp_path / "run", f"model.path={inputs['big_vocab']}", "algorithm.adv_estimator=gae")
     check_models(cfg, make_char_tokenizer())  # no error: padded embeddings (as Qwen's) are normal
 
 
-def test_eos_the_model_cannot_produce_fails_at_start(assets, tmp_path, no_workers):
-    cfg = config(assets, tmp_path / "run", f"model.path={assets['eos_beyond']}")
+def test_eos_the_model_cannot_produce_fails_at_start(inputs, tmp_path, no_workers):
+    cfg = config(inputs, tmp_path / "run", f"model.path={inputs['eos_beyond']}")
     with pytest.raises(ConfigError, match=r"model.path: '.*eos-beyond' stops generation at eos_token_id=500 "
                                           r"\(generation_config.json or config.json\), which its vocab_size=128 "
                                           r"cannot produce; expected an id in \[0, 128\)"):
         Trainer(cfg)
 
 
-def test_tokenizer_without_pad_token_pads_with_eos(assets, tmp_path):
+def test_tokenizer_without_pad_token_pads_with_eos(inputs, tmp_path):
     """A tokenizer without a pad token (Llama 3's, say) pads with eos, in every part that loads it."""
-    tokenizer = load_tokenizer(assets["no_pad"])
+    tokenizer = load_tokenizer(inputs["no_pad"])
     assert tokenizer.pad_token_id == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    check_models(config(assets, tmp_path / "run", f"model.path={assets['no_pad']}"), tokenizer)  # no error
+    check_models(config(inputs, tmp_path / "run", f"model.path={inputs['no_pad']}"), tokenizer)  # no error
 
 
-def test_tokenizer_without_pad_or_eos_token_fails_at_start(assets, tmp_path):
-    tokenizer = load_tokenizer(assets["no_pad"])
+def test_tokenizer_without_pad_or_eos_token_fails_at_start(inputs, tmp_path):
+    tokenizer = load_tokenizer(inputs["no_pad"])
     tokenizer.pad_token = tokenizer.eos_token = None
-    cfg = config(assets, tmp_path / "run", f"model.path={assets['no_pad']}")
+    cfg = config(inputs, tmp_path / "run", f"model.path={inputs['no_pad']}")
     with pytest.raises(ConfigError, match=r"model.path: the tokenizer in '.*no-pad' has neither a pad token nor an "
                                           r"eos token"):
         check_models(cfg, tokenizer)
 
 
-def test_reward_model_shorter_than_a_sample_warns_at_start(assets, tmp_path, caplog):
+def test_reward_model_shorter_than_a_sample_warns_at_start(inputs, tmp_path, caplog):
     """The RM re-tokenizes the text, so fewer positions than the policy's P + R may still
     fit: a warning at start, not an error."""
     from reprorl.models.tiny import make_tiny
@@ -146,26 +144,27 @@ def test_reward_model_shorter_than_a_sample_warns_at_start(assets, tmp_path, cap
     rm = make_tiny(tmp_path / "rm", kind="reward", seed=1)
     config_file = rm / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_position_embeddings": 40}))
-    cfg = config(assets, tmp_path / "run", f"reward.model_path={rm}", "reward.model_weight=0.5")
+    cfg = config(inputs, tmp_path / "run", f"reward.model_path={rm}", "reward.model_weight=0.5")
     with caplog.at_level("WARNING", logger="reprorl.trainer.checks"):
         check_models(cfg, make_char_tokenizer())
     assert "max_position_embeddings=40, fewer than data.max_prompt_length + data.max_response_length = 72" in caplog.text
 
 
-def test_prompt_plus_response_longer_than_the_model_fails_at_start(assets, tmp_path, no_workers):
+def test_prompt_plus_response_longer_than_the_model_fails_at_start(inputs, tmp_path, no_workers):
     # The tiny model has 2048 positions; the trainer's forward and the engine need P + R of them.
-    cfg = config(assets, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=16",
+    cfg = config(inputs, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=16",
                  "algorithm.adv_estimator=gae")
+    policy = re.escape(repr(str(inputs["policy"])))
     with pytest.raises(ConfigError, match=r"^data.max_prompt_length \+ data.max_response_length = 2040 \+ 16 = "
-                                          r"2056 tokens is more than model.path '.*policy' holds "
+                                          rf"2056 tokens is more than model.path {policy} holds "
                                           r"\(max_position_embeddings=2048\); expected at most 2048$"):
         Trainer(cfg)
-    check_models(config(assets, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=8"),
+    check_models(config(inputs, tmp_path / "run", "data.max_prompt_length=2040", "data.max_response_length=8"),
                  make_char_tokenizer())  # exactly 2048: fits
 
 
-def test_reprorl_train_prints_the_vocab_error_as_one_line(assets, tmp_path):
-    args = overrides(assets, tmp_path / "run", f"model.path={assets['small_vocab']}")
+def test_reprorl_train_prints_the_vocab_error_as_one_line(inputs, tmp_path):
+    args = overrides(inputs, tmp_path / "run", f"model.path={inputs['small_vocab']}")
     proc = subprocess.run([sys.executable, "-m", "reprorl.cli", "train", *args], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 2, proc.stderr
@@ -224,16 +223,16 @@ def _long_prompts(path: Path, source: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_truncated_prompts_reach_the_engine_in_training_and_validation(assets, tmp_path, ray_local):
+def test_truncated_prompts_reach_the_engine_in_training_and_validation(inputs, tmp_path, ray_local):
     """data.overlong_prompts=truncate_left: the rollout sends the dataset's cut prompt ids (it
     re-templated the whole messages, and the first long prompt crashed the run)."""
-    train = _long_prompts(tmp_path / "train.jsonl", assets["train"])
-    val = _long_prompts(tmp_path / "val.jsonl", assets["val"])
+    train = _long_prompts(tmp_path / "train.jsonl", inputs["train"])
+    val = _long_prompts(tmp_path / "val.jsonl", inputs["val"])
     run_dir = tmp_path / "run"
-    trainer = run_trainer(config(assets, run_dir, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+    trainer = run_trainer(config(inputs, run_dir, f"data.train_files=[{train}]", f"data.val_files=[{val}]",
                                  "data.overlong_prompts=truncate_left", "trainer.val_before_train=true",
                                  "trainer.total_steps=1", "trainer.test_freq=1"))
-    assert trainer.train_set.stats["truncated"] == trainer.train_set.stats["rows"] == 16
+    assert trainer.train_set.stats["truncated"] == trainer.train_set.stats["rows"] == 64
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     assert records[1]["prompt_length/mean"] == records[1]["prompt_length/max"] == 64.0
@@ -267,9 +266,9 @@ def test_a_non_finite_reward_model_score_is_an_error(char_tokenizer):
         loop.compute(_reward_batch(4), char_tokenizer)
 
 
-def test_a_source_no_builtin_rule_knows_fails_at_start(assets, tmp_path, no_workers):
+def test_a_source_no_builtin_rule_knows_fails_at_start(inputs, tmp_path, no_workers):
     """data_source 'gsm8k' (verl names it 'openai/gsm8k') scored 0 on every sample, all run long."""
-    rows = read_rows(assets["train"])
+    rows = read_rows(inputs["train"])
     rows[3]["data_source"] = "gsm8k"
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
@@ -277,17 +276,17 @@ def test_a_source_no_builtin_rule_knows_fails_at_start(assets, tmp_path, no_work
                                            r"'gsm8k' \(reward.fn=null picks one by data_source\); known: "
                                            r"reprorl/arithmetic, openai/gsm8k, .*; or set reward.fn to a function "
                                            r"of yours$"):
-        Trainer(config(assets, tmp_path / "run", f"data.train_files=[{train}]", "reward.fn=null"))
+        Trainer(config(inputs, tmp_path / "run", f"data.train_files=[{train}]", "reward.fn=null"))
 
 
 @pytest.mark.slow
-def test_a_reward_function_failing_past_the_error_rate_stops_the_run_at_that_step(assets, tmp_path, ray_local):
+def test_a_reward_function_failing_past_the_error_rate_stops_the_run_at_that_step(inputs, tmp_path, ray_local):
     """reward.max_error_rate: a function that raises on every sample from step 2 stops the run
     there, naming it and its first error; step 1's checkpoint is intact."""
     run_dir = tmp_path / "run"
     failing = f"{Path(__file__).parent / 'raise_at_step_2.py'}:raise_at_step_2"
     with pytest.raises(RewardFnError) as info:
-        run_trainer(config(assets, run_dir, f"reward.fn={failing}", "trainer.total_steps=3", "trainer.save_freq=1"))
+        run_trainer(config(inputs, run_dir, f"reward.fn={failing}", "trainer.total_steps=3", "trainer.save_freq=1"))
     ckpt_dir = run_dir / "checkpoints" / "step_1"
     assert str(info.value) == (
         "step 2: the reward function 'raise_at_step_2' failed on 4 of 4 samples, more than reward.max_error_rate=0.1; "
@@ -314,14 +313,14 @@ def _steps(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exactly(
-    assets, tmp_path, ray_local, monkeypatch
+    inputs, tmp_path, ray_local, monkeypatch, three_step_run
 ):
-    run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
+    run_dir = tmp_path / "run"
     common = ("trainer.total_steps=3", "trainer.save_freq=1")
     saved = {}
     real_save = Trainer.save
 
-    trainer = Trainer(config(assets, run_dir, *common))
+    trainer = Trainer(config(inputs, run_dir, *common))
     weights_at_save = {}
 
     def save_and_digest(self, step):
@@ -364,22 +363,22 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     assert load_checkpoint(run_dir)[0] == 1
     assert [k for k, v in weights_at_save[1].items() if not torch.equal(live_actor[k], v)] == []
 
-    # resume=auto (the default) continues from step 1, exactly as a run that never stopped.
+    # resume=auto (the default) continues from step 1, exactly as a run that never stopped
+    # (conftest.py's 3-step run).
     monkeypatch.undo()
-    run_trainer(config(assets, run_dir, *common))
-    run_trainer(config(assets, whole_dir, *common))
+    run_trainer(config(inputs, run_dir, *common))
     assert _steps(run_dir) == [1, 2, 3]
-    result = compare_runs(whole_dir, run_dir)
+    result = compare_runs(three_step_run, run_dir)
     assert result.identical and result.common_steps == [1, 2, 3], result
 
 
 @pytest.mark.slow
-def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(assets, tmp_path, ray_local):
+def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(inputs, tmp_path, ray_local):
     """full_determinism: a sample that would score 0 by timing instead stops the run, naming
     the step, the sample, its data source and the limit; the last checkpoint is intact."""
     run_dir = tmp_path / "run"
     hanging = f"{Path(__file__).parent / 'hang_at_step_2.py'}:hang_at_step_2"
-    trainer = Trainer(config(assets, run_dir, f"reward.fn={hanging}", "reward.timeout_s=2", "trainer.total_steps=3",
+    trainer = Trainer(config(inputs, run_dir, f"reward.fn={hanging}", "reward.timeout_s=2", "trainer.total_steps=3",
                              "trainer.save_freq=1"))
     try:
         with pytest.raises(RewardTimeoutError) as info:
@@ -399,9 +398,9 @@ def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(ass
 
 
 @pytest.mark.slow
-def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(assets, tmp_path, ray_local, monkeypatch):
+def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(inputs, tmp_path, ray_local, monkeypatch):
     # One-token responses: 4 tokens a mini-batch, 2 a micro-batch.
-    trainer = Trainer(config(assets, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1",
+    trainer = Trainer(config(inputs, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1",
                              "data.max_response_length=1"))
     real_update = trainer.critic.update
 
@@ -429,19 +428,19 @@ def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(assets, tm
 
 
 @pytest.mark.slow
-def test_diverged_weights_are_named_before_they_become_a_nan_loss(assets, tmp_path, ray_local):
+def test_diverged_weights_are_named_before_they_become_a_nan_loss(inputs, tmp_path, ray_local):
     # lr 1e30: step 1 is finite but leaves weights of ~1e30, whose logits overflow at step 2.
     with pytest.raises(NonFiniteError, match=r"^step 2: old_log_probs not finite in samples \[0, 1, 2, 3\] of 4 "
                                              r"\(diverged weights\? check the learning rates\); optimizer not "
                                              r"stepped; the run stopped\. The newest checkpoint, '.*step_1', is "
                                              r"unchanged"):
-        run_trainer(config(assets, tmp_path / "run", "actor.lr=1e30", "trainer.save_freq=1"))
+        run_trainer(config(inputs, tmp_path / "run", "actor.lr=1e30", "trainer.save_freq=1"))
     assert load_checkpoint(tmp_path / "run")[0] == 1
 
 
 @pytest.mark.slow
-def test_a_model_with_a_larger_vocab_than_its_tokenizer_trains(assets, tmp_path, ray_local):
+def test_a_model_with_a_larger_vocab_than_its_tokenizer_trains(inputs, tmp_path, ray_local):
     run_dir = tmp_path / "run"
-    run_trainer(config(assets, run_dir, f"model.path={assets['big_vocab']}", "trainer.total_steps=1"))
+    run_trainer(config(inputs, run_dir, f"model.path={inputs['big_vocab']}", "trainer.total_steps=1"))
     record = json.loads((run_dir / "metrics.jsonl").read_text())
     assert record["step"] == 1 and record["rollout/log_prob_max_gap"] == 0.0

@@ -22,23 +22,10 @@ from reprorl.rollout.supervision import HANG_ENV, KILL_ENV
 from small_run import small_run_overrides
 
 # restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
+# One Ray for the module (ray_local): the runs leave a caller's Ray up.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_environ")]
 
 COMMON = ("rollout.num_replicas=2", "rollout.num_agent_workers=2")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("faults")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    return {
-        "root": root, "train": paths["train"], "val": paths["val"],
-        "policy": make_tiny(root / "policy", kind="policy", seed=0),
-        "reward": make_tiny(root / "reward", kind="reward", seed=1),
-    }
 
 
 def train(assets, run_dir: Path, *overrides: str, kill: str | None = None, hang: str | None = None) -> Path:
@@ -55,24 +42,17 @@ def train(assets, run_dir: Path, *overrides: str, kill: str | None = None, hang:
 
 
 @pytest.fixture(scope="module")
-def unfailed(assets):
+def unfailed(assets, tmp_path_factory):
     """`unfailed(*overrides)`: the run nobody killed, trained once per module for each setting."""
+    root = tmp_path_factory.mktemp("unfailed")
     made: dict[tuple[str, ...], Path] = {}
 
     def get(*overrides: str) -> Path:
         if overrides not in made:
-            made[overrides] = train(assets, assets["root"] / f"unfailed_{len(made)}", *overrides)
+            made[overrides] = train(assets, root / str(len(made)), *overrides)
         return made[overrides]
 
     return get
-
-
-def assert_bitwise_identical(capsys, run_a: Path, run_b: Path, steps: int) -> None:
-    capsys.readouterr()
-    code = cli.main(["compare", str(run_a), str(run_b), "--plot", str(run_b.parent / f"{run_b.name}.png")])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert f"bitwise identical over {steps} steps" in out, out
 
 
 def restarts(run_dir: Path, metric: str) -> dict[int, float]:
@@ -87,63 +67,66 @@ def report_parts(run_dir: Path) -> list[str]:
     return json.loads((run_dir / "determinism.json").read_text())["parts"]
 
 
-def test_a_rollout_replica_killed_mid_rollout(assets, unfailed, tmp_path, capsys):
+def test_a_rollout_replica_killed_mid_rollout(assets, unfailed, tmp_path, assert_bitwise_identical):
     run = train(assets, tmp_path / "killed", "trainer.total_steps=6", kill="rollout replica 1@train/3/#1")
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6"), run, steps=6)
     assert restarts(run, "rollout/replica_restarts") == {3: 1.0}
     # The report, rewritten after the restart, checked the replacement like the first replicas.
     parts = report_parts(run)
     assert "rollout replica 2" in parts and "rollout replica 1" not in parts
 
 
-def test_a_rollout_replica_that_hangs_mid_rollout(assets, unfailed, tmp_path, capsys):
+def test_a_rollout_replica_that_hangs_mid_rollout(assets, unfailed, tmp_path, assert_bitwise_identical):
     """Replica 1 SIGSTOPs itself on its first request of step 2: alive to Ray, silent. Its
     requests are retried on replica 0 past their limit (trainer.part_timeout_s, small here),
     and the weight push after the rollout finds it hung and replaces it."""
     run = train(assets, tmp_path / "hung", "trainer.total_steps=6", "trainer.part_timeout_s=8",
                 hang="rollout replica 1@train/2/#1")
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6"), run, steps=6)
     assert restarts(run, "rollout/replica_restarts") == {2: 1.0}
     parts = report_parts(run)
     assert "rollout replica 2" in parts and "rollout replica 1" not in parts
 
 
-def test_the_only_rollout_replica_killed(assets, unfailed, tmp_path, capsys):
+def test_the_only_rollout_replica_killed(assets, unfailed, tmp_path, assert_bitwise_identical):
     """Every replica of the pool dead mid-rollout: the chunks rerun once the pool replaced it."""
     run = train(assets, tmp_path / "killed", "trainer.total_steps=6", "rollout.num_replicas=1",
                 kill="rollout replica 0@train/3/#1")
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6"), run, steps=6)
     assert restarts(run, "rollout/replica_restarts") == {3: 1.0}
     assert "rollout replica 1" in report_parts(run)
 
 
-def test_a_reward_model_replica_killed_mid_scoring(assets, unfailed, tmp_path, capsys):
+def test_a_reward_model_replica_killed_mid_scoring(assets, unfailed, tmp_path, assert_bitwise_identical):
     # Each RM replica scores one chunk a step: its third score call is step 3's.
     rm = (f"reward.model_path={assets['reward']}", "reward.num_replicas=2", "reward.model_weight=0.5")
     run = train(assets, tmp_path / "killed", "trainer.total_steps=6", *rm, kill="reward replica 1@score#3")
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6", *rm), run, steps=6)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6", *rm), run, steps=6)
     assert restarts(run, "reward/replica_restarts") == {3: 1.0}
     assert "reward replica 2" in report_parts(run)
 
 
-def test_an_agent_loop_worker_killed_mid_rollout(assets, unfailed, tmp_path, capsys):
+def test_an_agent_loop_worker_killed_mid_rollout(assets, unfailed, tmp_path, assert_bitwise_identical):
     # Worker 0 runs 2 of step 3's 4 samples: it dies sending the second, the first in flight.
     run = train(assets, tmp_path / "killed", "trainer.total_steps=6", kill="agent-loop worker 0@train/3/#2")
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6"), run, steps=6)
     assert restarts(run, "agent_loop/worker_restarts") == {3: 1.0}
     assert "agent-loop worker 2" in report_parts(run)
 
 
-def test_chaos_a_replica_killed_every_two_steps(assets, unfailed, tmp_path, capsys):
-    """Replicas 0 and 1, then their replacements 2 and 3: four restarts, the default limit."""
-    kills = ",".join(f"rollout replica {victim}@train/{step}/#1" for victim, step in ((0, 2), (1, 4), (2, 6), (3, 8)))
-    run = train(assets, tmp_path / "chaos", "trainer.total_steps=8", kill=kills)
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=8"), run, steps=8)
-    assert restarts(run, "rollout/replica_restarts") == {2: 1.0, 4: 1.0, 6: 1.0, 8: 1.0}
+def test_chaos_a_replica_killed_at_each_of_four_steps(assets, unfailed, tmp_path, assert_bitwise_identical):
+    """Replicas 0 and 1, then their replacements 2 and 3, each at its first request of steps 2
+    to 5: four restarts, the default limit; step 6 runs on replicas 4 and 5. (Six steps, so it
+    compares with the same run nobody killed as the other tests.)"""
+    kills = ",".join(f"rollout replica {victim}@train/{step}/#1" for victim, step in ((0, 2), (1, 3), (2, 4), (3, 5)))
+    run = train(assets, tmp_path / "chaos", "trainer.total_steps=6", kill=kills)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6"), run, steps=6)
+    assert restarts(run, "rollout/replica_restarts") == {2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}
     assert {"rollout replica 4", "rollout replica 5"} <= set(report_parts(run))
 
 
-def test_max_restarts_exceeded_stops_naming_the_part_and_resumes_bitwise(assets, unfailed, tmp_path, capsys):
+def test_max_restarts_exceeded_stops_naming_the_part_and_resumes_bitwise(assets, unfailed, tmp_path, capsys,
+                                                                       assert_bitwise_identical):
     run = tmp_path / "stopped"
     overrides = small_run_overrides(assets, run, *COMMON, "trainer.total_steps=6", "trainer.save_freq=1",
                                     "trainer.max_restarts=0")
@@ -159,7 +142,7 @@ def test_max_restarts_exceeded_stops_naming_the_part_and_resumes_bitwise(assets,
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_1", "step_2"]
 
     assert cli.main(["train", *overrides]) == 0  # trainer.resume=auto: from step 2, nobody killed
-    assert_bitwise_identical(capsys, unfailed("trainer.total_steps=6"), run, steps=6)
+    assert_bitwise_identical(unfailed("trainer.total_steps=6"), run, steps=6)
 
 
 def test_a_part_that_fails_to_start_stops_the_parts_started_with_it(assets, tmp_path, monkeypatch):

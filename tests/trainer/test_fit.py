@@ -19,21 +19,10 @@ from reprorl.trainer.checks import check_paths
 from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV, Trainer
 from small_run import run_trainer, small_run_overrides
 
-pytestmark = pytest.mark.slow
+# One Ray for the module (ray_local): Trainer.close leaves a caller's Ray up.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 ESTIMATORS = ["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-    root = tmp_path_factory.mktemp("fit")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    policy = make_tiny(root / "policy", kind="policy", seed=0)
-    reward = make_tiny(root / "reward", kind="reward", seed=1)
-    # One Ray for the module (ray_local): Trainer.close leaves a caller's Ray up.
-    yield {"train": paths["train"], "val": paths["val"], "policy": policy, "reward": reward}
 
 
 def small_config(assets, run_dir, *overrides):
@@ -73,13 +62,11 @@ def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
     assert all(r["rollout/log_prob_max_gap"] == 0.0 for r in records)
 
 
-def test_reruns_are_bitwise_identical(assets, tmp_path):
-    a = small_config(assets, tmp_path / "a", "trainer.total_steps=3")
+def test_reruns_are_bitwise_identical(assets, tmp_path, three_step_run):
     b = small_config(assets, tmp_path / "b", "trainer.total_steps=3", "rollout.num_agent_workers=2")
-    run_trainer(a)
     run_trainer(b)
-    assert without_timing(metrics(a.trainer.run_dir)) == without_timing(metrics(b.trainer.run_dir))
-    result = compare_runs(a.trainer.run_dir, b.trainer.run_dir)
+    assert without_timing(metrics(three_step_run)) == without_timing(metrics(b.trainer.run_dir))
+    result = compare_runs(three_step_run, b.trainer.run_dir)
     assert result.identical and len(result.common_steps) == 3
 
 
@@ -95,13 +82,11 @@ def test_reruns_with_a_reward_model_are_bitwise_identical(assets, tmp_path):
     assert compare_runs(a.trainer.run_dir, b.trainer.run_dir).identical
 
 
-def test_a_different_seed_diverges(assets, tmp_path):
-    a = small_config(assets, tmp_path / "a", "trainer.total_steps=1")
+def test_a_different_seed_diverges(assets, tmp_path, three_step_run):
     b = small_config(assets, tmp_path / "b", "trainer.total_steps=1", "seed=7")
-    run_trainer(a)
     run_trainer(b)
-    result = compare_runs(a.trainer.run_dir, b.trainer.run_dir)
-    assert not result.identical and result.divergence.step == 1
+    result = compare_runs(three_step_run, b.trainer.run_dir)  # step 1 in common
+    assert not result.identical and result.common_steps == [1] and result.divergence.step == 1
 
 
 def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_path):
@@ -176,14 +161,14 @@ def _train_process(args, **env):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
 
 
-def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
-    """SIGKILL right after step 2's checkpoint of 4, resume: fingerprints equal a run never stopped.
+def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path, three_step_run):
+    """SIGKILL right after step 2's checkpoint of 3, resume: fingerprints equal a run never
+    stopped (conftest.py's 3-step run, trained in this process).
 
-    The run kills itself at that point (TEST_KILL_AT_STEP_ENV), so the test cannot race it."""
-    common = ("trainer.total_steps=4", "trainer.save_freq=1")
-    whole = _train_process(small_run_overrides(assets, tmp_path / "whole", *common))
-    assert whole.wait(timeout=600) == 0, whole.stderr.read()
-
+    The run kills itself at that point (TEST_KILL_AT_STEP_ENV), so the test cannot race it.
+    The resumed run trains in this process, on the module's Ray: another process and Ray
+    start would prove nothing more."""
+    common = ("trainer.total_steps=3", "trainer.save_freq=1")
     killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common), **{TEST_KILL_AT_STEP_ENV: "2"})
     returncode = killed.wait(timeout=600)
     with contextlib.suppress(ProcessLookupError):
@@ -192,11 +177,10 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path):
     assert sorted(p.name for p in (tmp_path / "killed" / "checkpoints").iterdir()) == ["latest", "step_1", "step_2"]
     assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2]
 
-    resumed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
-    assert resumed.wait(timeout=600) == 0, resumed.stderr.read()
-    result = compare_runs(tmp_path / "whole", tmp_path / "killed")
-    assert result.identical and result.common_steps == [1, 2, 3, 4], result
-    assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2, 3, 4]
+    run_trainer(small_config(assets, tmp_path / "killed", *common, "trainer.resume=auto"))
+    result = compare_runs(three_step_run, tmp_path / "killed")
+    assert result.identical and result.common_steps == [1, 2, 3], result
+    assert [r["step"] for r in metrics(tmp_path / "killed")] == [1, 2, 3]
 
 
 def test_no_validation_files_means_no_validation(assets, tmp_path):

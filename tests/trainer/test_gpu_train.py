@@ -45,17 +45,6 @@ GPU_RUN = (
 MODES = {"full": (), "lora": ("model.lora_rank=8", "model.lora_alpha=16", "actor.lr=1e-3")}
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("gpu_train")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    return {"root": root, "train": paths["train"], "val": paths["val"],
-            "policy": make_tiny(root / "policy", kind="policy", seed=0)}
-
-
 def _start(assets, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
     args = small_run_overrides(assets, run_dir, *GPU_RUN, *extra)
     # stderr to a file, not a pipe: four runs at once, one waited on while the others write.
@@ -81,11 +70,10 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
-def runs(assets, request):
+def runs(assets, request, tmp_path_factory):
     """{name: (run dir, exit code)} of the four runs started together (module doc), and
     "mode": the mode's overrides."""
-    root, mode = assets["root"] / request.param, MODES[request.param]
-    root.mkdir(exist_ok=True)
+    root, mode = tmp_path_factory.mktemp(f"gpu_train_{request.param}"), MODES[request.param]
     started = {
         "a": _start(assets, root / "a", *mode),
         "b": _start(assets, root / "b", *mode),

@@ -12,19 +12,12 @@ from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from small_run import run_trainer, small_run_overrides
 
-pytestmark = pytest.mark.slow
+# One Ray for the module (ray_local); conftest's `assets`: the shared data and tiny policy.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-2")
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("lora")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    yield {"train": paths["train"], "val": paths["val"], "policy": make_tiny(root / "policy", kind="policy", seed=0)}
 
 
 def lora_config(assets, run_dir, *extra):

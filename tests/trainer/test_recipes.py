@@ -11,7 +11,8 @@ from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from small_run import run_trainer, small_run_overrides
 
-pytestmark = pytest.mark.slow
+# One Ray for the module (ray_local); conftest's `assets`: the shared data and tiny policy.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 RECIPES = {
     "gspo": ("actor.policy_loss=gspo", "actor.clip_ratio_low=0.0003", "actor.clip_ratio_high=0.0004"),
@@ -19,14 +20,6 @@ RECIPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("recipes")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    yield {"train": paths["train"], "val": paths["val"], "policy": make_tiny(root / "policy", kind="policy", seed=0)}
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))

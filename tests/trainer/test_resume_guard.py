@@ -135,14 +135,6 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_none_intact_is_an_error(tmp_
 # ------------------------------------------------------------------------------ through the Trainer
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, tiny_policy_dir):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-
-    paths = write_arithmetic_dataset(tmp_path_factory.mktemp("resume-guard") / "data", num_train=16, num_val=4, seed=0)
-    return {"train": paths["train"], "val": paths["val"], "policy": tiny_policy_dir}
-
-
 def _small(assets, run_dir, *extra):
     from small_run import small_run_overrides
 

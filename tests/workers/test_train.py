@@ -23,7 +23,8 @@ from reprorl.workers.group import WorkerError
 from small_run import run_trainer, small_run_overrides
 
 # restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("restore_environ")]
+# One Ray for the module (ray_local): the runs leave a caller's Ray up.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_environ")]
 
 ALGOS = {
     "grpo": ("algorithm.adv_estimator=grpo",),
@@ -32,14 +33,9 @@ ALGOS = {
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory, ray_local):
-    from reprorl.data.synthetic import write_arithmetic_dataset
-    from reprorl.models.tiny import make_tiny
-
-    root = tmp_path_factory.mktemp("dp")
-    paths = write_arithmetic_dataset(root / "data", num_train=64, num_val=8, seed=0)
-    return {"train": paths["train"], "val": paths["val"], "policy": make_tiny(root / "policy", kind="policy", seed=0),
-            "root": root}
+def root(tmp_path_factory):
+    """The module's run directories (the runs below are trained once, shared by the tests)."""
+    return tmp_path_factory.mktemp("dp")
 
 
 def overrides(assets, run_dir, algo, num_workers, *extra):
@@ -53,29 +49,21 @@ def overrides(assets, run_dir, algo, num_workers, *extra):
 _RUNS: dict = {}
 
 
-def run(assets, algo, num_workers) -> Path:
+def run(assets, root, algo, num_workers) -> Path:
     """The module's one run of `algo` with `num_workers` workers (trained on first use)."""
     key = (algo, num_workers)
     if key not in _RUNS:
-        run_dir = assets["root"] / f"{algo}-{num_workers}"
+        run_dir = root / f"{algo}-{num_workers}"
         assert cli.main(["train", *overrides(assets, run_dir, algo, num_workers)]) == 0
         _RUNS[key] = run_dir
     return _RUNS[key]
 
 
-def assert_bitwise_identical(capsys, run_a: Path, run_b: Path, steps: int) -> None:
-    capsys.readouterr()
-    code = cli.main(["compare", str(run_a), str(run_b), "--plot", str(run_a.parent / "compare.png")])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert f"bitwise identical over {steps} steps" in out, out
-
-
 @pytest.mark.parametrize("algo", list(ALGOS))
-def test_one_two_and_four_workers_train_the_same_bits(assets, capsys, algo):
-    runs = {n: run(assets, algo, n) for n in (1, 2, 4)}
+def test_one_two_and_four_workers_train_the_same_bits(assets, root, assert_bitwise_identical, algo):
+    runs = {n: run(assets, root, algo, n) for n in (1, 2, 4)}
     for a, b in ((1, 2), (1, 4), (2, 4)):
-        assert_bitwise_identical(capsys, runs[a], runs[b], steps=3)
+        assert_bitwise_identical(runs[a], runs[b], steps=3)
     report = (runs[4] / "determinism.txt").read_text()
     assert report.startswith("determinism: full determinism: on, all parts agree"), report
     groups = ("actor", "ref", "critic") if algo == "ppo" else ("actor", "ref")
@@ -83,27 +71,27 @@ def test_one_two_and_four_workers_train_the_same_bits(assets, capsys, algo):
         assert all(f"{group} worker {rank}" in report for rank in range(4)), report
 
 
-def test_a_token_budget_trains_the_same_bits_on_one_and_two_workers(assets, capsys):
+def test_a_token_budget_trains_the_same_bits_on_one_and_two_workers(assets, root, assert_bitwise_identical):
     """PPO with micro-batches by token budget (72: the widest sample, 64 + 8) for the actor,
     the reference and the critic: whatever count of micro-batches the lengths make, 1 and 2
     workers give the same bits."""
     runs = {}
     for n in (1, 2):
-        runs[n] = assets["root"] / f"ppo-budget-{n}"
+        runs[n] = root / f"ppo-budget-{n}"
         assert cli.main(["train", *overrides(assets, runs[n], "ppo", n,
                                              "actor.ppo_max_token_len_per_micro_batch=72")]) == 0
-    assert_bitwise_identical(capsys, runs[1], runs[2], steps=3)
+    assert_bitwise_identical(runs[1], runs[2], steps=3)
 
 
 @pytest.mark.parametrize(("saved_with", "resumed_with"), [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_bitwise_with_another_worker_count(assets, saved_with, resumed_with):
+def test_a_checkpoint_resumes_bitwise_with_another_worker_count(assets, root, saved_with, resumed_with):
     """Step 1's checkpoint of the PPO run with `saved_with` workers, resumed in a new run
     directory with `resumed_with`: steps 2 and 3 are the bits of the uninterrupted runs."""
-    saved = run(assets, "ppo", saved_with) / "checkpoints" / "step_1"
-    resumed = assets["root"] / f"ppo-{saved_with}-then-{resumed_with}"
+    saved = run(assets, root, "ppo", saved_with) / "checkpoints" / "step_1"
+    resumed = root / f"ppo-{saved_with}-then-{resumed_with}"
     cfg = load_config(None, overrides(assets, resumed, "ppo", resumed_with, f"trainer.resume={saved}"))
     run_trainer(cfg)
-    for uninterrupted in (run(assets, "ppo", saved_with), run(assets, "ppo", 1)):
+    for uninterrupted in (run(assets, root, "ppo", saved_with), run(assets, root, "ppo", 1)):
         result = compare_runs(uninterrupted, resumed)  # the resumed run has no step 1 of its own
         assert result.divergence is None and result.common_steps == [2, 3] and result.only_in_b == [], result
 
@@ -113,10 +101,10 @@ def _digests(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resumes_bitwise(assets, monkeypatch):
+def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resumes_bitwise(assets, root, monkeypatch):
     """GRPO with 2 workers; at step 2, actor worker 1 gets SIGKILL as the actor update
     starts (rank 0 then runs its half and waits for it in the reduction)."""
-    run_dir = assets["root"] / "grpo-killed"
+    run_dir = root / "grpo-killed"
     trainer = Trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))
     saved = {}
     real_save, real_update = trainer.save, trainer.actor.update
@@ -149,12 +137,12 @@ def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resume
 
     monkeypatch.undo()
     run_trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))  # trainer.resume=auto
-    result = compare_runs(run(assets, "grpo", 1), run_dir)
+    result = compare_runs(run(assets, root, "grpo", 1), run_dir)
     assert result.identical and result.common_steps == [1, 2, 3], result
 
 
-def test_a_disallowed_worker_count_is_a_one_line_error_naming_the_key(assets, capsys):
-    run_dir = assets["root"] / "three"
+def test_a_disallowed_worker_count_is_a_one_line_error_naming_the_key(assets, root, capsys):
+    run_dir = root / "three"
     assert cli.main(["train", *overrides(assets, run_dir, "grpo", 3)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "error: trainer.num_workers=3: expected a power of two that divides the 4 micro-batches of a mini-batch "
