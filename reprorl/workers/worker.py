@@ -14,10 +14,16 @@ holds no state until stepped). Every rank runs torch with WORKER_THREADS threads
 gradient's bits can depend on the thread count, and the rank that computes a micro-batch
 must not matter.
 
-Weights for the rollout replicas come from any rank's whole model (the group asks rank
-0): `named_weights` as CPU tensors (the host path), or `share_weights`, one buffer per
-dtype on the GPU handed out through CUDA IPC to replicas on the same GPU and freed by
-`release_shared_weights`; `weight_digests` gives the fingerprint's digests of them.
+With LoRA (`lora`: models/lora.py) only the adapters are trainable: the flat layout, the
+shard, the checkpoints and the weight pushes hold them alone, the base staying frozen in
+the model's dtype; `compute_log_probs(base=True)` gives the reference policy's log-probs
+with the adapters switched off.
+
+Weights for the rollout replicas come from any rank's model (the group asks rank 0):
+`named_weights` as CPU tensors (the host path), or `share_weights`, one buffer per dtype
+on the GPU handed out through CUDA IPC to replicas on the same GPU and freed by
+`release_shared_weights`; both carry every weight, or the adapters alone with LoRA.
+`weight_digests` gives the fingerprint's digests of every weight (the frozen base too).
 
 A rank's shard on disk (`save_shard`): `shard_<rank>.pt` with the real elements of its
 range of the flat vector (`start`, `end`), the master weights and the AdamW state; any
