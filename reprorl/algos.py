@@ -385,7 +385,8 @@ def gspo_policy_loss(
     clip_ratio_high: float,
     *,
     global_num_seqs: Count | None = None,
-    **_: Any,
+    global_num_tokens: Count | None = None,
+    max_response_length: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, arXiv:2507.18071): PPO's clip on a SEQUENCE-level ratio.
 
@@ -395,8 +396,10 @@ def gspo_policy_loss(
         L_t = max(-A * s_t, -A * clip(s_t, 1 - clip_ratio_low, 1 + clip_ratio_high)),
     reduced "seq-mean-token-mean" whatever the actor's loss_agg_mode (as verl does: the
     sequence is GSPO's unit). Its clip ranges are small (the paper's 3e-4 / 4e-4): a mean
-    log-ratio moves far less than a token's. No dual clip. Stats as `ppo_policy_loss`'s
-    ("approx_kl" from the unclamped token log-ratios).
+    log-ratio moves far less than a token's. No dual clip. `global_num_tokens` and
+    `max_response_length` are taken and unused (its mode divides by sequences alone), so every
+    policy loss takes the same norms. Stats "clipfrac" and "approx_kl" as `ppo_policy_loss`'s
+    (the latter from the unclamped token log-ratios).
     """
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = log_prob - old_log_prob
@@ -410,7 +413,6 @@ def gspo_policy_loss(
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((loss_clipped > loss_unclipped).to(loss_mat.dtype), response_mask),
-            "clipfrac_lower": torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device),
             "approx_kl": masked_mean(-log_ratio, response_mask),
         }
     return loss, stats
@@ -433,7 +435,7 @@ def cispo_policy_loss(
     so every token keeps a gradient (REINFORCE's, weighted by the clipped, stopped ratio),
     where PPO's clip zeroes the gradient of clipped tokens. Reduced by `agg_loss`
     (`norms` passed on). Stats: "clipfrac" the share of tokens whose weight was clipped,
-    "clipfrac_lower" 0, "approx_kl" as `ppo_policy_loss`.
+    "approx_kl" as `ppo_policy_loss`.
     """
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = (log_prob - old_log_prob).clamp(min=-20.0, max=20.0)
@@ -444,7 +446,6 @@ def cispo_policy_loss(
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((ratio != weight).to(loss_mat.dtype), response_mask),
-            "clipfrac_lower": torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device),
             "approx_kl": masked_mean(-log_ratio, response_mask),
         }
     return loss, stats
@@ -468,7 +469,8 @@ def policy_loss(
     **norms: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss `mode` names ("vanilla": `ppo_policy_loss`; "gspo"; "cispo"), with
-    the actor's settings; `norms` are `agg_loss`'s global_* keywords."""
+    the actor's settings; `norms` are `agg_loss`'s global_* keywords. Every mode's stats have
+    "clipfrac" and "approx_kl" (the trainer logs those); vanilla's also "clipfrac_lower"."""
     args = (old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high)
     if mode == "vanilla":
         return ppo_policy_loss(*args, clip_ratio_c, loss_agg_mode, **norms)
