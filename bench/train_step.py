@@ -287,7 +287,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                           temperature=1.0)
             sync(device)
             t4 = time.perf_counter()
-            weights = worker._pushed()  # copied in place, device to device (with LoRA the adapters alone)
+            weights = worker.pushed_weights()  # copied in place, device to device (with LoRA the adapters alone)
             loop.run_until_complete(engine.update_weights(weights, version=step))
             loop.run_until_complete(engine.wake_up())
             sync(device)

@@ -294,15 +294,15 @@ class ShardWorker:
     def layout_json(self) -> dict[str, Any]:
         return self.layout.to_json()
 
-    def _pushed(self) -> list[tuple[str, torch.Tensor]]:
+    def pushed_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights the replicas take after an update: every one, or with LoRA the
         adapters alone (the replicas built the same frozen base)."""
         named = self.model_worker.model.named_parameters()
         return [(n, p) for n, p in named if p.requires_grad] if self.lora is not None else list(named)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, CPU tensor) of every weight the replicas take (`_pushed`), the same on every rank."""
-        return [(name, p.detach().cpu().clone()) for name, p in self._pushed()]
+        """(HF name, CPU tensor) of every weight the replicas take (`pushed_weights`), the same on every rank."""
+        return [(name, p.detach().cpu().clone()) for name, p in self.pushed_weights()]
 
     def weight_digests(self) -> dict[str, str]:
         """`tensor_digest` of every weight, by HF name, in `named_weights` order: the step's
@@ -321,7 +321,7 @@ class ShardWorker:
         if self.device.type != "cuda":
             raise RuntimeError(f"share_weights: {self.name} runs on {self.device}; CUDA IPC needs a GPU")
         self.release_shared_weights()  # an earlier push that was never released
-        self._shared = PackedWeights.pack(self._pushed(), device=self.device)
+        self._shared = PackedWeights.pack(self.pushed_weights(), device=self.device)
         return share(self._shared, consumers)
 
     def release_shared_weights(self) -> None:
