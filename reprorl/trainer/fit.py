@@ -262,10 +262,13 @@ class Trainer:
             reward_replicas=cfg.reward.num_replicas if cfg.reward.model_path is not None else 0,
         )
 
+    def _uses_kl(self) -> bool:
+        """A KL term (in the loss or the reward) needs the reference policy's log-probs."""
+        return self.cfg.actor.use_kl_loss or self.cfg.algorithm.use_kl_in_reward
+
     def _needs_ref_group(self) -> bool:
-        """A KL term needs reference log-probs; with LoRA the actor gives them (adapters off)."""
-        cfg = self.cfg
-        return (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.lora is None
+        """With LoRA the actor gives the reference log-probs (adapters off): no ref group."""
+        return self._uses_kl() and self.lora is None
 
     def _make_datasets(self) -> tuple[PromptDataset, PromptDataset | None]:
         """(train set, validation set or None for `data.val_files=[]`)."""
@@ -480,10 +483,9 @@ class Trainer:
             gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
             self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"])
-        if self.ref is not None:
-            batch["ref_log_probs"] = self.ref.compute_log_probs(batch, temperature=temperature, **micro)
-        elif self.lora is not None and (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward):
-            batch["ref_log_probs"] = self.actor.compute_log_probs(batch, temperature=temperature, base=True, **micro)
+        if self._uses_kl():  # the ref group, or with LoRA the actor with its adapters off
+            ref = self.ref if self.ref is not None else self.actor
+            batch["ref_log_probs"] = ref.compute_log_probs(batch, temperature=temperature, base=self.ref is None, **micro)
         if self.critic is not None:
             batch["values"] = self.critic.compute_values(
                 batch, micro_batch_size=cfg.critic.ppo_micro_batch_size,
