@@ -40,7 +40,8 @@ from typing import Any
 from reprorl.errors import ConfigError
 from reprorl.kernels.shared import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
-from reprorl.workers.flat import CHUNK
+from reprorl.models.lora import resolve_targets
+from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import max_pending
 
 GIB = 2**30
@@ -48,7 +49,6 @@ FP32 = 4
 CUDA_CONTEXT_BYTES = 512 * 2**20
 """A GPU process's CUDA context and torch's kernel images, not counted by torch's allocator
 (about 0.5 GiB on an H200 with CUDA 12)."""
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def read_model_args(path: str, key: str) -> ModelArgs:
@@ -85,19 +85,19 @@ def param_count(args: ModelArgs, head: str = "causal_lm") -> int:
 
 
 def lora_param_count(args: ModelArgs, rank: int, target_modules: Any) -> int:
-    """Adapter parameters: rank x (in + out) per targeted projection per layer."""
-    names = LORA_MODULES if target_modules in (None, "all-linear") else tuple(target_modules)
+    """Adapter parameters: rank x (in + out) per targeted projection per layer. An unknown
+    target is the config's one-line error (`lora.resolve_targets`)."""
+    try:
+        names = resolve_targets(target_modules)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     shapes = linear_shapes(args)
-    unknown = [n for n in names if n not in shapes]
-    if unknown:
-        raise ConfigError(f"model.target_modules: unknown module {unknown[0]!r}; expected all-linear or a list of "
-                          f"{', '.join(LORA_MODULES)}")
     return args.num_hidden_layers * sum(rank * sum(shapes[n]) for n in names)
 
 
 def padded_size(numel: int, world_size: int) -> int:
-    """`FlatLayout.padded`: whole CHUNKs, the same count on every rank."""
-    return math.ceil(math.ceil(numel / CHUNK) / world_size) * CHUNK * world_size
+    """`FlatLayout.padded` of `numel` trainable elements: whole CHUNKs, the same count on every rank."""
+    return FlatLayout((), (), numel, world_size).padded
 
 
 def kv_cache_bytes(args: ModelArgs, dtype_bytes: int, max_num_seqs: int, max_model_len: int,
@@ -237,7 +237,7 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
     seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
     count, rows = micro_batch_geometry(train.mini_samples, train.micro_batch_size, train.max_token_len, seq)
     by_tokens = train.max_token_len is not None
-    vectors = gradient_vectors(count, world, by_tokens, getattr(cfg.model, "grad_sums_on_host", False))
+    vectors = gradient_vectors(count, world, by_tokens, cfg.model.grad_sums_on_host)
     est.phases[f"{train.name} update"] = {
         f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32,
         f"activations ({rows} x {seq} tokens)": activation_bytes(
