@@ -1,12 +1,16 @@
 """LoRA adapters (reprorl/models/lora.py): PEFT's formula on the model's kernels, a
 seeded init, the base model with the adapters off, merging, and the target errors."""
 
+import peft
 import pytest
 import torch
+import transformers
 
 from kernel_backends import BACKENDS, INTERPRETED, backend_and_device
 from reprorl.models.hf_io import load_model
-from reprorl.models.lora import TARGETS, LoraSpec, adapted_linears, adapters_disabled, merged_state, peft_state, resolve_targets
+from reprorl.models.lora import (
+    TARGETS, LoraSpec, adapted_linears, adapters_disabled, merged_state, peft_state, resolve_targets,
+)
 from reprorl.models.transformer import CausalLM
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -37,9 +41,6 @@ def policy_dir(make_hf_model, tmp_path):
 
 
 def test_adapters_match_peft(policy_dir):
-    peft = pytest.importorskip("peft")
-    import transformers
-
     model, args = load_model(policy_dir, lora=SPEC)
     randomize_b(model)
     hf = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)

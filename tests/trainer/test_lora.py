@@ -5,19 +5,25 @@ bits with 1 or 2 replicas and workers, after a resume, and with PPO's critic."""
 import json
 from pathlib import Path
 
+import peft
 import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
 
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
+from reprorl.export import ExportError, export
+from reprorl.fingerprint import tensor_digests
+from reprorl.models.hf_io import load_model
+from reprorl.models.lora import spec_from_config
 from small_run import run_trainer, small_run_overrides
 
 # One Ray for the module (ray_local); conftest's `assets`: the shared data and tiny policy.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-2")
-
-
 
 
 def lora_config(assets, run_dir, *extra):
@@ -63,8 +69,6 @@ def test_lora_resume_is_bitwise(assets, grpo_run, tmp_path):
     run_trainer(first)
     shards = list((tmp_path / "run" / "checkpoints" / "step_2").rglob("shard_*.pt"))
     assert shards
-    import torch
-
     saved = torch.load(shards[0], weights_only=True)
     assert saved["param"].numel() < 20_000  # the adapters alone, not the ~0.1M-parameter base
     run_trainer(lora_config(assets, tmp_path / "run", "trainer.total_steps=3", "trainer.save_freq=1"))
@@ -91,31 +95,21 @@ def test_lora_config_errors_name_the_key(assets, tmp_path):
 # ------------------------------------------------------------------------------ export
 
 
-def logits_of(model, ids):
-    import torch
-
+def ours_logits(model, ids):
     with torch.no_grad():
-        out = model(input_ids=ids) if not hasattr(model, "kernels") else model(ids)
-    return out.logits if hasattr(out, "logits") else out
+        return model(ids)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
 
 
 def token_ids():
-    import torch
-
     return torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 def test_lora_export_is_the_trained_adapters_and_loads_in_peft(assets, grpo_run, tmp_path):
-    peft = pytest.importorskip("peft")
-    import torch
-    import transformers
-    from safetensors.torch import load_file
-
-    from reprorl.export import export
-    from reprorl.fingerprint import tensor_digests
-    from reprorl.models.hf_io import load_model
-    from reprorl.models.lora import LoraSpec, resolve_targets
-
     adapters = export(grpo_run, tmp_path / "adapters")
     merged = export(grpo_run, tmp_path / "merged", merged=True)
     assert sorted(p.name for p in adapters.iterdir() if "adapter" in p.name) == [
@@ -126,33 +120,27 @@ def test_lora_export_is_the_trained_adapters_and_loads_in_peft(assets, grpo_run,
     assert tensor_digests(saved.items()) == {n: step_3[n] for n in saved}  # the step's adapters, bit for bit
     assert len(saved) == len([n for n in step_3 if ".lora_" in n])
 
-    ours, _ = load_model(assets["policy"], lora=LoraSpec(4, 8.0, resolve_targets("all-linear"), seed=42))
+    cfg = lora_config(assets, grpo_run)
+    ours, _ = load_model(assets["policy"], lora=spec_from_config(cfg.model, cfg.seed))
     params = dict(ours.named_parameters())
     with torch.no_grad():
         for name, tensor in saved.items():
             params[name].copy_(tensor)
     ids = token_ids()
-    expected = logits_of(ours, ids)
+    expected = ours_logits(ours, ids)
     base = transformers.AutoModelForCausalLM.from_pretrained(assets["policy"], dtype=torch.float32)
     with_adapters = peft.PeftModel.from_pretrained(base, adapters).eval()
     plain_merged = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
-    torch.testing.assert_close(logits_of(with_adapters, ids), expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(hf_logits(with_adapters, ids), expected, rtol=0, atol=1e-6)
     # The merged directory as transformers reads it is reprorl's merged model; merging itself
     # (W + B A s, one rounding where the adapted model rounds W x and (B A x) s apart) moves
     # logits of O(1) by a few float32 ulps (1.8e-6 seen), as PEFT's merge_and_unload does.
     ours_merged, _ = load_model(merged)
-    torch.testing.assert_close(logits_of(plain_merged, ids), logits_of(ours_merged, ids), rtol=0, atol=1e-6)
-    torch.testing.assert_close(logits_of(ours_merged, ids), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(hf_logits(plain_merged, ids), ours_logits(ours_merged, ids), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours_logits(ours_merged, ids), expected, rtol=0, atol=1e-5)
 
 
 def test_full_fine_tuning_export_loads_in_transformers(assets, tmp_path):
-    import torch
-    import transformers
-
-    from reprorl.export import export
-    from reprorl.fingerprint import tensor_digests
-    from reprorl.models.hf_io import load_model
-
     cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", "trainer.total_steps=1",
                                                 "trainer.save_freq=1"))
     run_trainer(cfg)
@@ -162,11 +150,9 @@ def test_full_fine_tuning_export_loads_in_transformers(assets, tmp_path):
     assert tensor_digests(ours.named_parameters()) == step_1  # the weights step 1 ended with
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = token_ids()
-    torch.testing.assert_close(logits_of(hf, ids), logits_of(ours, ids), rtol=0, atol=1e-6)
+    torch.testing.assert_close(hf_logits(hf, ids), ours_logits(ours, ids), rtol=0, atol=1e-6)
 
 
-def test_export_errors_name_the_run(assets, tmp_path):
-    from reprorl.export import ExportError, export
-
+def test_export_errors_name_the_run(tmp_path):
     with pytest.raises(ExportError, match="has no checkpoint"):
         export(tmp_path, tmp_path / "out")
