@@ -79,6 +79,40 @@ def make_adamw(params: Iterable[torch.nn.Parameter], args: OptimArgs) -> torch.o
     )
 
 
+STEP_CHUNK = 1 << 24
+"""Elements of a parameter stepped at once by `step_in_chunks` (its temporaries: 64 MiB each in float32)."""
+
+
+def step_in_chunks(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, chunk: int = STEP_CHUNK) -> None:
+    """`optimizer.step()` for `param` (one of `optimizer`'s parameters, its `.grad` set), a
+    `chunk` of elements at a time: torch's single-tensor AdamW keeps two whole temporaries
+    of the parameter alive (`exp_avg_sq.sqrt() / bias_correction2_sqrt`), two float32
+    vectors of the whole model for a rank's master shard; a chunk's are `chunk` long.
+
+    The same bits as `optimizer.step()`: every operation of the step is elementwise with
+    scalar coefficients from the step count, and torch's own AdamW (the same group settings,
+    `foreach=False`) steps each chunk, as a parameter that views the chunk of `param`, its
+    gradient and its moments, from a copy of the step count. The state stays `optimizer`'s,
+    as it would have made it, so checkpoints do not change."""
+    group, state = optimizer.param_groups[0], optimizer.state[param]
+    if not state:  # as AdamW's first step makes it (not capturable, not fused)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    flat, grad = param.detach().view(-1), param.grad.view(-1)
+    moments = {key: state[key].view(-1) for key in ("exp_avg", "exp_avg_sq")}
+    pieces = [slice(a, min(a + chunk, flat.numel())) for a in range(0, flat.numel(), chunk)]
+    views = [torch.nn.Parameter(flat[piece]) for piece in pieces]  # storage shared with `param`
+    stepper = torch.optim.AdamW(views, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
+                                maximize=group["maximize"], foreach=False)
+    for view, piece in zip(views, pieces):
+        view.grad = grad[piece]
+        stepper.state[view] = {"step": state["step"].clone(), **{k: m[piece] for k, m in moments.items()}}
+    stepper.step()
+    state["step"].copy_(stepper.state[views[0]]["step"])
+
+
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr

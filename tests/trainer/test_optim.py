@@ -13,6 +13,8 @@ from reprorl.trainer.optim import (
     guarded_step,
     lr_multiplier,
     make_adamw,
+    set_lr,
+    step_in_chunks,
 )
 
 
@@ -81,3 +83,28 @@ def test_guarded_step_refuses_non_finite_gradients():
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert all(torch.equal(opt.state[params[0]][k], v) for k, v in state_before.items())
     assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device):
+    """Three steps (state made by the first) with weight decay, chunks that do not divide the
+    parameter: parameter, moments and step count equal AdamW's own, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    start = (torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-6, 3, (10_007,), generator=g)).to(device)
+    grads = [(torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-8, 2, (10_007,), generator=g)).to(device)
+             for _ in range(3)]
+    args = OptimArgs(lr=3e-4, weight_decay=0.1)
+    whole, chunked = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt_whole, opt_chunked = make_adamw([whole], args), make_adamw([chunked], args)
+    for step, grad in enumerate(grads):
+        set_lr(opt_whole, args.lr * (step + 1))
+        set_lr(opt_chunked, args.lr * (step + 1))
+        whole.grad, chunked.grad = grad.clone(), grad.clone()
+        opt_whole.step()
+        step_in_chunks(opt_chunked, chunked, chunk=1000)
+        assert torch.equal(whole, chunked)
+        a, b = opt_whole.state[whole], opt_chunked.state[chunked]
+        assert set(a) == set(b) and torch.equal(a["step"], b["step"]) and a["step"].dtype == b["step"].dtype
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert not torch.equal(whole, start)
