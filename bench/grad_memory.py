@@ -11,8 +11,10 @@ reduction's). Schemes, each in a fresh process:
   one-rank reduce-scatter's copy (`fixed_order_reduce_scatter` cloned it).
 - "after": `GradTree` (reprorl/workers/grad_tree.py) fed by post-accumulate-grad hooks, as
   `ShardWorker` now does: each parameter's `.grad` folded in and freed during the backward.
-- "after_host" (CUDA only): the same with the pending sums in pinned host memory
-  (`model.grad_sums_on_host`).
+- "host1", "host2", "host3" (CUDA only): the same with at most k = 1, 2, 3 whole vectors on
+  the device, the sums of 2^k or more micro-batches in pinned host memory
+  (`model.gpu_gradient_vectors`). Before 2026-12-04 there was one host scheme, "after_host":
+  every pending sum on the host, the device vectors of host1 at twice its PCIe copies.
 Extra memory: on CUDA, `max_memory_allocated` above what the model held before the first
 micro-batch; on the CPU, the peak resident set (ru_maxrss) above the resident set before
 the first micro-batch (glibc's mmap threshold pinned, so freed vectors leave the process).
@@ -25,7 +27,7 @@ Measured (2026-12-04; the same bits in every row), peak extra GiB (float32 vecto
   0.18 s; after_host 5.2 (1.39) 4.6 s.
 - CPU (2 shared cores), 100M bf16 (0.37 GiB a vector), M=16: before 2.08 (5.58); after 1.57 (4.20).
 "after" holds log2(M) vectors (`grad_tree.max_pending`) where "before" held log2(M) + 1
-plus the bf16 `.grad` and the copy; "after_host" holds the root only, and pays about one
+plus the bf16 `.grad` and the copy; "after_host" held the root only, and paid about one
 second of PCIe copies per micro-batch per 7.45 GiB vector.
 """
 
@@ -95,10 +97,10 @@ def run_before(layers, layout, inputs):
     return block.clone()  # the one-rank reduce-scatter's copy, as it was
 
 
-def run_after(layers, layout, inputs, on_host: bool):
+def run_after(layers, layout, inputs, gpu_vectors: int):
     from reprorl.workers.grad_tree import GradTree
 
-    tree = GradTree(0, len(inputs), layout, layers[0].device, on_host=on_host)
+    tree = GradTree(0, len(inputs), layout, layers[0].device, gpu_vectors=gpu_vectors)
     active = {"on": False}
 
     def fold(index, param):
@@ -135,7 +137,7 @@ def child(args: argparse.Namespace) -> dict:
         base = rss_bytes()
     t0 = time.perf_counter()
     result = run_before(layers, layout, inputs) if args.child == "before" else run_after(
-        layers, layout, inputs, on_host=args.child == "after_host")
+        layers, layout, inputs, gpu_vectors=int(args.child[4:]) if args.child.startswith("host") else 0)
     if cuda:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args)))
         return 0
-    schemes = ["before", "after"] + (["after_host"] if args.device == "cuda" else [])
+    schemes = ["before", "after"] + (["host1", "host2", "host3"] if args.device == "cuda" else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # big blocks are mmapped, and unmapped when freed
     record = {"params": args.params, "layers": args.layers, "micro_batches": args.micro_batches,
               "dtype": args.dtype, "device": args.device, "schemes": {}}

@@ -94,10 +94,11 @@ class ModelConfig:
         "all-linear", "the projections that get adapters: 'all-linear' or a list of q_proj, k_proj, v_proj, o_proj, "
         "gate_proj, up_proj, down_proj"
     )
-    grad_sums_on_host: bool = _field(
-        False, "keep the actor's and critic's pending partial sums of micro-batch gradients in pinned host memory: "
-        "one float32 gradient vector on the GPU instead of up to log2(micro-batches per worker), for about two "
-        "PCIe copies of it per micro-batch (the same bits)"
+    gpu_gradient_vectors: int = _field(
+        0, "whole float32 gradient vectors the actor's and critic's micro-batch gradient sums may keep on the GPU: "
+        "0 = all of them (up to log2(micro-batches per worker) + 1); k >= 1 = at most k, the sums of 2^k or more "
+        "micro-batches waiting in pinned host memory (the same bits; about micro-batches / 2^k PCIe round trips "
+        "of a vector per update)", ge=0
     )
 
 

@@ -294,7 +294,7 @@ class Trainer:
         common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
                   "dtype": cfg.model.dtype, "device": self.placement.device, "num_gpus": self.placement.worker_gpus,
                   "gradient_checkpointing": cfg.model.gradient_checkpointing,
-                  "grad_sums_on_host": cfg.model.grad_sums_on_host, "wait": False,
+                  "gpu_gradient_vectors": cfg.model.gpu_gradient_vectors, "wait": False,
                   "part_timeout_s": cfg.trainer.part_timeout_s}
         self.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
                                  lora=self.lora, **common)

@@ -9,9 +9,11 @@ on the GPU while it sleeps), plus, per phase, what that phase adds:
   it (max_num_seqs slots of the run's longest sequence, rounded up to KEY_BLOCK tokens, plus
   the CUDA graphs' spare slot, unless `gpu_memory_utilization` of the GPU holds fewer);
   the engine sleeps (frees it) before the trainer's passes.
+- actor (and critic) optimizer step: the rank's float32 gradient shard, a temporary of
+  its squares for the norm, and AdamW's temporaries of one chunk (`optim.step_in_chunks`).
 - actor update (and critic update): the gradient tree's whole float32 vectors
   (`workers/grad_tree.py`: `max_pending` of this rank's micro-batches, or one with
-  `model.grad_sums_on_host`) and the activations of one micro-batch (`activation_bytes`).
+  `model.gpu_gradient_vectors`) and the activations of one micro-batch (`activation_bytes`).
 
 The peak is the largest phase, plus a CUDA context per GPU process (`CUDA_CONTEXT_BYTES`).
 LoRA (`model.lora_rank` > 0):
@@ -41,8 +43,9 @@ from reprorl.errors import ConfigError
 from reprorl.kernels.shared import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.models.lora import resolve_targets
+from reprorl.trainer.optim import STEP_CHUNK
 from reprorl.workers.flat import FlatLayout
-from reprorl.workers.grad_tree import max_pending
+from reprorl.workers.grad_tree import gpu_vectors_held
 
 GIB = 2**30
 FP32 = 4
@@ -207,13 +210,12 @@ def micro_batch_geometry(mini_samples: int, micro_batch_size: int, max_token_len
     return math.ceil(mini_samples / rows), rows
 
 
-def gradient_vectors(micro_batches: int, world_size: int, by_tokens: bool, on_host: bool) -> int:
-    """Whole float32 gradient vectors a rank's update holds on the GPU at once (grad_tree.py):
-    one with `on_host`, else `max_pending` of this rank's leaves (a token budget lays them on
-    a power of two, `flat.budget_leaves`); one more for the exchange between ranks."""
+def gradient_vectors(micro_batches: int, world_size: int, by_tokens: bool, gpu_vectors: int) -> int:
+    """Whole float32 gradient vectors a rank's update holds on the GPU at once (grad_tree.py's
+    `gpu_vectors_held` of this rank's leaves: a token budget lays them on a power of two,
+    `flat.budget_leaves`); one more for the exchange between ranks."""
     leaves = max(1 << (micro_batches - 1).bit_length(), world_size) if by_tokens else micro_batches
-    vectors = 1 if on_host else max_pending(max(1, leaves // world_size))
-    return vectors + (world_size > 1)
+    return gpu_vectors_held(max(1, leaves // world_size), gpu_vectors) + (world_size > 1)
 
 
 @dataclass(frozen=True)
@@ -237,11 +239,17 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
     seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
     count, rows = micro_batch_geometry(train.mini_samples, train.micro_batch_size, train.max_token_len, seq)
     by_tokens = train.max_token_len is not None
-    vectors = gradient_vectors(count, world, by_tokens, cfg.model.grad_sums_on_host)
+    vectors = gradient_vectors(count, world, by_tokens, cfg.model.gpu_gradient_vectors)
     est.phases[f"{train.name} update"] = {
         f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32,
         f"activations ({rows} x {seq} tokens)": activation_bytes(
             args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head),
+    }
+    # After the sums: the rank's gradient shard, the squares `global_grad_norm` sums (a
+    # temporary as large), then AdamW a chunk at a time (`step_in_chunks`: two temporaries).
+    est.phases[f"{train.name} optimizer step"] = {
+        "gradient shard and its squares (float32)": 2 * shard,
+        "AdamW temporaries of a chunk": 2 * min(shard, STEP_CHUNK * FP32),
     }
 
 
@@ -331,9 +339,10 @@ def replace_key(cfg: Any, key: str, value: Any) -> Any:
 
 def what_fits(cfg: Any, gpu_total: int) -> list[str]:
     """Changes that would make `cfg` fit `gpu_total` bytes, each alone: the largest smaller
-    actor micro-batch that fits, gradient checkpointing, the gradient sums in host memory,
-    LoRA (rank 64, when the run is not LoRA already); else all of those switches
-    together with the largest micro-batch that then fits; else none."""
+    actor micro-batch that fits, gradient checkpointing, the most gradient vectors on the
+    GPU that fit (the rest in host memory), LoRA (rank 64, when the run is not LoRA
+    already); else all of those together, with one gradient vector on the GPU and the
+    largest micro-batch that then fits; else none."""
     lora = 64 if cfg.model.lora_rank == 0 else None  # None: the run is LoRA already
 
     def fits(c: Any, lora_rank: int | None = None) -> bool:
@@ -343,17 +352,27 @@ def what_fits(cfg: Any, gpu_total: int) -> list[str]:
     micro = largest_micro_batch(cfg, fits, start=cfg.actor.ppo_micro_batch_size // 2)
     if micro is not None:
         found.append(f"actor.ppo_micro_batch_size={micro}")
-    switches = [key for key in ("model.gradient_checkpointing", "model.grad_sums_on_host")
-                if not getattr(cfg.model, key.split(".")[1])]
-    found += [f"{key}=true" for key in switches if fits(replace_key(cfg, key, True))]
+    switches = []  # (key, value) of each switch the run does not use yet
+    if not cfg.model.gradient_checkpointing:
+        switches.append(("model.gradient_checkpointing", True))
+        if fits(replace_key(cfg, *switches[-1])):
+            found.append("model.gradient_checkpointing=true")
+    vectors = cfg.model.gpu_gradient_vectors
+    if vectors != 1:
+        switches.append(("model.gpu_gradient_vectors", 1))
+        fewer = range((vectors or 4) - 1, 0, -1)  # the most that fit: the fewest copies to the host
+        k = next((k for k in fewer if fits(replace_key(cfg, "model.gpu_gradient_vectors", k))), None)
+        if k is not None:
+            found.append(f"model.gpu_gradient_vectors={k}")
     if lora is not None and fits(cfg, lora_rank=lora):
         found.append(f"LoRA (model.lora_rank={lora})")
     if found:
         return found
     together = cfg
-    for key in switches:
-        together = replace_key(together, key, True)
-    names = [f"{key}=true" for key in switches] + ([f"model.lora_rank={lora}"] if lora is not None else [])
+    for key, value in switches:
+        together = replace_key(together, key, value)
+    names = [f"{key}={str(value).lower()}" for key, value in switches]
+    names += [f"model.lora_rank={lora}"] if lora is not None else []
     if cfg.actor.ppo_max_token_len_per_micro_batch is not None:  # no micro-batch size to change
         return [" + ".join(names)] if names and fits(together, lora) else []
     micro = largest_micro_batch(together, lambda c: fits(c, lora), start=cfg.actor.ppo_micro_batch_size)

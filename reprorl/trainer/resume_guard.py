@@ -42,7 +42,7 @@ SAME_BITS_KEYS = frozenset({
     "rollout.num_replicas", "rollout.num_agent_workers", "rollout.routing", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.gpu_memory_utilization", "rollout.lookahead",
     "reward.num_replicas", "reward.max_num_seqs", "reward.max_error_rate",  # that one: only whether a step stops
-    "model.gradient_checkpointing", "model.grad_sums_on_host", "data.val_batch_size", "resources.gpu_share_rollout",
+    "model.gradient_checkpointing", "model.gpu_gradient_vectors", "data.val_batch_size", "resources.gpu_share_rollout",
 })
 """Keys whose change leaves every bit of the run as it was (batch-invariant kernels, fixed
 reduction orders, request seeds from the sample's identity). Any key ending in `timeout_s`

@@ -14,9 +14,13 @@ vector at 7B). `GradTree` computes the same sum with less:
   whose range ends at i (innermost first) adds its pending left sum to the running one
   (`tree_pops`), and the result is pushed unless i is the last leaf. Popped storage is
   reused for the result, so at most `max_pending(M)` <= log2(M) whole vectors are alive.
-- `on_host`: the pushed sums live in pinned host memory and only the root is a device
-  vector, so the device holds one float32 gradient vector whatever M is (two PCIe
-  transfers of a vector per leaf, about; `bench/grad_memory.py` measures both).
+- `gpu_vectors` = k >= 1: a pushed sum of 2^k or more leaves waits in pinned host memory,
+  a smaller one on the device. The big sums wait longest and are the fewest: with M leaves
+  about M / 2^k sums go to the host and back in an update, so each more vector on the
+  device halves the PCIe traffic, and the device holds k whole vectors when M is a power
+  of two (`gpu_vectors_held` counts them for any M: a small sum is taken by the next
+  leaves and its storage reused for their running sum). 0: every sum on the device
+  (`max_pending`); `bench/grad_memory.py` measures them.
 
 Why the bits are those of `tree_reduce`: every operation is elementwise, so element j of
 the sum depends only on element j of the leaves and on the order in which they are added;
@@ -53,6 +57,59 @@ def tree_pops(lo: int, hi: int) -> list[int]:
     return pops
 
 
+def pushed_spans(lo: int, hi: int) -> list[int]:
+    """For each leaf i of [lo, hi): how many leaves the running sum covers once leaf i's
+    pending sums are added, i.e. the sum pushed after it (the outermost node ending at i + 1)."""
+    spans = [1] * (hi - lo)
+
+    def visit(a: int, b: int) -> None:
+        if b - a == 1:
+            return
+        mid = (a + b) // 2
+        visit(a, mid)
+        visit(mid, b)
+        spans[b - 1 - lo] = b - a  # after its children's: the outermost node wins
+
+    visit(lo, hi)
+    return spans
+
+
+def on_host(lo: int, hi: int, gpu_vectors: int) -> list[bool]:
+    """For each leaf of [lo, hi): whether its running sum is kept in host memory (module
+    doc). Never the last leaf's (the root); else a sum of 2^gpu_vectors or more leaves, or
+    of fewer where the tree is not a power of two wide and that would put more than
+    `gpu_vectors` vectors on the device (1 leaf, at worst: every pushed sum on the host)."""
+    if gpu_vectors <= 0:
+        return [False] * (hi - lo)
+    spans, pops = pushed_spans(lo, hi), tree_pops(lo, hi)
+    threshold = 1 << gpu_vectors
+    while True:
+        host = [i < hi - lo - 1 and span >= threshold for i, span in enumerate(spans)]
+        if threshold == 1 or _device_peak(pops, host) <= gpu_vectors:
+            return host
+        threshold //= 2
+
+
+def gpu_vectors_held(count: int, gpu_vectors: int) -> int:
+    """The most whole vectors a `GradTree` of `count` leaves holds on the device at once."""
+    return _device_peak(tree_pops(0, count), on_host(0, count, gpu_vectors))
+
+
+def _device_peak(pops: list[int], host: list[bool]) -> int:
+    """The most device vectors during any leaf: the device sums on the stack (those the leaf
+    takes included) and its running sum when that is a new device vector (not when it is on
+    the host or written into a taken device sum)."""
+    stack: list[bool] = []  # per pending sum: in host memory
+    peak = 0
+    for count, here in zip(pops, host):
+        taken = stack[len(stack) - count:]
+        new_running = not here and all(taken)
+        peak = max(peak, sum(not h for h in stack) + new_running)
+        del stack[len(stack) - count:]
+        stack.append(here)
+    return peak
+
+
 def max_pending(count: int) -> int:
     """The most whole vectors a `GradTree` of `count` leaves holds at once (pending sums,
     the running one included): the deepest stack after any leaf. log2(count) for a power of two."""
@@ -71,12 +128,15 @@ class GradTree:
     `[padded]` float32 sum on `device`, or None when every leaf was empty.
     """
 
-    def __init__(self, lo: int, hi: int, layout: FlatLayout, device: torch.device, on_host: bool = False) -> None:
+    def __init__(self, lo: int, hi: int, layout: FlatLayout, device: torch.device, gpu_vectors: int = 0) -> None:
         if hi <= lo:
             raise ValueError(f"GradTree: empty leaf range [{lo}, {hi})")
         self.layout, self.device = layout, torch.device(device)
-        self.host = torch.device("cpu") if on_host else self.device
+        if self.device.type == "cuda" and self.device.index is None:  # as tensors name it: `t.device == where` below
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.host = torch.device("cpu")
         self.pops, self.lo = tree_pops(lo, hi), lo
+        self.on_host = on_host(lo, hi, gpu_vectors)
         self.offsets = layout.offsets() + [layout.numel]
         self.stack: list[torch.Tensor | None] = []
         self.leaf = lo
@@ -92,8 +152,7 @@ class GradTree:
         self.taken = taken
         self.empty = empty
         self.done = [False] * len(self.layout.names)
-        last = self.leaf == self.lo + len(self.pops) - 1
-        where = self.device if last else self.host
+        where = self.host if self.on_host[self.leaf - self.lo] else self.device
         self.target, self.new_target = None, None
         if empty and all(t is None for t in taken):
             return

@@ -72,7 +72,7 @@ class WorkerGroup:
     def __init__(self, role: str, num_workers: int, model_path: str, *, optim: OptimArgs | None, seed: int,
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
                  device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
-                 grad_sums_on_host: bool = False, wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S,
+                 gpu_gradient_vectors: int = 0, wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S,
                  lora: LoraSpec | None = None) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
@@ -94,7 +94,7 @@ class WorkerGroup:
         self.workers = [
             remote.remote(role, rank, num_workers, str(model_path), optim=optim, dtype=dtype,
                           batch_invariant=batch_invariant, seed=seed, expected_env=env, device=device,
-                          gradient_checkpointing=gradient_checkpointing, grad_sums_on_host=grad_sums_on_host,
+                          gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors,
                           lora=lora)
             for rank in range(num_workers)
         ]

@@ -5,8 +5,9 @@ model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the m
 weights being the bf16 cast of the master after every step. `device="cuda"`: the model
 runs on the GPU Ray gave the process (the group's collectives then use NCCL), and
 `gradient_checkpointing` recomputes each decoder layer in the backward pass, and
-`grad_sums_on_host` keeps the gradient tree's pending sums in pinned host memory
-(grad_tree.py: one whole float32 gradient vector on the device, whatever the micro-batch count).
+`gpu_gradient_vectors` = k >= 1 keeps the gradient tree's bigger pending sums in pinned host
+memory (grad_tree.py: at most k whole float32 gradient vectors on the device, whatever the
+micro-batch count; 0: all on the device).
 
 The model and its losses are `PolicyWorker`'s and `CriticWorker`'s (trainer/): a rank runs
 their per-micro-batch loss and adds nothing itself; their own optimizer stays unused (it
@@ -54,7 +55,7 @@ from reprorl.protocol import Batch, tensor_to
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
 from reprorl.trainer.critic import CriticWorker
 from reprorl.trainer.micro_batches import Rows, micro_batch_rows, rows_tensor, take
-from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr
+from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr, step_in_chunks
 from reprorl.trainer.policy import PolicyWorker, mini_batch_norms, read_stats, trim_padding
 from reprorl.workers.flat import (
     EMPTY_GRADIENT,
@@ -89,7 +90,7 @@ class ShardWorker:
 
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
-                 device: str = "cpu", gradient_checkpointing: bool = False, grad_sums_on_host: bool = False,
+                 device: str = "cpu", gradient_checkpointing: bool = False, gpu_gradient_vectors: int = 0,
                  lora: LoraSpec | None = None) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
@@ -113,7 +114,7 @@ class ShardWorker:
         self.trainable = optim is not None
         self.lora = lora
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
-        self.grad_sums_on_host = grad_sums_on_host  # the gradient tree's pending sums (grad_tree.py)
+        self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._tree: GradTree | None = None  # the tree `_fold_grad` feeds, during an update's backward passes
 
     def ready(self) -> int:
@@ -251,7 +252,7 @@ class ShardWorker:
         if grad_norm > clip:
             grad.mul_(clip / (grad_norm + 1e-6))  # as torch's clip_grad_norm_
         self.shard.grad = grad
-        self.optimizer.step()
+        step_in_chunks(self.optimizer, self.shard)  # optimizer.step()'s bits, without its two whole temporaries
         self.shard.grad = None
         self._publish_master()
         return {"stats": [(k, {key: v for key, v in r.items() if key != "loss"}) for k, r in zip(order, read)],
@@ -265,7 +266,8 @@ class ShardWorker:
         a `GradTree` as the backward pass finishes it (`_fold_grad`): grad_tree.py says why the
         bits are `tree_reduce`'s, and how few whole gradient vectors it keeps. Fills `stats`
         and `losses` (the loss tensors, read later) by micro-batch index."""
-        tree = GradTree(first, first + len(block), self.layout, self.flat.device, on_host=self.grad_sums_on_host)
+        tree = GradTree(first, first + len(block), self.layout, self.flat.device,
+                        gpu_vectors=self.gpu_gradient_vectors)
         for k in block:
             tree.start_leaf(empty=k is None)
             if k is not None:

@@ -110,9 +110,11 @@ def test_ppo_adds_the_critic_and_its_update(tiny_dir):
     assert est.processes == 5  # actor, reference, critic, 2 replicas
 
 
-def test_host_sums_hold_one_vector_and_a_token_budget_lays_leaves_on_a_power_of_two(tiny_dir):
-    est = estimate_memory(small_config(tiny_dir, "model.grad_sums_on_host=true"))
-    assert "gradient sums (1 x float32)" in est.phases["actor update"]
+def test_host_sums_bound_the_vectors_and_a_token_budget_lays_leaves_on_a_power_of_two(tiny_dir):
+    # 128 samples, 4 micro-batches of 32: the tree's own max_pending(4) = 2 caps k
+    for k, vectors in ((0, 2), (1, 1), (2, 2), (3, 2)):
+        est = estimate_memory(small_config(tiny_dir, f"model.gpu_gradient_vectors={k}"))
+        assert f"gradient sums ({vectors} x float32)" in est.phases["actor update"]
     # 72-token samples, 3 to a 216-token micro-batch: 43 micro-batches -> 64 leaves -> max_pending 6
     est = estimate_memory(small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=216"))
     assert "gradient sums (6 x float32)" in est.phases["actor update"]
@@ -153,14 +155,14 @@ def test_when_no_change_alone_fits_the_error_gives_them_together(tiny_dir):
     cfg = small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=2160", "rollout.max_num_seqs=8",
                        "model.lora_rank=8")
     both = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, gradient_checkpointing=True,
-                                                               grad_sums_on_host=True))
+                                                               gpu_gradient_vectors=1))
     with pytest.raises(ConfigError, match=r"would fit: model.gradient_checkpointing=true \+ "
-                                          r"model.grad_sums_on_host=true \(`reprorl config"):
+                                          r"model.gpu_gradient_vectors=1 \(`reprorl config"):
         check_gpu_memory(cfg, estimate_memory(both).peak)
     # Full fine-tuning at the peak of its own two switches on: LoRA alone fits that GPU
     full = small_config(tiny_dir, "actor.ppo_max_token_len_per_micro_batch=2160", "rollout.max_num_seqs=8")
     full_both = dataclasses.replace(full, model=dataclasses.replace(full.model, gradient_checkpointing=True,
-                                                                     grad_sums_on_host=True))
+                                                                     gpu_gradient_vectors=1))
     with pytest.raises(ConfigError, match=r"would fit: LoRA \(model.lora_rank=64\) \(`reprorl config"):
         check_gpu_memory(full, estimate_memory(full_both).peak)
 

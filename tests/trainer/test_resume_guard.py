@@ -92,7 +92,7 @@ def test_keys_that_cannot_change_the_bits_may_change(tmp_path):
     _save(tmp_path, 2, _cfg(tmp_path))
     free = ("rollout.num_replicas=3", "rollout.num_agent_workers=2", "reward.timeout_s=5", "trainer.loggers=[jsonl]",
             "trainer.save_freq=1", "trainer.total_steps=50", "model.gradient_checkpointing=true",
-            "model.grad_sums_on_host=true", "trainer.experiment_name=other", f"trainer.run_dir={tmp_path}")
+            "model.gpu_gradient_vectors=1", "trainer.experiment_name=other", f"trainer.run_dir={tmp_path}")
     plan = plan_resume(_cfg(tmp_path, *free), tmp_path)
     assert sorted(plan.changes) == sorted(o.split("=")[0] for o in free[:-1])
     assert all(key in SAME_BITS_KEYS or key.endswith("timeout_s") or key == "trainer.total_steps"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_reduce
-from reprorl.workers.grad_tree import GradTree, max_pending, tree_pops
+from reprorl.workers.grad_tree import GradTree, gpu_vectors_held, max_pending, on_host, pushed_spans, tree_pops
 
 SHAPES = [(3, 5), (7,), (CHUNK + 11,), (2, 2)]  # padding after the last one
 
@@ -143,3 +143,48 @@ def test_hooks_on_a_tied_model_give_the_bits_of_flattened_leaves(checkpointing):
         h.remove()
     assert all(p.grad is None for p in params)
     assert torch.equal(tree.result(), expected)
+
+
+def test_sums_of_2k_leaves_wait_on_the_host_and_the_device_holds_k_vectors():
+    # [0, 8): leaves 1, 3, 5 push sums of 2, 4, 2 leaves; leaf 7 is the root, on the device
+    assert pushed_spans(0, 8) == [1, 2, 1, 4, 1, 2, 1, 8]
+    assert on_host(0, 8, 0) == [False] * 8
+    assert on_host(0, 8, 1) == [False, True, False, True, False, True, False, False]
+    assert on_host(0, 8, 2) == [False, False, False, True, False, False, False, False]
+    for count in (4, 8, 16, 32):  # a power of two: k vectors, each more one halving the host's sums
+        assert [gpu_vectors_held(count, k) for k in range(1, 6)] == [min(k, max_pending(count)) for k in range(1, 6)]
+        assert [sum(on_host(0, count, k)) for k in (1, 2)] == [count // 2 - 1, count // 4 - 1]
+    for count in (3, 5, 6, 7, 12, 13):  # other widths: never more than k (at worst every sum on the host)
+        for k in range(1, 5):
+            assert gpu_vectors_held(count, k) <= k
+    assert gpu_vectors_held(13, 0) == max_pending(13)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: host memory is the device on the CPU")
+@pytest.mark.parametrize("count", [5, 8])
+def test_host_sums_on_cuda_give_the_same_bits_and_hold_at_most_k_vectors(count):
+    shapes = [(1 << 16,)] * 24 + [(3 << 14,)]  # small against a vector: per-parameter copies stay small
+    layout = FlatLayout.of([(f"p{i}", torch.empty(s)) for i, s in enumerate(shapes)], world_size=1)
+    vector = layout.padded * 4
+    grads = [[torch.randn(s, generator=torch.Generator().manual_seed(10 * leaf + i)).cuda() * 10.0 ** (leaf % 7 - 3)
+              for i, s in enumerate(shapes)] for leaf in range(count)]
+    results, peaks = {}, {}
+    for k in (0, 1, 2, 3):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        tree = GradTree(0, count, layout, torch.device("cuda"), gpu_vectors=k)
+        for leaf in range(count):
+            tree.start_leaf(empty=False)
+            for index, g in enumerate(grads[leaf]):
+                tree.add(index, g)
+            tree.finish_leaf()
+        results[k] = tree.result()
+        torch.cuda.synchronize()
+        peaks[k] = (torch.cuda.max_memory_allocated() - base) / vector
+        del tree
+    for k in (1, 2, 3):
+        assert torch.equal(results[k], results[0])
+    for k in (0, 1, 2, 3):  # whole vectors, plus small per-parameter copies (a piece from the host)
+        assert peaks[k] < gpu_vectors_held(count, k) + 0.25, (k, peaks)
