@@ -106,6 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timed-steps", type=int, default=3, help="steps timed after the warm-up; the median is reported")
     p.add_argument("--modes", default="off,on", help="determinism modes to run, in order: off,on")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
+    p.add_argument("--gpu-gradient-vectors", type=int, default=0,
+                   help="model.gpu_gradient_vectors: at most this many float32 gradient vectors on the GPU (0: all)")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
     p.add_argument("--profile", action="store_true", help="profile each mode's log-probs and update (module doc)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the GPU's dense bf16 peak, TFLOP/s")
@@ -128,17 +130,56 @@ def lora_spec(args: argparse.Namespace):
     return LoraSpec(args.lora_rank, args.lora_alpha, TARGETS, SEED) if args.lora_rank else None
 
 
-def make_model_dir(root: Path, shape: dict, dtype: str) -> Path:
-    """A random Qwen2-shaped policy (HF directory, the char tokenizer beside it)."""
+def memory_estimate(args: argparse.Namespace, model_dir: Path) -> dict:
+    """reprorl/trainer/memory.py's estimate for the run this step stands for (one replica, one
+    rank, no reference: beta 0), in GiB, without the CUDA contexts: the bench's engine and rank
+    share one process, and torch's peak counts neither context."""
+    from reprorl.config import load_config
+    from reprorl.trainer.memory import GIB, estimate_memory
+
+    overrides = [f"model.path={model_dir}", "model.dtype=bfloat16", "resources.device=cuda",
+                 f"model.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+                 f"model.lora_rank={args.lora_rank}", f"model.gpu_gradient_vectors={args.gpu_gradient_vectors}",
+                 f"data.max_prompt_length={args.prompt_len}",
+                 f"data.max_response_length={args.new_tokens}", f"rollout.n={args.n}",
+                 f"rollout.max_num_seqs={args.prompts * args.n}", f"actor.ppo_mini_batch_size={args.prompts}",
+                 f"data.train_batch_size={args.prompts}", "actor.use_kl_loss=false", "rollout.num_replicas=1"]
+    if args.max_token_len is not None:
+        overrides.append(f"actor.ppo_max_token_len_per_micro_batch={args.max_token_len}")
+    else:
+        overrides.append(f"actor.ppo_micro_batch_size={args.micro_batch}")
+    if args.lora_rank:
+        overrides.append(f"model.lora_alpha={args.lora_alpha}")
+    gpu_total = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else None
+    est = estimate_memory(load_config(None, overrides), gpu_total)
+    return {"peak_gib": (est.peak - est.contexts) / GIB, "peak_phase": est.peak_phase,
+            "phases_gib": {phase: (est.phase_total(phase) - est.contexts) / GIB for phase in est.phases},
+            "table": est.table()}
+
+
+def make_model_dir(root: Path, shape: dict, dtype: str, device: str) -> Path:
+    """A random Qwen2-shaped policy (HF directory, the char tokenizer beside it), drawn on
+    `device` (a 7B model's weights took 138 s to draw on the host's CPU; their bits do not
+    matter here): norms 1, every other weight normal(0, 0.02)."""
     from reprorl.models.hf_io import save_model
-    from reprorl.models.tiny import init_weights, tiny_args
+    from reprorl.models.tiny import tiny_args
     from reprorl.models.tokenizer import make_char_tokenizer
     from reprorl.models.transformer import CausalLM
 
     args = dataclasses.replace(tiny_args("policy"), **shape, torch_dtype=dtype)
-    model = CausalLM(args)
-    init_weights(model, SEED)
-    out = save_model(model.to(getattr(torch, dtype)), args, root / "policy")
+    with torch.device(device):
+        model = CausalLM(args).to(getattr(torch, dtype))
+    generator = torch.Generator(device).manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    out = save_model(model.cpu(), args, root / "policy")
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the engine sizes its KV cache from the free memory
     make_char_tokenizer().save_pretrained(out)
     return out
 
@@ -252,7 +293,8 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                           max_num_batched_tokens=max(args.prompts * args.n, 8192))
     engine.eos_token_ids = frozenset()  # random weights: every response runs to full length
     worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
-                        total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing, lora=lora)
+                        total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing, lora=lora,
+                        gpu_gradient_vectors=args.gpu_gradient_vectors)
     g = torch.Generator().manual_seed(SEED)
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n
@@ -433,8 +475,11 @@ def main(argv: list[str] | None = None) -> dict:
           f"{matmul_params(shape) / 1e6:.0f}M matmul parameters, on {args.device}", flush=True)
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = make_model_dir(Path(scratch), shape, "bfloat16")
+        model_dir = make_model_dir(Path(scratch), shape, "bfloat16", args.device)
         print(f"random model written in {time.perf_counter() - t_start:.0f} s", flush=True)
+        result["memory_estimate"] = estimate = memory_estimate(args, model_dir)
+        print(f"memory estimate (reprorl config --memory, no CUDA contexts): {estimate['peak_gib']:.1f} GiB "
+              f"during {estimate['peak_phase']}", flush=True)
         for mode in args.modes.split(","):
             result["modes"][mode] = run_mode(args, model_dir, shape, full_determinism=mode == "on")
             write(args.out, result)
@@ -459,6 +504,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"determinism {mode}: steps {times} s; median step {s['step_s']:.2f} s (generation {s['generation_s']:.2f}, log-probs "
               f"{s['log_probs_s']:.2f}, update {s['update_s']:.2f}, sync+wake {s['weight_sync_and_wake_s']:.2f}), "
               f"update MFU {rec['update_mfu']:.1%}, peak {s['peak_gpu_gib']} GiB, log-prob gap {s['log_prob_max_gap']}")
+    for mode, rec in modes.items():
+        peak = rec["timed"]["peak_gpu_gib"]
+        if peak:
+            print(f"determinism {mode}: the memory estimate {result['memory_estimate']['peak_gib']:.1f} GiB is "
+                  f"{result['memory_estimate']['peak_gib'] / peak - 1:+.1%} of the measured peak {peak:.1f} GiB")
     if "determinism_cost" in result:
         print(f"determinism costs {result['determinism_cost']:+.1%} of a step")
     print(f"TRL: {result['trl']}")
