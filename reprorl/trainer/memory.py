@@ -21,13 +21,8 @@ the base weights are frozen in the compute dtype with no master, moments or grad
 only the adapters have them, and there is no reference model (it is the base with the
 adapters off).
 
-Against issue 33's H200 peaks of bench/train_step.py (GRPO, prompt 128 + 256 new tokens,
-bf16, one engine and one rank in one process, so its allocated bytes without contexts):
-Qwen2.5-0.5B's shape, 64 x 8 samples, micro-batch 64: 46.5 GiB estimated, 46.8 measured;
-1.5B and 3B, 32 x 8 samples, micro-batch 16 (the issue does not say; 64 cannot give its
-figures): 61.1 vs 61.3 and 114.9 vs 115.3. Those were measured with `tree_reduce`, whose
-peak (the deepest stack beside a micro-batch's activations) `GradTree` keeps unless the
-sums go to the host. Allocator fragmentation is not counted.
+The estimate against measured peaks (bench/train_step.py prints both): docs/performance.md.
+Allocator fragmentation is not counted.
 """
 
 from __future__ import annotations
