@@ -311,7 +311,7 @@ class Trainer:
             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
             entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
             kl_loss_type=actor.kl_loss_type, kl_loss_coef=actor.kl_loss_coef,
-            max_response_length=self.cfg.data.max_response_length,
+            max_response_length=self.cfg.data.max_response_length, cov=_cov_options(actor),
         )
 
     def _make_kl_controller(self) -> algos.FixedKLController | algos.AdaptiveKLController:
@@ -808,3 +808,13 @@ def train(cfg: Config) -> Path:
         return trainer.fit()
     finally:
         trainer.close()
+
+
+def _cov_options(actor: Any) -> dict[str, float] | None:
+    """The keywords of `actor.policy_loss` clip_cov or kl_cov (None for the other losses)."""
+    if actor.policy_loss == "clip_cov":
+        return {"clip_cov_ratio": actor.clip_cov_ratio, "clip_cov_lb": actor.clip_cov_lb,
+                "clip_cov_ub": actor.clip_cov_ub}
+    if actor.policy_loss == "kl_cov":
+        return {"kl_cov_ratio": actor.kl_cov_ratio, "ppo_kl_coef": actor.ppo_kl_coef}
+    return None
