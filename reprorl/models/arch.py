@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reprorl.errors import ConfigError
+from reprorl.models.rope import RopeScaling
 
 FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
 # kind -> the transformers class suffix that holds that head.
@@ -34,6 +35,7 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()  # plain RoPE, or a scaled variant (models/rope.py)
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # bias on q_proj, k_proj, v_proj
@@ -69,7 +71,7 @@ class ModelArgs:
             raise ConfigError(f"config.json hidden_act {config['hidden_act']!r} is not supported; expected 'silu'")
         if config.get("use_sliding_window"):
             raise ConfigError("config.json use_sliding_window=true is not supported; expected false (full attention)")
-        rope_theta = _rope_theta(config, model_type)
+        rope_theta = _rope_theta(config)
 
         heads = config["num_attention_heads"]
         if model_type == "qwen2":
@@ -102,6 +104,7 @@ class ModelArgs:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
+            rope_scaling=RopeScaling.from_hf_config(config, model_type),
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             # transformers 5 defaults this to False for all three families.
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -130,6 +133,7 @@ class ModelArgs:
             raise ValueError("qwen3 has qk_norm and one attention_bias switch; these ModelArgs do not fit")
         if self.model_type == "llama" and (self.qk_norm or self.qkv_bias != self.o_bias):
             raise ValueError("llama has one attention_bias switch and no qk_norm; these ModelArgs do not fit")
+        rope_scaling, rope_parameters = self.rope_scaling.to_hf(self.rope_theta)
         config: dict[str, Any] = {
             "architectures": [FAMILY_PREFIX[self.model_type] + KIND_SUFFIX[kind]],
             "model_type": self.model_type,
@@ -144,8 +148,8 @@ class ModelArgs:
             "rms_norm_eps": self.rms_norm_eps,
             # 4.x reads rope_theta + rope_scaling; 5.x reads rope_parameters.
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_dropout": 0.0,
@@ -170,15 +174,7 @@ class ModelArgs:
         return config
 
 
-def _rope_theta(config: dict[str, Any], model_type: str) -> float:
-    """RoPE base from either layout; only plain (unscaled) RoPE is supported."""
+def _rope_theta(config: dict[str, Any]) -> float:
+    """RoPE base from either layout (transformers 5 keeps it in rope_parameters)."""
     params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    for source, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        rope_type = spec.get("rope_type", spec.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(
-                f"config.json {source} type {rope_type!r} (model_type {model_type}) is not supported; "
-                "expected plain RoPE ('default' or no rope_scaling)"
-            )
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))

@@ -30,9 +30,10 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reprorl.kernels import KEY_BLOCK, TorchKernels, rope_tables
-from reprorl.kernels.shared import Padding, write_rows
+from reprorl.kernels import KEY_BLOCK, TorchKernels
+from reprorl.kernels.shared import Padding, rotary_tables, write_rows
 from reprorl.models.arch import ModelArgs
+from reprorl.models.rope import inverse_frequencies, max_positions
 
 
 def _dtype(args: ModelArgs, dtype: torch.dtype | None) -> torch.dtype:
@@ -366,7 +367,10 @@ class Transformer(nn.Module):
         # Recompute each layer's activations in backward (the trainer's option): the same
         # kernels run twice on the same inputs, so the gradient keeps its bits.
         self.gradient_checkpointing = False
-        cos, sin_rot = rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
+        inv_freq, attention_factor = inverse_frequencies(args.rope_scaling, args.head_dim, args.rope_theta,
+                                                         args.max_position_embeddings)
+        positions = max_positions(args.rope_scaling, args.max_position_embeddings)
+        cos, sin_rot = rotary_tables(inv_freq, positions, attention_factor)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
 

@@ -99,9 +99,9 @@ def test_unsupported_model_type_is_named():
 @pytest.mark.parametrize(
     "extra, pattern",
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' needs low_freq_factor"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn' needs factor"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"hidden_act": "gelu"}, "'gelu'"),
     ],
