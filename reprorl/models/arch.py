@@ -16,7 +16,7 @@ from typing import Any
 from reprorl.errors import ConfigError
 from reprorl.models.rope import RopeScaling
 
-FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
+FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}
 # kind -> the transformers class suffix that holds that head.
 KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification", "critic": "ForTokenClassification"}
 
@@ -25,7 +25,7 @@ KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification"
 class ModelArgs:
     """Everything needed to build a model; field names follow HF's config.json."""
 
-    model_type: str  # "qwen2" | "qwen3" | "llama"
+    model_type: str  # "qwen2" | "qwen3" | "llama" | "mistral"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,6 +71,10 @@ class ModelArgs:
             raise ConfigError(f"config.json hidden_act {config['hidden_act']!r} is not supported; expected 'silu'")
         if config.get("use_sliding_window"):
             raise ConfigError("config.json use_sliding_window=true is not supported; expected false (full attention)")
+        window = config.get("sliding_window")
+        if model_type == "mistral" and window is not None and window < config.get("max_position_embeddings", 32768):
+            raise ConfigError(f"config.json sliding_window={window} (model_type mistral) is not supported yet; "
+                              "expected null (full attention, as Mistral 7B v0.3)")
         rope_theta = _rope_theta(config)
 
         heads = config["num_attention_heads"]
@@ -79,6 +83,8 @@ class ModelArgs:
         elif model_type == "qwen3":
             attention_bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = attention_bias, attention_bias, False, True
+        elif model_type == "mistral":  # Llama's layers without biases
+            qkv_bias, o_bias, mlp_bias, qk_norm = False, False, False, False
         else:
             attention_bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = (
@@ -133,6 +139,8 @@ class ModelArgs:
             raise ValueError("qwen3 has qk_norm and one attention_bias switch; these ModelArgs do not fit")
         if self.model_type == "llama" and (self.qk_norm or self.qkv_bias != self.o_bias):
             raise ValueError("llama has one attention_bias switch and no qk_norm; these ModelArgs do not fit")
+        if self.model_type == "mistral" and (self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
+            raise ValueError("mistral has no biases and no qk_norm; these ModelArgs do not fit")
         rope_scaling, rope_parameters = self.rope_scaling.to_hf(self.rope_theta)
         config: dict[str, Any] = {
             "architectures": [FAMILY_PREFIX[self.model_type] + KIND_SUFFIX[kind]],
@@ -166,6 +174,8 @@ class ModelArgs:
             config["mlp_bias"] = self.mlp_bias
         if self.model_type in ("qwen2", "qwen3"):
             config["use_sliding_window"] = False
+        if self.model_type == "mistral":
+            config["sliding_window"] = None
         if kind != "causal_lm":
             labels = self.num_labels if kind == "reward" else 1
             config["num_labels"] = labels

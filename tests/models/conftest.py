@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(rope_theta=10000.0)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
     "llama": (transformers.LlamaConfig, dict(head_dim=16, attention_bias=True, mlp_bias=True, rope_theta=5e5)),
+    "mistral": (transformers.MistralConfig, dict(head_dim=32, rope_theta=1e6, sliding_window=None)),
 }
 HEADS = {
     "causal_lm": "ForCausalLM",
