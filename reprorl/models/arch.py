@@ -16,7 +16,7 @@ from typing import Any
 from reprorl.errors import ConfigError
 from reprorl.models.rope import RopeScaling
 
-FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral"}
+FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2"}
 # kind -> the transformers class suffix that holds that head.
 KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification", "critic": "ForTokenClassification"}
 
@@ -25,7 +25,7 @@ KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification"
 class ModelArgs:
     """Everything needed to build a model; field names follow HF's config.json."""
 
-    model_type: str  # "qwen2" | "qwen3" | "llama" | "mistral"
+    model_type: str  # "qwen2" | "qwen3" | "llama" | "mistral" | "olmo2"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,6 +42,8 @@ class ModelArgs:
     o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False  # bias on gate_proj, up_proj, down_proj
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (qwen3)
+    qk_norm_whole: bool = False  # RMSNorm over the whole q and k projections, before the heads (olmo2)
+    post_norm: bool = False  # norms after attention and MLP, inside the residual (olmo2)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -83,7 +85,7 @@ class ModelArgs:
         elif model_type == "qwen3":
             attention_bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = attention_bias, attention_bias, False, True
-        elif model_type == "mistral":  # Llama's layers without biases
+        elif model_type in ("mistral", "olmo2"):  # no biases (olmo2's norms: below)
             qkv_bias, o_bias, mlp_bias, qk_norm = False, False, False, False
         else:
             attention_bias = bool(config.get("attention_bias", False))
@@ -118,6 +120,8 @@ class ModelArgs:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
+            qk_norm_whole=model_type == "olmo2",
+            post_norm=model_type == "olmo2",
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
@@ -141,6 +145,11 @@ class ModelArgs:
             raise ValueError("llama has one attention_bias switch and no qk_norm; these ModelArgs do not fit")
         if self.model_type == "mistral" and (self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
             raise ValueError("mistral has no biases and no qk_norm; these ModelArgs do not fit")
+        olmo2 = self.model_type == "olmo2"
+        if (self.qk_norm_whole, self.post_norm) != (olmo2, olmo2) or olmo2 and (
+                self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
+            raise ValueError("olmo2 (and only olmo2) has post-norms and whole-projection q/k norms, no biases; "
+                             "these ModelArgs do not fit")
         rope_scaling, rope_parameters = self.rope_scaling.to_hf(self.rope_theta)
         config: dict[str, Any] = {
             "architectures": [FAMILY_PREFIX[self.model_type] + KIND_SUFFIX[kind]],
@@ -168,7 +177,7 @@ class ModelArgs:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type in ("qwen3", "llama"):
+        if self.model_type in ("qwen3", "llama", "olmo2"):
             config["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias

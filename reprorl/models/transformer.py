@@ -180,18 +180,24 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, kv_out, args.qkv_bias, dtype)
         self.v_proj = Linear(hidden, kv_out, args.qkv_bias, dtype)
         self.o_proj = Linear(q_out, hidden, args.o_bias, dtype)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, dtype)
+        # q/k norms per head (qwen3), or over the whole projection (olmo2: `qk_norm_whole`)
+        self.qk_norm_whole = args.qk_norm_whole
+        if args.qk_norm or args.qk_norm_whole:
+            q_width, k_width = (q_out, kv_out) if args.qk_norm_whole else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_width, args.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor, kern) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., H], cos/sin [..., D] -> q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D] (RoPE applied)."""
-        q = self.q_proj(x, kern).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        q, k = self.q_proj(x, kern), self.k_proj(x, kern)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q, kern), self.k_norm(k, kern)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = self.v_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q, kern), self.k_norm(k, kern)
         return kern.apply_rotary(q, cos, sin), kern.apply_rotary(k, cos, sin), v
 
@@ -212,14 +218,30 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, dtype)
         self.mlp = MLP(args, dtype)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        # Pre-norm (Llama, Qwen): x + attn(norm(x)), then + mlp(norm(.)). Post-norm (OLMo 2):
+        # x + norm(attn(x)), then + norm(mlp(.)), with HF's names for those two norms.
+        self.post_norm = args.post_norm
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = None if args.post_norm else RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype) if args.post_norm else None
+
+    def _attention_input(self, x: Tensor, kern) -> Tensor:
+        return x if self.post_norm else self.input_layernorm(x, kern)
+
+    def _rest(self, x: Tensor, attn: Tensor, kern) -> Tensor:
+        """The layer after attention: attn [..., Hq, D] through o_proj into the residual, then the MLP's."""
+        out = self.self_attn.o_proj(attn.flatten(-2), kern)
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(out, kern)
+            return x + self.post_feedforward_layernorm(self.mlp(x, kern), kern)
+        x = x + out
+        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kern) -> Tensor:
         """x [B, T, H], cos/sin [B, T, D], padding (the batch's, `Transformer.forward`) -> [B, T, H]."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)
-        x = x + self.self_attn.o_proj(kern.padded_attention(q, k, v, padding).flatten(-2), kern)
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        q, k, v = self.self_attn.project(self._attention_input(x, kern), cos, sin, kern)
+        return self._rest(x, kern.padded_attention(q, k, v, padding), kern)
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
                        kern) -> Tensor:
@@ -228,7 +250,7 @@ class DecoderLayer(nn.Module):
         Attention runs in one `batched_attention` call per group of `plan` (the decode
         tokens, the longer chunks), whatever the number of sequences.
         """
-        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [N, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self._attention_input(x, kern), cos, sin, kern)  # [N, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
         kv_rows = plan.kv_rows(cache)
         write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
@@ -245,8 +267,7 @@ class DecoderLayer(nn.Module):
                 out = kern.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
                 real = out.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * q.shape[2])[g.real]
                 write_rows(attn.view(attn.shape[0], -1), g.rows, real)
-        x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        return self._rest(x, attn, kern)
 
 
     def forward_decode(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor,
@@ -256,15 +277,14 @@ class DecoderLayer(nn.Module):
         slot of the cache; 0 for slots not decoding). Attention runs over all S slots as one
         view (zero queries for the idle ones cost a key block each) and each row takes its
         slot's output."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [B, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self._attention_input(x, kern), cos, sin, kern)  # [B, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [S, Hkv, cap, D]
         write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         q_all = q.new_zeros(keys.shape[0], *q.shape[1:])  # [S, Hq, D]
         write_rows(q_all.view(q_all.shape[0], -1), slots, q.reshape(q.shape[0], -1))
         attn = attention(q_all[:, :, None], keys, values, q_start)[slots, :, 0]  # [B, Hq, D]
-        x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        return self._rest(x, attn, kern)
 
 
 class _Group:

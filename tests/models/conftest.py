@@ -22,6 +22,7 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
     "llama": (transformers.LlamaConfig, dict(head_dim=16, attention_bias=True, mlp_bias=True, rope_theta=5e5)),
     "mistral": (transformers.MistralConfig, dict(head_dim=32, rope_theta=1e6, sliding_window=None)),
+    "olmo2": (transformers.Olmo2Config, dict(rope_theta=5e5)),
 }
 HEADS = {
     "causal_lm": "ForCausalLM",

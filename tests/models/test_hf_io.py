@@ -31,7 +31,7 @@ def padded_batch(vocab: int, side: str = "left", seed: int = 0):
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False),
-                                        ("mistral", False)])
+                                        ("mistral", False), ("olmo2", False)])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_path):
     hf = make_hf_model(family, tie=tie)
@@ -50,7 +50,8 @@ def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_pa
     torch.testing.assert_close(invariant[real], expected[real], **TOL)
 
 
-@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False), ("llama", False), ("mistral", False)])
+@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False), ("llama", False), ("mistral", False),
+                                        ("olmo2", False)])
 def test_save_model_loads_in_transformers(family, tie, make_hf_model, tmp_path):
     hf = make_hf_model(family, tie=tie, seed=1)
     hf.save_pretrained(tmp_path / "hf")
