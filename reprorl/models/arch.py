@@ -16,7 +16,8 @@ from typing import Any
 from reprorl.errors import ConfigError
 from reprorl.models.rope import RopeScaling
 
-FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2"}
+FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2",
+                 "phi3": "Phi3"}
 # kind -> the transformers class suffix that holds that head.
 KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification", "critic": "ForTokenClassification"}
 
@@ -25,7 +26,7 @@ KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification"
 class ModelArgs:
     """Everything needed to build a model; field names follow HF's config.json."""
 
-    model_type: str  # "qwen2" | "qwen3" | "llama" | "mistral" | "olmo2"
+    model_type: str  # "qwen2" | "qwen3" | "llama" | "mistral" | "olmo2" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,11 +45,18 @@ class ModelArgs:
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (qwen3)
     qk_norm_whole: bool = False  # RMSNorm over the whole q and k projections, before the heads (olmo2)
     post_norm: bool = False  # norms after attention and MLP, inside the residual (olmo2)
+    fused_projections: bool = False  # the checkpoint's qkv_proj and gate_up_proj (phi3: models/fused.py)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates (phi3)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     num_labels: int = 1  # width of the reward model's score head
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dimensions RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILY_PREFIX:
@@ -74,9 +82,10 @@ class ModelArgs:
         if config.get("use_sliding_window"):
             raise ConfigError("config.json use_sliding_window=true is not supported; expected false (full attention)")
         window = config.get("sliding_window")
-        if model_type == "mistral" and window is not None and window < config.get("max_position_embeddings", 32768):
-            raise ConfigError(f"config.json sliding_window={window} (model_type mistral) is not supported yet; "
-                              "expected null (full attention, as Mistral 7B v0.3)")
+        if model_type in ("mistral", "phi3") and window is not None \
+                and window < config.get("max_position_embeddings", 32768):
+            raise ConfigError(f"config.json sliding_window={window} (model_type {model_type}) is not supported yet; "
+                              "expected null or at least max_position_embeddings (full attention)")
         rope_theta = _rope_theta(config)
 
         heads = config["num_attention_heads"]
@@ -85,7 +94,7 @@ class ModelArgs:
         elif model_type == "qwen3":
             attention_bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = attention_bias, attention_bias, False, True
-        elif model_type in ("mistral", "olmo2"):  # no biases (olmo2's norms: below)
+        elif model_type in ("mistral", "olmo2", "phi3"):  # no biases (olmo2's norms, phi3's fusion: below)
             qkv_bias, o_bias, mlp_bias, qk_norm = False, False, False, False
         else:
             attention_bias = bool(config.get("attention_bias", False))
@@ -122,6 +131,9 @@ class ModelArgs:
             qk_norm=qk_norm,
             qk_norm_whole=model_type == "olmo2",
             post_norm=model_type == "olmo2",
+            fused_projections=model_type == "phi3",
+            partial_rotary_factor=float(config.get("partial_rotary_factor")
+                                        or (config.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
@@ -145,6 +157,9 @@ class ModelArgs:
             raise ValueError("llama has one attention_bias switch and no qk_norm; these ModelArgs do not fit")
         if self.model_type == "mistral" and (self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
             raise ValueError("mistral has no biases and no qk_norm; these ModelArgs do not fit")
+        if (self.model_type == "phi3") != self.fused_projections or self.model_type == "phi3" and (
+                self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
+            raise ValueError("phi3 (and only phi3) has fused projections, and no biases; these ModelArgs do not fit")
         olmo2 = self.model_type == "olmo2"
         if (self.qk_norm_whole, self.post_norm) != (olmo2, olmo2) or olmo2 and (
                 self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
@@ -183,8 +198,14 @@ class ModelArgs:
             config["mlp_bias"] = self.mlp_bias
         if self.model_type in ("qwen2", "qwen3"):
             config["use_sliding_window"] = False
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "phi3"):
             config["sliding_window"] = None
+        if self.partial_rotary_factor != 1.0:
+            config["partial_rotary_factor"] = self.partial_rotary_factor
+            config["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+        original = self.rope_scaling.get("original_max_position_embeddings")
+        if self.model_type == "phi3" and original is not None:  # where transformers 4.x's Phi-3 reads it
+            config["original_max_position_embeddings"] = original
         if kind != "causal_lm":
             labels = self.num_labels if kind == "reward" else 1
             config["num_labels"] = labels

@@ -66,14 +66,14 @@ class RopeScaling:
                    "can reproduce; " if rope_type == "dynamic" else "")
             raise ConfigError(f"{where}: rope type {rope_type!r} is not supported ({why}expected one of "
                               f"{', '.join(ROPE_TYPES)})")
+        spec = dict(spec)
+        if spec.get("original_max_position_embeddings") is None and config.get("original_max_position_embeddings"):
+            spec["original_max_position_embeddings"] = config["original_max_position_embeddings"]  # Phi-3, 4.x
         missing = [key for key in REQUIRED[rope_type] if spec.get(key) is None]
         if missing:
             raise ConfigError(f"{where}: rope type {rope_type!r} needs {', '.join(missing)}")
-        if spec.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ConfigError(f"{where}: partial_rotary_factor={spec['partial_rotary_factor']} is not supported; "
-                              "expected 1.0 (every dimension rotated)")
         keep = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.items()
-                if k not in ("rope_type", "type", "rope_theta")}
+                if k not in ("rope_type", "type", "rope_theta", "partial_rotary_factor")}  # the last: ModelArgs
         return cls(rope_type, tuple(sorted(keep.items())))
 
     def to_hf(self, rope_theta: float) -> tuple[dict[str, Any] | None, dict[str, Any]]:

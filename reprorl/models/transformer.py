@@ -199,7 +199,14 @@ class Attention(nn.Module):
         v = self.v_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q, kern), self.k_norm(k, kern)
-        return kern.apply_rotary(q, cos, sin), kern.apply_rotary(k, cos, sin), v
+        return self._rotate(q, cos, sin, kern), self._rotate(k, cos, sin, kern), v
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor, kern) -> Tensor:
+        """RoPE on each head's first cos.shape[-1] dimensions (all, but for a partial rotary: phi3)."""
+        rotary = cos.shape[-1]
+        if rotary == self.head_dim:
+            return kern.apply_rotary(x, cos, sin)
+        return torch.cat((kern.apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
 
 
 class MLP(nn.Module):
@@ -387,7 +394,7 @@ class Transformer(nn.Module):
         # Recompute each layer's activations in backward (the trainer's option): the same
         # kernels run twice on the same inputs, so the gradient keeps its bits.
         self.gradient_checkpointing = False
-        inv_freq, attention_factor = inverse_frequencies(args.rope_scaling, args.head_dim, args.rope_theta,
+        inv_freq, attention_factor = inverse_frequencies(args.rope_scaling, args.rotary_dim, args.rope_theta,
                                                          args.max_position_embeddings)
         positions = max_positions(args.rope_scaling, args.max_position_embeddings)
         cos, sin_rot = rotary_tables(inv_freq, positions, attention_factor)

@@ -104,7 +104,6 @@ def test_longrope_positions_stop_at_the_original_length():
     ({"rope_type": "su", "factor": 2.0}, "rope type 'su' is not supported \\(expected one of default, linear"),
     ({"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3' needs low_freq_factor, high_freq_factor, "
                                               "original_max_position_embeddings"),
-    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
 ])
 def test_unsupported_rope_is_one_line_naming_the_key(spec, message):
     config = {**json.loads(llama_config("linear").to_json_string()), "rope_parameters": spec, "rope_scaling": None}
