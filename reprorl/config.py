@@ -142,8 +142,10 @@ class RolloutConfig:
     num_agent_workers: int = _field(1, "agent-loop workers sending requests to the replicas", ge=1)
     max_turns: int = _field(4, "most assistant turns in the tool loop", ge=1)
     tools: list[str] | None = _field(
-        None, "tools the tool loop may call, by name, from reprorl/agent_loop/tools.py TOOLS; null = all of them; "
-        "[] = none, an error with agent_loop=tool"
+        None, "tools the tool loop may call: a built-in by name (calculator), package.module:function, "
+        "path/to/file.py:function, or path/to/file.py (its public functions); a function of yours needs type hints "
+        "and a docstring with an Args: line per parameter (its JSON schema, which the chat template shows the "
+        "model, is derived from them); null = every built-in; [] = none, an error with agent_loop=tool"
     )
     gpu_memory_utilization: float = _field(
         0.3, "backend=native on a GPU: share of the GPU's free memory at start-up that one replica's KV cache may "

@@ -35,6 +35,7 @@ import ray
 import torch
 
 from reprorl import algos
+from reprorl.agent_loop.tools import select_tools, tool_schemas
 from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptDataset, PromptSampler
@@ -280,7 +281,8 @@ class Trainer:
             return PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
                                  prompt_key=data.prompt_key,
                                  check_ground_truth=check_ground_truth if builtin_rules else None,
-                                 known_sources=REWARD_FNS if builtin_rules else None)
+                                 known_sources=REWARD_FNS if builtin_rules else None,
+                                 template_kwargs=self._template_kwargs())
 
         return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
@@ -356,6 +358,12 @@ class Trainer:
                             "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead, "lora": self.lora},
         )
 
+    def _template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keywords beyond the messages: the tool loop's tools, listed
+        for the model as the template lists them."""
+        ro = self.cfg.rollout
+        return {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
+
     def _make_agent(self) -> AgentLoopManager:
         """The agent-loop manager that sends the rollout pool its requests."""
         cfg, ro, data = self.cfg, self.cfg.rollout, self.cfg.data
@@ -367,6 +375,7 @@ class Trainer:
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
+            template_kwargs=self._template_kwargs(),
             part_timeout_s=cfg.trainer.part_timeout_s,
         )
 
