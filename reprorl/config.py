@@ -333,6 +333,9 @@ class TrainerConfig:
         "behind all the others); a log-prob or value pass its batch's tokens, an update those x ppo_epochs", gt=0
     )
     val_before_train: bool = _field(True, "validate once before the first step")
+    log_generations: int = _field(
+        0, "write this many validation samples (prompt, response, reward) per validation to generations.jsonl in "
+        "the run directory; 0 = none", ge=0)
     project_name: str = _field("reprorl", "project name, for loggers and run_dir")
     experiment_name: str = _field("tiny-grpo", "experiment name, for loggers and run_dir")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -68,7 +69,16 @@ from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs
 from reprorl.trainer.resume_guard import flat_config, plan_resume
 from reprorl.trainer.run_dir import append_history, lock_run_dir
-from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
+from reprorl.trainer.tracking import (
+    CURVES_FILE,
+    GENERATIONS_FILE,
+    METRICS_FILE,
+    Tracker,
+    plot_curves,
+    read_metrics,
+    truncate_metrics,
+)
+from reprorl.trainer.val_metrics import per_source_metrics
 from reprorl.workers.group import WorkerError, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -611,14 +621,16 @@ class Trainer:
 
         `val/accuracy` is the share of samples whose rule reward is full credit (>= 1.0),
         absent when the rule function does not run (a reward model alone, rule_weight 0);
-        `val/reward_mean` is the mean of the final reward (rule and model, weighted).
+        `val/reward_mean` is the mean of the final reward (rule and model, weighted); and
+        per data source, over the `rollout.val.n` samples of each prompt, `val_metrics`'s.
+        `trainer.log_generations` = K writes the first K samples to generations.jsonl.
         """
         cfg = self.cfg
         if self.val_set is None:  # data.val_files=[]
             return {}
         positions = list(range(len(self.val_set)))
         size = cfg.data.val_batch_size or len(positions)
-        scores, correct, lengths = [], [], []
+        scores, correct, lengths, sources, uids = [], [], [], [], []
         t0 = time.perf_counter()
         for start in range(0, len(positions), size):
             prompts = self._prompt_batch(self.val_set, positions[start : start + size], step=step, validate=True)
@@ -628,14 +640,39 @@ class Trainer:
             if rewards.rule is not None:
                 correct.append((rewards.rule >= 1.0).float())
             lengths.append(output["response_mask"].float().sum(-1))
+            sources += list(output.non_tensors["data_source"])
+            uids += list(output.non_tensors["uid"])
+            if start == 0 and cfg.trainer.log_generations:
+                self._log_generations(step, output, rewards.scores, cfg.trainer.log_generations)
+        all_scores = torch.cat(scores)
         metrics = {
-            "val/reward_mean": torch.cat(scores).mean().item(),
+            "val/reward_mean": all_scores.mean().item(),
             "val/response_length_mean": torch.cat(lengths).mean().item(),
             "timing/val_s": time.perf_counter() - t0,
         }
         if correct:
             metrics["val/accuracy"] = torch.cat(correct).mean().item()
+        metrics.update(per_source_metrics(sources, uids, all_scores, cfg.rollout.val.n,
+                                          correct=torch.cat(correct) if correct else None))
         return metrics
+
+    def _log_generations(self, step: int, output: Batch, scores: torch.Tensor, count: int) -> None:
+        """The first `count` validation samples of the step (prompt, response, reward), as
+        lines of generations.jsonl in the run directory (appended, durably)."""
+        lines = []
+        for i in range(min(count, len(output))):
+            model_tokens = output["response_mask"][i].nonzero()
+            length = int(model_tokens[-1]) + 1 if len(model_tokens) else 0  # tool turns between included
+            response = output["responses"][i][:length].tolist()
+            lines.append(json.dumps({
+                "step": step, "uid": output.non_tensors["uid"][i], "data_source": output.non_tensors["data_source"][i],
+                "prompt": self.tokenizer.decode(list(output.non_tensors["prompt_ids"][i])),
+                "response": self.tokenizer.decode(response), "reward": float(scores[i]),
+            }, sort_keys=True))
+        with open(self.run_dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -682,6 +719,7 @@ class Trainer:
             # From the start: drop the records of an attempt that trained no step (plan_resume
             # refuses to start over where steps were trained), such as a validation at step 0.
             truncate_metrics(self.run_dir / METRICS_FILE, 0)
+            truncate_metrics(self.run_dir / GENERATIONS_FILE, 0)
             truncate_fingerprints(self.run_dir, 0)
             return 0
         step, state = load_checkpoint(ckpt, verify=False)  # verified by plan_resume
@@ -693,6 +731,7 @@ class Trainer:
         # Replicas start from model.path: give them the checkpoint's weights as its version.
         weight_sync.push_weights(self.actor, self.pool, step, weight_sync.device_replicas(self.actor, self.pool))
         truncate_metrics(self.run_dir / METRICS_FILE, step)
+        truncate_metrics(self.run_dir / GENERATIONS_FILE, step)  # the same steps are validated again
         truncate_fingerprints(self.run_dir, step)
         logger.info("resumed from step %d (%s)", step, ckpt)
         return step
