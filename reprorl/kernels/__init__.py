@@ -11,7 +11,7 @@
 Batch-invariant means: each output row depends only on that row's inputs, not on how many
 rows are in the call, where the row sits, what the other rows hold, or the thread count.
 Attention reduces over keys in one fixed block order, so a token's output is the same bits
-in a decode step, in any prefill chunk and in the trainer's padded batch (DESIGN.md,
+in a decode step, in any prefill chunk and in the trainer's padded batch (docs/design.md,
 contract point 2). Gradients are deterministic, not batch-invariant.
 
 Every backend has the same methods: `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,

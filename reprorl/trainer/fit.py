@@ -1,6 +1,6 @@
 """The fit loop: prompts -> one rollout call -> rewards -> log-probs -> advantages -> updates.
 
-One training step, in the order of DESIGN.md:
+One training step, in the order of docs/design.md:
 
     batch of prompts (uid per prompt) -> repeat n, interleaved (ReMax: + one greedy row
     per prompt, same call) -> rollout -> reward -> old log-probs -> ref log-probs ->
@@ -512,7 +512,7 @@ class Trainer:
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
 
     def _check_log_prob_gap(self, gap: float) -> None:
-        """Under full determinism the built-in engine's log-probs ARE the trainer's (DESIGN.md,
+        """Under full determinism the built-in engine's log-probs ARE the trainer's (docs/design.md,
         contract point 2): a gap means a kernel or the engine broke that, and every step
         after it would train on a mismatch, so the run stops here. vLLM's kernels are not
         ours: its gap is only reported. A gap that is not finite is left to `_require_finite`,
