@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from reprorl.kernels import KEY_BLOCK, TorchKernels
+from reprorl.kernels.backend import Kernels
 from reprorl.kernels.shared import Padding, rotary_tables, write_rows
 from reprorl.models.arch import ModelArgs
 from reprorl.models.rope import inverse_frequencies, max_positions
@@ -55,11 +56,11 @@ class Linear(nn.Module):
         self.lora_scaling = 0.0
         self.lora_enabled = True
 
-    def forward(self, x: Tensor, k) -> Tensor:
-        y = k.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
+        y = kernels.linear(x, self.weight, self.bias)
         if self.lora_A is None or not self.lora_enabled:
             return y
-        return y + k.linear(k.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+        return y + kernels.linear(kernels.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
 
 
 class RMSNorm(nn.Module):
@@ -68,8 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: Tensor, k) -> Tensor:
-        return k.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -189,24 +190,24 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor, kern) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., H], cos/sin [..., D] -> q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D] (RoPE applied)."""
-        q, k = self.q_proj(x, kern), self.k_proj(x, kern)
+        q, k = self.q_proj(x, kernels), self.k_proj(x, kernels)
         if self.qk_norm_whole:
-            q, k = self.q_norm(q, kern), self.k_norm(k, kern)
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x, kernels).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and not self.qk_norm_whole:
-            q, k = self.q_norm(q, kern), self.k_norm(k, kern)
-        return self._rotate(q, cos, sin, kern), self._rotate(k, cos, sin, kern), v
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
+        return self._rotate(q, cos, sin, kernels), self._rotate(k, cos, sin, kernels), v
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor, kern) -> Tensor:
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor, kernels: Kernels) -> Tensor:
         """RoPE on each head's first cos.shape[-1] dimensions (all, but for a partial rotary: phi3)."""
         rotary = cos.shape[-1]
         if rotary == self.head_dim:
-            return kern.apply_rotary(x, cos, sin)
-        return torch.cat((kern.apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+            return kernels.apply_rotary(x, cos, sin)
+        return torch.cat((kernels.apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
 
 
 class MLP(nn.Module):
@@ -216,8 +217,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
 
-    def forward(self, x: Tensor, k) -> Tensor:
-        return self.down_proj(k.swiglu(self.gate_proj(x, k), self.up_proj(x, k)), k)
+    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x, kernels), self.up_proj(x, kernels)), kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -233,65 +234,67 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype) if args.post_norm else None
 
-    def _attention_input(self, x: Tensor, kern) -> Tensor:
-        return x if self.post_norm else self.input_layernorm(x, kern)
+    def _attention_input(self, x: Tensor, kernels: Kernels) -> Tensor:
+        return x if self.post_norm else self.input_layernorm(x, kernels)
 
-    def _rest(self, x: Tensor, attn: Tensor, kern) -> Tensor:
+    def _rest(self, x: Tensor, attn: Tensor, kernels: Kernels) -> Tensor:
         """The layer after attention: attn [..., Hq, D] through o_proj into the residual, then the MLP's."""
-        out = self.self_attn.o_proj(attn.flatten(-2), kern)
+        out = self.self_attn.o_proj(attn.flatten(-2), kernels)
         if self.post_norm:
-            x = x + self.post_attention_layernorm(out, kern)
-            return x + self.post_feedforward_layernorm(self.mlp(x, kern), kern)
+            x = x + self.post_attention_layernorm(out, kernels)
+            return x + self.post_feedforward_layernorm(self.mlp(x, kernels), kernels)
         x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kern) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kernels: Kernels) -> Tensor:
         """x [B, T, H], cos/sin [B, T, D], padding (the batch's, `Transformer.forward`) -> [B, T, H]."""
-        q, k, v = self.self_attn.project(self._attention_input(x, kern), cos, sin, kern)
-        return self._rest(x, kern.padded_attention(q, k, v, padding), kern)
+        q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)
+        return self._rest(x, kernels.padded_attention(q, k, v, padding), kernels)
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
-                       kern) -> Tensor:
+                       kernels: Kernels) -> Tensor:
         """x [N, H], cos/sin [N, D] -> [N, H]; writes this layer's keys/values into the cache.
 
         Attention runs in one `batched_attention` call per group of `plan` (the decode
         tokens, the longer chunks), whatever the number of sequences.
         """
-        q, k, v = self.self_attn.project(self._attention_input(x, kern), cos, sin, kern)  # [N, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)  # [N, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
         kv_rows = plan.kv_rows(cache)
         write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         if plan.in_order:  # decode tokens of consecutive slots, in slot order: no gather, no scatter
-            out = kern.batched_attention(q[:, :, None], keys[plan.lo : plan.hi], values[plan.lo : plan.hi], plan.q_start)
+            lo, hi = plan.lo, plan.hi
+            out = kernels.batched_attention(q[:, :, None], keys[lo:hi], values[lo:hi], plan.q_start)
             attn = out[:, :, 0]  # [N, Hq, D]
         else:
             attn = q.new_empty(q.shape)  # [N, Hq, D]
             q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row N: zeros for padding queries
             for g in plan.groups:
                 qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
-                kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
-                out = kern.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
+                rows = slice(g.lo, g.hi) if g.index is None else g.index
+                kg, vg = keys[rows], values[rows]
+                out = kernels.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
                 real = out.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * q.shape[2])[g.real]
                 write_rows(attn.view(attn.shape[0], -1), g.rows, real)
-        return self._rest(x, attn, kern)
+        return self._rest(x, attn, kernels)
 
 
     def forward_decode(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor,
-                       q_start: Tensor, cache: KVCache, layer: int, attention, kern) -> Tensor:
+                       q_start: Tensor, cache: KVCache, layer: int, attention, kernels: Kernels) -> Tensor:
         """One decode token per row, with no host sync and static shapes (a CUDA graph can
         replay it): x [B, H], slots [B], kv_rows [B * Hkv] (`cache_rows`); q_start [S] (every
         slot of the cache; 0 for slots not decoding). Attention runs over all S slots as one
         view (zero queries for the idle ones cost a key block each) and each row takes its
         slot's output."""
-        q, k, v = self.self_attn.project(self._attention_input(x, kern), cos, sin, kern)  # [B, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)  # [B, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [S, Hkv, cap, D]
         write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         q_all = q.new_zeros(keys.shape[0], *q.shape[1:])  # [S, Hq, D]
         write_rows(q_all.view(q_all.shape[0], -1), slots, q.reshape(q.shape[0], -1))
         attn = attention(q_all[:, :, None], keys, values, q_start)[slots, :, 0]  # [B, Hq, D]
-        return self._rest(x, attn, kern)
+        return self._rest(x, attn, kernels)
 
 
 class _Group:
