@@ -357,10 +357,8 @@ void nn_task(const T* a, const T* b, float* out, int64_t K, int64_t N, int64_t i
 //
 // Every region takes the whole team, even with fewer tasks than threads (those threads wait
 // at its end): a team of another size than the last region's makes OpenMP move threads in
-// or out of it, and at 16 rows on the Xeon's 16 threads that cost more than the work. With
-// the linear's packing split over k as well (one change, both measured together), the
-// width-512 forward of 16 tokens went from 1.49-1.52x stock's time to 0.94-0.95x there
-// (bench/kernels.py, 2026-12-03).
+// or out of it, and at 16 rows on the Xeon's 16 threads that cost more than the work (with
+// the linear's packing split over k, one change; its effect: docs/performance.md).
 inline int team_threads() { return std::max(1, at::get_num_threads()); }
 
 // mm_nt's k blocks of 512 (a task's 64 rows of a take 128 KiB, its columns of b fit L1/L2);

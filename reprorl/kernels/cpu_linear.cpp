@@ -30,11 +30,9 @@ namespace {
 // Register blocks: RV vectors of rows x NC columns (RV * NC accumulators, RV vectors of a and
 // a broadcast of b: 32 zmm with AVX-512, 16 ymm with AVX2). The widest RV that the rows fill
 // sets the columns of a block; fewer row vectors at a task's end take the same columns.
-// AVX-512: 1 x 8 and 2 x 12, from bench/cpu_blocks.py on the GPU machine's Xeon (2026-12-02,
-// summed over the bench linears): at 16 rows 1 x 8 took 0.70-0.76x MKL's time on one core
-// (1 x 24, whose 24 weight pointers spill: 1.14x); at 256 rows 2 x 12 took 1.15x MKL's time
-// on one core against 1.38x for 4 x 6 and 1.22x for 3 x 9, and 1.12x against 1.10x at 16
-// threads. (-D RL1=.. RL4=.., RL_MAX=..: the blocks bench/cpu_blocks.py builds to time.)
+// AVX-512: 1 x 8 and 2 x 12, the fastest in bench/cpu_blocks.py on a Xeon, summed over the
+// bench linears (wider blocks, such as 1 x 24, spill their weight pointers; the timings:
+// docs/performance.md). (-D RL1=.. RL4=.., RL_MAX=..: the blocks bench/cpu_blocks.py builds.)
 #if defined(__AVX512F__)
 #ifndef RL1
 #define RL1 8
@@ -207,10 +205,9 @@ void run_rows_nc(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& 
 // The default plan, for `threads` threads: tasks of up to TASK_VECS row vectors x up to
 // TASK_COLS columns, more column tasks when that leaves a thread idle, the tasks a whole
 // number a thread when there are more than threads; K whole up to 512, else in blocks of 512.
-// From bench/cpu_plans.py on the GPU machine's Xeon (2026-12-02; 4 x 6 blocks, the bench
-// linears at 16, 64 and 256 rows): per linear 1.06x the best plan's time on average at 1
-// thread and 1.05x at 16, against 1.16x and 1.06x for tasks of 16 vectors x an even share
-// of the columns with K in blocks of 256.
+// Chosen from bench/cpu_plans.py on a Xeon (the bench linears at 16, 64 and 256 rows): near
+// the best plan of its grid at 1 and 16 threads, closer than tasks of 16 vectors x an even
+// share of the columns (the figures: docs/performance.md).
 RowsPlan default_rows_plan(int64_t M, int64_t N, int64_t K, int64_t nc, int64_t threads) {
   const int64_t vecs = (M + LANES - 1) / LANES;
   const int64_t tm = (vecs + TASK_VECS - 1) / TASK_VECS;

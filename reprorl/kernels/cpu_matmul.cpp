@@ -13,12 +13,11 @@ struct NtPlan {
 
 // The default plan: K in `k_block`s; tasks of up to 64 rows; columns per task: up to 16
 // register blocks, fewer when that leaves under 4 tasks a thread (a decode step's few rows
-// on 16 threads). Chosen when mm_nt was the linear too, from bench/cpu_plans.py (2026-12-02;
-// it now times the linear's own kernel, cpu_linear.cpp) over the bench linears at 16, 64 and
-// 256 rows: the time summed over them came to 1.10x the best plan's per linear on the GPU
-// machine's Xeon at 16 threads and at 1, 1.04-1.14x on the AMD EPYC at 1 and 2 (the old
-// rule, 8 blocks and 8 tasks a thread: 1.13, 1.13, 1.11-1.15x). 16-row tasks were best on
-// the Xeon at 16 threads (1.07x) but worst on the EPYC (1.16x at 1 thread).
+// on 16 threads). Chosen when mm_nt was the linear too, from bench/cpu_plans.py (it now
+// times the linear's own kernel, cpu_linear.cpp) over the bench linears at 16, 64 and 256
+// rows, on a Xeon and an AMD EPYC: closer to each machine's best plan than the old rule
+// (8 blocks and 8 tasks a thread); 16-row tasks were best on the Xeon at 16 threads but
+// worst on the EPYC (the figures: docs/performance.md).
 NtPlan default_nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
   const int64_t kc = k_block(K);
   const int64_t br = std::clamp<int64_t>((M + NT_ROWS - 1) / NT_ROWS * NT_ROWS, NT_ROWS, 64);

@@ -178,9 +178,8 @@ class _Permute(torch.autograd.Function):
     """`x[b, perm[b, t]]` along dim 1, with the inverse permutation as its gradient: a gather
     both ways, each entry copied once. (Autograd's own gradient of a gather is a scatter-add,
     which under torch's deterministic algorithms, on by full determinism, sorts its indices
-    and runs an index_put: measured on the H200 as the largest kernel of a bf16 update,
-    66 ms of a micro-batch's 249 in Qwen2.5-0.5B's shape, with the forward's scatter 25 ms of
-    a log-prob pass's 74; bench/train_step.py --profile.)"""
+    and runs an index_put: the largest kernel of a bf16 update in bench/train_step.py
+    --profile; the figures: docs/performance.md.)"""
 
     @staticmethod
     def forward(ctx, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:

@@ -118,8 +118,7 @@ def layer_activation_elems(args: ModelArgs) -> int:
     """Elements per token one decoder layer keeps for its backward pass: six H-wide tensors
     (the layer's input, the normed input, the residual sum, its normed copy, and the two
     copies of rows moved to their front for attention), q, k, v and the attention output,
-    gate, up and their SwiGLU product. Measured on the H200 (bf16, 64 x 384 tokens, 0.5B
-    and 1.5B widths, 2 vs 4 layers): 1.015 and 1.830 GiB a layer; this gives 1.008 and 1.816."""
+    gate, up and their SwiGLU product (checked against measured peaks: docs/performance.md)."""
     h, i = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
     return 6 * h + 2 * q + 2 * kv + 3 * i
@@ -133,7 +132,7 @@ def activation_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int,
     norm's input and output), and the head's output and its gradient: for the LM head the
     logits `[rows, response_len, V]` in the compute dtype, twice (the log-probs kernel keeps
     no float32 copy). With checkpointing, a layer recomputed later needs its whole set, after
-    the logits' gradient is freed. Measured on the H200 at 0.5B and 1.5B widths: within 1%."""
+    the logits' gradient is freed. (Against measured peaks: docs/performance.md.)"""
     tokens = rows * seq_len
     layer = layer_activation_elems(args) * dtype_bytes * tokens
     around = 3 * args.hidden_size * dtype_bytes * tokens
@@ -145,8 +144,7 @@ def activation_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int,
 
 def forward_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int, response_len: int) -> int:
     """One micro-batch's forward without a gradient (log-probs): the logits in the compute
-    dtype and two H-wide tensors; a layer's own tensors are freed as it ends (H200: 4.71 GiB
-    measured at 64 x 384 tokens, 0.5B width; this gives 4.72)."""
+    dtype and two H-wide tensors; a layer's own tensors are freed as it ends."""
     return rows * response_len * args.vocab_size * dtype_bytes + 2 * args.hidden_size * dtype_bytes * rows * seq_len
 
 

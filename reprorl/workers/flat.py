@@ -47,9 +47,8 @@ Why not FSDP2 (`torch.distributed.fsdp.fully_shard`, which does run on CPU with 
 torch 2.13): it reduce-scatters each micro-batch's gradient across ranks as soon as its
 backward ends, then adds the result into the sharded gradient, so the micro-batch sums
 are grouped by rank count (g0 + g1 for N = 2, then + (g2 + g3), ...), and the
-reduce-scatter adds in the collective's order. Measured here (torch 2.13 CPU, gloo; a
-64-256-1 MLP, 8 micro-batches of 4 rows): 55% of the gradient's entries at 2 and at 4
-ranks differed from 1 rank's, by up to 2.4e-7. Neither can be made the same for every N
+reduce-scatter adds in the collective's order, so its gradient differs from 1 rank's at
+2 and at 4 ranks (measured: docs/performance.md). Neither can be made the same for every N
 from outside; the gradient tree above needs the micro-batch gradients before any rank
 adds them, which is what the code here does. Parameters are whole on every rank between
 steps (as ZeRO-2); sharding them at rest too (per-layer gathers, as FSDP's) changes no

@@ -8,12 +8,11 @@ BLOCK_M and BLOCK_N only say how many outputs one program computes, and there is
 (no second accumulator, no reduction across programs). Rows past M are zeros that no real
 row reads. So a token's projection is the same bits alone, in a decode step of 256
 sequences or in a 4096-token training micro-batch. cuBLAS picks its kernel and its split-K
-from M, which is why it is not row-invariant at every shape (ENVIRONMENT.md).
+from M, which is why it is not row-invariant at every shape (docs/kernels.md).
 
-That tiles do not change bits is also measured, not only argued: bench/tile_bits.py found
-the outputs of all 16 candidate tiles (64..128 rows x 16..256 columns x 64..256 k) on both
-kernels bitwise equal at four Qwen shapes (H200, triton 3.6, 2026-12-02); tests/kernels/test_gpu.py compares
-rows alone with rows inside batches of up to 4096, across all the row buckets below, at
+That tiles do not change bits is also measured, not only argued: bench/tile_bits.py compares
+the outputs of the candidate tiles on both kernels (its result: docs/performance.md);
+tests/kernels/test_gpu.py compares rows alone with rows inside batches of up to 4096, across all the row buckets below, at
 every linear of four Qwen models; and the start-up check (`reprorl.kernels.check`) puts a
 row in a batch past each bucket.
 
@@ -75,10 +74,9 @@ def tile_for(n: int, k: int, dtype: torch.dtype, m: int) -> Tile:
     """The tile for M rows of an output of width n over a reduction of length k.
 
     bf16, per row bucket of `ROW_BUCKETS`: at each Qwen2.5-0.5B/7B linear, the fastest
-    candidate (H200, CUDA-graph replays over cuBLAS's time, bench/kernels.py --sweep): of the
-    32 in `CANDIDATE_TILES` at M = 64 and 256 (2026-12-02: 0.92-1.12x cuBLAS at 64,
-    0.96-1.44x at 256, where 7B's gate/up and down have no tile under 1.30x), of the first
-    20 at M = 4096 (2026-12-01).
+    candidate (CUDA-graph replays over cuBLAS's time, bench/kernels.py --sweep): of the 32
+    in `CANDIDATE_TILES` at M = 64 and 256, of the first 20 at M = 4096. The sweep's
+    figures, and the shapes no tile brings close to cuBLAS: docs/performance.md.
     """
     if dtype == torch.float32:  # IEEE fp32 on the CUDA cores: small tiles
         return Tile(64, 64, 32, 4, 3, tma=False)
