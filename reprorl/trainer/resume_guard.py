@@ -14,8 +14,8 @@ a changed key that can change the results (a learning rate, the reward function,
 sampling temperature, the data) stops the run with a one-line error listing each key with
 both values, unless `trainer.allow_changed_keys` names it; the keys in `SAME_BITS_KEYS`
 (logging, paths, checkpoint cadence, how many replicas, workers and agent-loop workers
-serve the run, time-outs: the README's determinism contract says the bits do not depend on
-them) change freely. Either way the changes are recorded in the run's history.jsonl.
+serve the run, time-outs: the determinism contract in docs/design.md says the bits do not
+depend on them) change freely. Either way the changes are recorded in the run's history.jsonl.
 """
 
 from __future__ import annotations
