@@ -451,7 +451,120 @@ def cispo_policy_loss(
     return loss, stats
 
 
-POLICY_LOSSES = ("vanilla", "gspo", "cispo")
+def token_priority(old_log_prob: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """A pseudo-random 32-bit priority per token `[B, T]` (int64), hashed from the bits of its
+    old log-prob and advantage and its position: a random choice that is a function of the
+    data alone, the same on every run, device, worker count and micro-batch cut (integer
+    arithmetic, exact everywhere). Used where verl draws tokens with the global RNG."""
+    mask32 = 0xFFFFFFFF
+    a = old_log_prob.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & mask32
+    b = advantages.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64) & mask32
+    pos = torch.arange(old_log_prob.shape[-1], device=old_log_prob.device, dtype=torch.int64).expand_as(a)
+    key = (a * 0x9E3779B1 + b) & mask32  # products of two 32-bit values stay below 2^63
+    key = (key ^ (pos * 0x85EBCA77 & mask32)) & mask32
+    for mult, shift in ((0x7FEB352D, 15), (0x846CA68B, 16)):  # an integer hash's finaliser
+        key = ((key ^ (key >> shift)) * mult) & mask32
+    return key ^ (key >> 16)
+
+
+def clip_cov_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    loss_agg_mode: str,
+    *,
+    clip_cov_ratio: float = 0.0002,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    **norms: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs",
+    arXiv:2505.22617): PPO's clip, plus no gradient for a few tokens of large covariance
+    between advantage and log-prob, the tokens that drive the entropy down.
+
+    Per token, cov = (A - mean A) * (log_prob - mean log_prob) over this batch's valid
+    tokens. Candidates: valid tokens that PPO's clip did not take, with clip_cov_lb < cov <
+    clip_cov_ub; max(1, int(clip_cov_ratio * valid tokens)) of them, chosen at random, lose
+    their loss (and gradient): L = max(-A r, -A clip(r)) * (0 if chosen else 1). verl draws
+    the choice with torch.randperm from the global RNG; here it takes the candidates of
+    lowest `token_priority` (a random order fixed by the data). No dual clip, no log-ratio
+    clamp (as verl). Reduced by `agg_loss` (`norms` passed on). Stats: "clipfrac" the share
+    of tokens chosen, "approx_kl" as `ppo_policy_loss`."""
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    if clip_cov_ratio <= 0:
+        raise ValueError(f"clip_cov_ratio must be > 0; got {clip_cov_ratio}")
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    valid = response_mask > 0
+    with torch.no_grad():
+        cov = (advantages - masked_mean(advantages, response_mask)) * (
+            log_prob - masked_mean(log_prob, response_mask))
+        candidates = valid & ~(loss_clipped > loss_unclipped) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        count = max(int(clip_cov_ratio * int(response_mask.sum().item())), 1)
+        keep = torch.ones_like(advantages)
+        keep.view(-1)[_lowest(token_priority(old_log_prob, advantages), candidates, count)] = 0.0
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped) * keep
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, **norms)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean((keep == 0).to(loss_mat.dtype), response_mask),
+                 "approx_kl": masked_mean(-log_ratio, response_mask)}
+    return loss, stats
+
+
+def kl_cov_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    kl_cov_ratio: float = 0.0002,
+    ppo_kl_coef: float = 1.0,
+    **norms: Any,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov (the paper of `clip_cov_policy_loss`): the unclipped policy gradient, plus a
+    KL penalty on the tokens of largest covariance between advantage and log-prob.
+
+    Per token, L = -A r, and for the max(1, int(kl_cov_ratio * valid tokens)) valid tokens
+    of largest cov = (A - mean A) * (log_prob - mean log_prob) (this batch's valid tokens)
+    L = -A r + ppo_kl_coef * |log_prob - old_log_prob|. Ties in cov go to the earlier token
+    (a stable sort: verl's torch.topk leaves them to the kernel). No clip (as verl).
+    Reduced by `agg_loss`. Stats: "clipfrac" the share of tokens penalised, "approx_kl" as
+    `ppo_policy_loss` (verl logs the mean |log-ratio| here)."""
+    _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
+    if kl_cov_ratio <= 0:
+        raise ValueError(f"kl_cov_ratio must be > 0; got {kl_cov_ratio}")
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    valid = response_mask > 0
+    with torch.no_grad():
+        cov = (advantages - masked_mean(advantages, response_mask)) * (
+            log_prob - masked_mean(log_prob, response_mask))
+        count = max(int(kl_cov_ratio * int(valid.sum().item())), 1)
+        chosen = torch.zeros_like(valid)
+        chosen.view(-1)[_lowest(-cov, valid, count)] = True
+    loss_mat = -advantages * ratio + torch.where(chosen, ppo_kl_coef * log_ratio.abs(), torch.zeros_like(ratio))
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, **norms)
+    with torch.no_grad():
+        stats = {"clipfrac": masked_mean(chosen.to(loss_mat.dtype), response_mask),
+                 "approx_kl": masked_mean(-log_ratio, response_mask)}
+    return loss, stats
+
+
+def _lowest(key: torch.Tensor, eligible: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of the (at most) `count` eligible elements of lowest `key`, ties to the
+    earlier index (a stable sort: the same choice on every device)."""
+    index = torch.nonzero(eligible.reshape(-1)).squeeze(-1)
+    order = torch.sort(key.reshape(-1)[index], stable=True).indices
+    return index[order[:count]]
+
+
+POLICY_LOSSES = ("vanilla", "gspo", "cispo", "clip_cov", "kl_cov")
 """`actor.policy_loss`: verl's `policy_loss.loss_mode` names."""
 
 
@@ -466,11 +579,14 @@ def policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float,
     loss_agg_mode: str,
+    cov: dict[str, float] | None = None,
     **norms: Any,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss `mode` names ("vanilla": `ppo_policy_loss`; "gspo"; "cispo"), with
-    the actor's settings; `norms` are `agg_loss`'s global_* keywords. Every mode's stats have
-    "clipfrac" and "approx_kl" (the trainer logs those); vanilla's also "clipfrac_lower"."""
+    """The policy loss `mode` names ("vanilla": `ppo_policy_loss`; "gspo"; "cispo";
+    "clip_cov"; "kl_cov"), with the actor's settings; `cov`: clip_cov's or kl_cov's own
+    keywords (their defaults: verl's); `norms` are `agg_loss`'s global_* keywords. Every
+    mode's stats have "clipfrac" and "approx_kl" (the trainer logs those); vanilla's also
+    "clipfrac_lower"."""
     args = (old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high)
     if mode == "vanilla":
         return ppo_policy_loss(*args, clip_ratio_c, loss_agg_mode, **norms)
@@ -478,6 +594,10 @@ def policy_loss(
         return gspo_policy_loss(*args, **norms)
     if mode == "cispo":
         return cispo_policy_loss(*args, loss_agg_mode, **norms)
+    if mode == "clip_cov":
+        return clip_cov_policy_loss(*args, loss_agg_mode, **(cov or {}), **norms)
+    if mode == "kl_cov":
+        return kl_cov_policy_loss(*args[:4], loss_agg_mode, **(cov or {}), **norms)
     raise ValueError(f"policy loss {mode!r}; expected one of {', '.join(POLICY_LOSSES)}")
 
 

@@ -142,8 +142,10 @@ class RolloutConfig:
     num_agent_workers: int = _field(1, "agent-loop workers sending requests to the replicas", ge=1)
     max_turns: int = _field(4, "most assistant turns in the tool loop", ge=1)
     tools: list[str] | None = _field(
-        None, "tools the tool loop may call, by name, from reprorl/agent_loop/tools.py TOOLS; null = all of them; "
-        "[] = none, an error with agent_loop=tool"
+        None, "tools the tool loop may call: a built-in by name (calculator), package.module:function, "
+        "path/to/file.py:function, or path/to/file.py (its public functions); a function of yours needs type hints "
+        "and a docstring with an Args: line per parameter (its JSON schema, which the chat template shows the "
+        "model, is derived from them); null = every built-in; [] = none, an error with agent_loop=tool"
     )
     gpu_memory_utilization: float = _field(
         0.3, "backend=native on a GPU: share of the GPU's free memory at start-up that one replica's KV cache may "
@@ -271,11 +273,20 @@ class ActorConfig:
         "At least data.max_prompt_length + data.max_response_length. The bits depend on it as on "
         "ppo_micro_batch_size, never on trainer.num_workers (any power of two is then allowed); null = off", ge=1
     )
-    policy_loss: Literal["vanilla", "gspo", "cispo"] = _field(
+    policy_loss: Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov"] = _field(
         "vanilla", "the policy loss (verl's loss_mode): vanilla = PPO's clip with dual-clip; gspo = PPO's clip on "
         "a sequence-level ratio, reduced seq-mean-token-mean whatever loss_agg_mode (set small clip ratios, e.g. "
-        "3e-4 / 4e-4); cispo = the clipped ratio as a stopped weight on log-prob, every token keeps a gradient"
+        "3e-4 / 4e-4); cispo = the clipped ratio as a stopped weight on log-prob, every token keeps a gradient; "
+        "clip_cov = PPO's clip, and a few tokens of advantage-log-prob covariance in (clip_cov_lb, clip_cov_ub) "
+        "get no gradient (chosen at random by a hash of the data); kl_cov = the unclipped surrogate plus "
+        "ppo_kl_coef * |log-ratio| on the tokens of largest covariance (both per micro-batch, as verl)"
     )
+    clip_cov_ratio: float = _field(0.0002, "clip_cov: the share of a micro-batch's valid tokens that lose their "
+                                   "gradient", gt=0, le=1)
+    clip_cov_lb: float = _field(1.0, "clip_cov: a token is a candidate when its covariance is above this")
+    clip_cov_ub: float = _field(5.0, "clip_cov: ... and below this")
+    kl_cov_ratio: float = _field(0.0002, "kl_cov: the share of a micro-batch's valid tokens penalised", gt=0, le=1)
+    ppo_kl_coef: float = _field(1.0, "kl_cov: the coefficient of the |log-ratio| penalty", ge=0)
     clip_ratio_low: float = _field(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
     clip_ratio_high: float = _field(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
     # Dual-clip PPO bounds the loss of negative advantages by clip_ratio_c * |A|; at <= 1
@@ -358,6 +369,9 @@ class TrainerConfig:
         "behind all the others); a log-prob or value pass its batch's tokens, an update those x ppo_epochs", gt=0
     )
     val_before_train: bool = _field(True, "validate once before the first step")
+    log_generations: int = _field(
+        0, "write this many validation samples (prompt, response, reward) per validation to generations.jsonl in "
+        "the run directory; 0 = none", ge=0)
     project_name: str = _field("reprorl", "project name, for loggers and run_dir")
     experiment_name: str = _field("tiny-grpo", "experiment name, for loggers and run_dir")
 

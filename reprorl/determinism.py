@@ -1,6 +1,6 @@
 """Determinism core: stable hashing, seeds from identity, and the run's environment.
 
-The contract (DESIGN.md) is that a generated sample is a pure function of
+The contract (docs/design.md) is that a generated sample is a pure function of
 (weights, prompt ids, sampling params, request seed). This module supplies the pieces
 every other part builds on:
 

@@ -56,6 +56,10 @@ def export(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int 
         raise ExportError(f"model.path {str(base_path)!r} (the run's base model) has no config.json here; run "
                           "export where the run was started, or give the base with --base")
     lora = _lora_spec(config)
+    if lora is not None and not merged and json.loads((base_path / "config.json").read_text()).get(
+            "model_type") == "phi3":
+        raise ExportError("a phi3 base holds q/k/v and gate/up as fused projections, which reprorl's adapters "
+                          "(on the separate ones) do not map onto as PEFT adapters: export with --merged")
     model, args = load_model(base_path, kind="causal_lm", dtype=dtype_from_name(config["model.dtype"]), lora=lora)
     _load_actor_shards(model, ckpt)
     out = Path(out_dir)

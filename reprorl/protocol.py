@@ -8,7 +8,7 @@ A `Batch` holds three things:
   per-sample Python values (uids, raw prompts, dicts of extra info).
 - `meta`: `dict[str, Any]`, batch-level values (`step`, `validate`, timings).
 
-Row order is part of the determinism contract (DESIGN.md: "results are ordered by sample
+Row order is part of the determinism contract (docs/design.md: "results are ordered by sample
 index"): every operation below states the row order it returns, and none reorders rows
 except `index`, which follows the indices it is given.
 

@@ -4,7 +4,7 @@ Each gate trains two tiny runs through the CLI entry point (`reprorl.cli.main`, 
 process, on the module's one Ray) and requires `reprorl compare` to exit 0 and print
 "bitwise identical over N steps". Where the two runs differ in the number of rollout
 replicas, reward-model replicas or agent-loop workers, the gate checks that the count
-only changes speed (DESIGN.md); such a pair is also a rerun of everything else.
+only changes speed (docs/design.md); such a pair is also a rerun of everything else.
 
 Each pair covers several gates at once to keep CI short: GRPO n=4 with 1 vs 3 rollout
 replicas; ReMax with a reward model in the loop on 1 vs 2 RM replicas; PPO with a critic

@@ -1,13 +1,22 @@
-"""GSPO and CISPO (reprorl/algos.py): literal examples worked by hand, and a cross-check
-against verl's formulas (`compute_policy_loss_gspo` / `_cispo` in verl's
-trainer/ppo/core_algos.py at commit b178a3c, transcribed below) on random inputs."""
+"""GSPO, CISPO, Clip-Cov and KL-Cov (reprorl/algos.py): literal examples worked by hand,
+and a cross-check against verl's formulas (`compute_policy_loss_gspo` / `_cispo` /
+`_clip_cov` / `_kl_cov` in verl's trainer/ppo/core_algos.py, transcribed below; clip_cov's
+random choice of tokens given to both) on random inputs."""
 
 import math
 
 import pytest
 import torch
 
-from reprorl.algos import cispo_policy_loss, gspo_policy_loss, policy_loss, ppo_policy_loss
+from reprorl.algos import (
+    cispo_policy_loss,
+    clip_cov_policy_loss,
+    gspo_policy_loss,
+    kl_cov_policy_loss,
+    policy_loss,
+    ppo_policy_loss,
+    token_priority,
+)
 
 F64 = torch.float64
 LN = math.log
@@ -67,7 +76,7 @@ def test_vanilla_is_ppo_and_an_unknown_mode_is_named():
     got, _ = policy_loss("vanilla", *args, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
                          loss_agg_mode="token-mean")
     assert torch.equal(got, ppo_policy_loss(*args, 0.2, 0.28, 3.0, "token-mean")[0])
-    with pytest.raises(ValueError, match="policy loss 'grpo'; expected one of vanilla, gspo, cispo"):
+    with pytest.raises(ValueError, match="policy loss 'grpo'; expected one of vanilla, gspo, cispo, clip_cov, kl_cov"):
         policy_loss("grpo", *args, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
 
 
@@ -121,5 +130,131 @@ def test_losses_and_gradients_match_verls_on_random_inputs(name):
             loss.backward()
             losses.append(loss.detach())
             grads.append(x.grad * mask)  # valid tokens
+        assert (losses[0] - losses[1]).abs() <= 1e-6, (trial, losses)
+        assert (grads[0] - grads[1]).abs().max() <= 1e-6, trial
+
+
+# ---------------------------------------------------------------- Clip-Cov and KL-Cov
+
+# Four valid tokens of one row (and a padding token): ratios 1 (no PPO clip anywhere).
+COV_OLD = [[-1.0, -1.0, -1.0, -1.0, -1.0]]
+COV_NEW = [[-1.0, -3.0, -1.0, -5.0, 9.0]]
+COV_ADV = [[3.0, 1.0, -1.0, -3.0, 7.0]]
+COV_MASK = [[1, 1, 1, 1, 0]]
+# mean A = 0, mean log_prob = -2.5: cov = A * (log_prob + 2.5) = 4.5, -0.5, -1.5, 7.5
+
+
+def test_kl_cov_penalises_the_tokens_of_largest_covariance():
+    new = t(COV_NEW).requires_grad_()
+    loss, stats = kl_cov_policy_loss(t(COV_OLD), new, t(COV_ADV), t(COV_MASK), "token-mean", kl_cov_ratio=0.5,
+                                     ppo_kl_coef=2.0)
+    # 2 of 4 tokens: covs 7.5 (token 3) and 4.5 (token 0). r = exp(new - old).
+    r = [1.0, math.exp(-2.0), 1.0, math.exp(-4.0)]
+    terms = [-3.0 * r[0] + 2.0 * 0.0, -1.0 * r[1], 1.0 * r[2], 3.0 * r[3] + 2.0 * 4.0]
+    torch.testing.assert_close(loss, torch.tensor(sum(terms) / 4, dtype=F64))
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.5, dtype=F64))
+    loss.backward()
+    # d/dnew of -A r = -A r; of 2 |new - old| = 2 sign(new - old) (token 3: -2); / 4 tokens
+    expected = [[-3.0 * r[0] / 4, -1.0 * r[1] / 4, 1.0 * r[2] / 4, (3.0 * r[3] - 2.0) / 4, 0.0]]
+    torch.testing.assert_close(new.grad, t(expected))
+
+
+def test_clip_cov_drops_chosen_tokens_in_the_band_and_chooses_by_priority():
+    args = (t(COV_OLD), t(COV_NEW), t(COV_ADV), t(COV_MASK), 0.2, 10.0, "token-mean")
+    # band (1, 5): only token 0 (cov 4.5); one token chosen (max(1, int(0.25 * 4)))
+    new = t(COV_NEW).requires_grad_()
+    loss, stats = clip_cov_policy_loss(*args[:1], new, *args[2:], clip_cov_ratio=0.25, clip_cov_lb=1.0,
+                                       clip_cov_ub=5.0)
+    # token 3's ratio e^-4 is clipped at 0.8 for A = -3 (PPO takes max(3 e^-4, 2.4) = 2.4)
+    terms = [0.0, -1.0 * math.exp(-2.0), 1.0, 3.0 * 0.8]
+    torch.testing.assert_close(loss, torch.tensor(sum(terms) / 4, dtype=F64))
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.25, dtype=F64))
+    loss.backward()
+    assert new.grad[0, 0] == 0.0 and new.grad[0, 3] == 0.0  # chosen; PPO-clipped
+    # band (-2, 8) holds tokens 0, 1, 2 (token 3 is PPO-clipped): two chosen, of lowest priority
+    _, stats = clip_cov_policy_loss(*args, clip_cov_ratio=0.5, clip_cov_lb=-2.0, clip_cov_ub=8.0)
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(0.5, dtype=F64))
+
+
+def test_token_priority_is_a_function_of_the_data_alone():
+    g = torch.Generator().manual_seed(0)
+    old, adv = torch.randn(8, 64, generator=g), torch.randn(8, 1, generator=g).expand(8, 64)
+    p = token_priority(old, adv)
+    assert p.dtype == torch.int64 and bool(((p >= 0) & (p < 2**32)).all())
+    assert torch.equal(p[2:5], token_priority(old[2:5], adv[2:5]))  # rows do not depend on the batch
+    assert torch.equal(p, token_priority(old.double(), adv))  # the float32 bits
+    assert len(set(p.flatten().tolist())) > 500  # spread over 512 tokens
+
+
+def verl_clip_cov(old_log_prob, log_prob, advantages, response_mask, low, high, ratio_, lb, ub, choose):
+    """verl's compute_policy_loss_clip_cov, `choose(candidate indices [n, 2], count)` in place
+    of torch.randperm's pick."""
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    corr = torch.ones_like(advantages)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_by_origin = (pg_losses2 > pg_losses1) & (response_mask > 0)
+    mm = lambda x: (x * response_mask).sum() / response_mask.sum()  # noqa: E731
+    cov_all = (advantages - mm(advantages)) * (log_prob - mm(log_prob.detach()))
+    cov_all[response_mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(ratio_ * response_mask.sum().item()), 1)
+    top_k_idx = torch.nonzero((cov_all < ub) & (cov_all > lb) & (response_mask > 0))
+    top_k_idx = choose(top_k_idx, clip_num)
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    return verl_agg(torch.maximum(pg_losses1, pg_losses2) * corr, response_mask, "token-mean")
+
+
+def verl_kl_cov(old_log_prob, log_prob, advantages, response_mask, kl_cov_ratio, ppo_kl_coef):
+    negative_approx_kl = log_prob - old_log_prob
+    abs_kl = negative_approx_kl.abs()
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses = -advantages * ratio
+    pg_losses_kl = -advantages * ratio + ppo_kl_coef * abs_kl
+    all_valid = response_mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    all_valid_adv = advantages[all_valid].detach().reshape(-1).cpu()
+    all_valid_logp = log_prob[all_valid].detach().reshape(-1).cpu()
+    cov_lst_all = (all_valid_adv - all_valid_adv.mean()) * (all_valid_logp - all_valid_logp.mean())
+    k_percent_nums = max(1, int(len(cov_lst_all) * kl_cov_ratio))
+    large_cov_idxs = all_valid_idx[torch.topk(cov_lst_all, k_percent_nums, largest=True).indices]
+    rows, cols = large_cov_idxs // advantages.shape[1], large_cov_idxs % advantages.shape[1]
+    pg_losses[rows, cols] = pg_losses_kl[rows, cols]
+    return verl_agg(pg_losses, response_mask, "token-mean")
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_cov_losses_and_gradients_match_verls_on_random_inputs(name):
+    g = torch.Generator().manual_seed(1)
+    for trial in range(20):
+        b, r = 6, 40
+        old = -torch.rand(b, r, generator=g, dtype=F64) * 3
+        new = old + 0.3 * torch.randn(b, r, generator=g, dtype=F64)
+        adv = torch.randn(b, 1, generator=g, dtype=F64).expand(b, r).contiguous()
+        lengths = torch.randint(1, r + 1, (b,), generator=g)
+        mask = (torch.arange(r)[None] < lengths[:, None]).to(F64)
+        ratio_ = 0.05 * (trial % 3 + 1)
+        priority = token_priority(old, adv)
+
+        def choose(idx, count):  # ours: the candidates of lowest priority
+            order = torch.sort(priority[idx[:, 0], idx[:, 1]], stable=True).indices
+            return idx[order[:count]]
+
+        if name == "clip_cov":
+            ours = lambda x: clip_cov_policy_loss(old, x, adv, mask, 0.2, 0.28, "token-mean", clip_cov_ratio=ratio_,  # noqa: E731
+                                                  clip_cov_lb=-0.5, clip_cov_ub=0.5)[0]
+            verl = lambda x: verl_clip_cov(old, x, adv, mask, 0.2, 0.28, ratio_, -0.5, 0.5, choose)  # noqa: E731
+        else:
+            ours = lambda x: kl_cov_policy_loss(old, x, adv, mask, "token-mean", kl_cov_ratio=ratio_,  # noqa: E731
+                                                ppo_kl_coef=1.5)[0]
+            verl = lambda x: verl_kl_cov(old, x, adv, mask, ratio_, 1.5)  # noqa: E731
+        losses, grads = [], []
+        for fn in (ours, verl):
+            x = new.clone().requires_grad_()
+            loss = fn(x)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append(x.grad * mask)
         assert (losses[0] - losses[1]).abs() <= 1e-6, (trial, losses)
         assert (grads[0] - grads[1]).abs().max() <= 1e-6, trial

@@ -36,6 +36,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
 from reprorl.agent_loop.tools import select_tools
+from reprorl.data.dataset import template_ids
 from reprorl.determinism import check_worker_env, stable_digest
 from reprorl.determinism_report import process_info
 from reprorl.errors import DataError
@@ -216,12 +217,14 @@ class AgentLoopWorker:
     """
 
     def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer_path: str,
-                 expected_env: Mapping[str, str], agent: str, max_turns: int, tools: list[str] | None = None):
+                 expected_env: Mapping[str, str], agent: str, max_turns: int, tools: list[str] | None = None,
+                 template_kwargs: Mapping[str, Any] | None = None):
         check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
         self.replicas = dict(replicas)
         self.balancer = balancer
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.agent = agent
+        self.template_kwargs = dict(template_kwargs or {})
         self.loops = {"single_turn": SingleTurnAgentLoop(),
                       "tool": ToolAgentLoop(self.tokenizer, max_turns, select_tools(tools))}
         self.kill_switch = KillSwitch.from_env(f"agent-loop worker {worker_id}")  # fault tests only
@@ -248,8 +251,8 @@ class AgentLoopWorker:
 
     async def _run(self, sample: AgentSample, limits: tuple[float | None, float | None]) -> AgentOutput:
         if sample.prompt_ids is None:
-            ids = self.tokenizer.apply_chat_template(sample.raw_prompt, add_generation_prompt=True, tokenize=True)
-            sample = dataclasses.replace(sample, prompt_ids=list(ids["input_ids"]))
+            ids = template_ids(self.tokenizer, sample.raw_prompt, self.template_kwargs)
+            sample = dataclasses.replace(sample, prompt_ids=ids)
         generate = functools.partial(self._generate, limits=limits)
         return await self.loops[sample.extra.get("agent_name", self.agent)].run(sample, generate)
 
@@ -289,8 +292,9 @@ class AgentLoopManager:
     `max_response_length`, which responses are padded to) bounds each response.
     `agent`: the default loop, "single_turn" or "tool" (a row's `agent_name` column
     overrides it); `max_turns` bounds the tool loop, which may call
-    the tools named in `tools` (None = every tool in `TOOLS`; an unknown name is a
-    ValueError). `routing`: the balancer's mode ("least_loaded" or "hash").
+    the tools named in `tools` (`tools.select_tools`; a bad entry is a ValueError);
+    `template_kwargs` go to the chat template with the messages of a sample that comes
+    without prompt ids (the tools' schemas). `routing`: the balancer's mode ("least_loaded" or "hash").
     A dead worker, or the balancer actor, is replaced within the pool's restart budget
     (`pool.restarts`); so is a hung one: past its limit (`rollout_limits` of `part_timeout_s`).
     """
@@ -309,6 +313,7 @@ class AgentLoopManager:
         max_turns: int = 4,
         routing: str = "least_loaded",
         tools: list[str] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
         part_timeout_s: float = PART_TIMEOUT_S,
     ):
         if agent not in AGENTS:
@@ -339,7 +344,7 @@ class AgentLoopManager:
         self.replicas = dict(pool.replicas)  # what the balancer and the workers route to
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
         self._worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
-        self._worker_args = (tokenizer_path, pool.env, agent, max_turns, tools)
+        self._worker_args = (tokenizer_path, pool.env, agent, max_turns, tools, template_kwargs)
         self.workers = {i: self._start_worker(i) for i in range(num_workers)}
         self._new_worker_ids = itertools.count(num_workers)  # a replacement's id: never one used before
         wait_for_actors(list(self.workers.values()), "agent-loop workers", 0)

@@ -1,10 +1,12 @@
-"""Tools for the multi-turn loop: a plain dict of functions, and the tool-call format.
+"""Tools for the multi-turn loop: the built-in ones, the user's, and the tool-call format.
 
 A tool is a function of keyword arguments that returns a string (what the model reads
-back). `TOOLS` maps the name the model writes to the function; to add a tool, add an
-entry (no plugin system). A run's tool loop may call the tools its config names
-(`rollout.tools`, see `select_tools`; null = all of them). Tool calls use the Qwen/Hermes format, one JSON object per
-call between markers (single tokens in the project's tokenizer):
+back). `TOOLS` maps the name the model writes to a built-in function; a run's tool loop
+may call the tools its config names (`rollout.tools`, see `select_tools`: built-ins by
+name, the user's own functions by module or file; null = every built-in), and the chat
+template lists their schemas in the prompt (`tool_schemas`). Tool calls use the
+Qwen/Hermes format, one JSON object per call between markers (single tokens in the
+project's tokenizer):
 
     <tool_call>{"name": "calculator", "arguments": {"expression": "3*(4+5)"}}</tool_call>
 
@@ -88,12 +90,8 @@ def calculator(expression: str) -> str:
     Exponents are bounded (|e| <= 64) and integers to 256 bits; anything else is an
     error string, never an exception.
 
-    >>> calculator("3*(4+5)")
-    '27'
-    >>> calculator("7/2"), calculator("-2**3"), calculator("17 // 5 % 3")
-    ('3.5', '-8', '0')
-    >>> calculator("__import__('os')")
-    'error: unsupported syntax: Call'
+    Args:
+        expression: the arithmetic expression, e.g. "3*(4+5)"
     """
     if not isinstance(expression, str):
         return f"error: expression must be a string, got {type(expression).__name__}"
@@ -112,20 +110,91 @@ def calculator(expression: str) -> str:
 TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator}
 
 
-def select_tools(names: list[str] | None) -> dict[str, Callable[..., str]]:
-    """The tools named in `names` (`rollout.tools`), in that order; None = every tool in `TOOLS`.
+def select_tools(entries: list[str] | None) -> dict[str, Callable[..., str]]:
+    """The tools `rollout.tools` names, in that order; None = every built-in tool (`TOOLS`).
 
-    An unknown name raises ValueError listing the known ones.
+    An entry is a built-in tool's name, `package.module:function`, `path/to/file.py:function`,
+    or `path/to/file.py` (every public function defined in that file). A user tool is a
+    plain function whose parameters have type hints and whose docstring says what it does
+    and, under `Args:`, what each parameter is: its JSON schema (`tool_schemas`) is derived
+    from them, as TRL derives its tools'. A bad entry raises ValueError naming it.
 
     >>> list(select_tools(["calculator"])), select_tools(None) == TOOLS
     (['calculator'], True)
     """
-    if names is None:
+    if entries is None:
         return dict(TOOLS)
-    unknown = [name for name in names if name not in TOOLS]
-    if unknown:
-        raise ValueError(f"unknown tool {unknown[0]!r}; known tools: {', '.join(sorted(TOOLS))}")
-    return {name: TOOLS[name] for name in names}
+    tools: dict[str, Callable[..., str]] = {}
+    for entry in entries:
+        for fn in _resolve(entry):
+            if fn.__name__ in tools:
+                raise ValueError(f"{entry!r}: a second tool named {fn.__name__!r}")
+            tool_schema(fn, entry)  # the schema can be derived, or the one-line error now
+            tools[fn.__name__] = fn
+    return tools
+
+
+def tool_schemas(tools: dict[str, Callable[..., str]]) -> list[dict[str, Any]]:
+    """The tools' JSON schemas in order: what the chat template lists for the model."""
+    return [tool_schema(fn) for fn in tools.values()]
+
+
+def tool_schema(fn: Callable[..., str], entry: str | None = None) -> dict[str, Any]:
+    """`fn`'s JSON schema (OpenAI's function format) from its type hints and docstring."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as err:  # transformers' own errors say which hint or description is missing
+        where = f"{entry!r}: " if entry else ""
+        raise ValueError(f"{where}tool {fn.__name__!r}: {str(err).splitlines()[0]}") from None
+
+
+def _resolve(entry: str) -> list[Callable[..., str]]:
+    """The functions one `rollout.tools` entry names (`select_tools`)."""
+    if entry in TOOLS:
+        return [TOOLS[entry]]
+    source, _, name = entry.rpartition(":") if ":" in entry else (entry, "", "")
+    if not source.endswith(".py") and not name:
+        raise ValueError(f"unknown tool {entry!r}; expected a built-in ({', '.join(sorted(TOOLS))}), "
+                         "package.module:function, path/to/file.py:function or path/to/file.py")
+    module = _load_file(source, entry) if source.endswith(".py") else _import(source, entry)
+    if name:
+        fn = getattr(module, name, None)
+        if not inspect.isfunction(fn):
+            raise ValueError(f"{entry!r}: {source} has no function {name!r}")
+        return [fn]
+    found = [fn for fn_name, fn in vars(module).items() if inspect.isfunction(fn) and not fn_name.startswith("_")
+             and fn.__module__ == module.__name__]
+    if not found:
+        raise ValueError(f"{entry!r}: the file defines no public function")
+    return found
+
+
+def _load_file(path: str, entry: str) -> Any:
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"{entry!r}: no file {path}")
+    spec = importlib.util.spec_from_file_location(f"reprorl_user_tools_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise ValueError(f"{entry!r}: importing {path} failed: {type(err).__name__}: {err}") from None
+    return module
+
+
+def _import(name: str, entry: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except Exception as err:
+        raise ValueError(f"{entry!r}: importing {name} failed: {type(err).__name__}: {err}") from None
+
 
 # --- the tool-call format -------------------------------------------------------------
 

@@ -166,8 +166,10 @@ def _check_scorable(row: Mapping, path: Path, row_idx: int, check_ground_truth: 
             raise DataError(f"{path}: row {row_idx}: field 'reward_model.ground_truth': {err}") from None
 
 
-def _template_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def template_ids(tokenizer: Any, messages: list[dict], template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """A prompt's ids: `messages` through the tokenizer's chat template, with the generation
+    prompt and `template_kwargs` (the tools' schemas, `tools=`, for the tool loop)."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     # transformers 5 returns a BatchEncoding, 4.x a plain list.
     return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
@@ -191,6 +193,7 @@ class PromptDataset:
             DataError naming file, row and value (the trainer passes `rewards.REWARD_FNS`
             when the built-in rule rewards score the run: a source they do not know would
             score 0 on every sample).
+        template_kwargs: more keywords of the chat template (`template_ids`).
 
     `stats` counts rows read, kept, overlong, filtered and truncated; one log line says
     the same. `dataset[i]` is a `PromptRow`; `i` is a position, `dataset[i].index` the
@@ -206,6 +209,7 @@ class PromptDataset:
         prompt_key: str = "prompt",
         check_ground_truth: Callable[[str, str], None] | None = None,
         known_sources: Collection[str] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         if overlong not in OVERLONG_MODES:
             raise ConfigError(f"overlong={overlong!r}: expected one of {', '.join(OVERLONG_MODES)}")
@@ -225,7 +229,7 @@ class PromptDataset:
                 check_row(raw, path, row_idx, prompt_key)
                 _check_scorable(raw, path, row_idx, check_ground_truth, known_sources)
                 rm = raw["reward_model"]
-                ids = _template_ids(tokenizer, raw[prompt_key])
+                ids = template_ids(tokenizer, raw[prompt_key], template_kwargs)
                 if max_prompt_length is not None and len(ids) > max_prompt_length:
                     self.stats["overlong"] += 1
                     if overlong == "error":

@@ -11,10 +11,11 @@
 Batch-invariant means: each output row depends only on that row's inputs, not on how many
 rows are in the call, where the row sits, what the other rows hold, or the thread count.
 Attention reduces over keys in one fixed block order, so a token's output is the same bits
-in a decode step, in any prefill chunk and in the trainer's padded batch (DESIGN.md,
+in a decode step, in any prefill chunk and in the trainer's padded batch (docs/design.md,
 contract point 2). Gradients are deterministic, not batch-invariant.
 
-Every backend has the same methods: `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,
+Every backend has the same methods (`backend.Kernels`, the protocol the model code is typed
+with, its parameter always named `kernels`): `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,
 `swiglu(gate, up)`, `softmax(x)`, `log_softmax(x)`, `entropy(log_probs)` (of each row's
 distribution, from a log_softmax's output), `token_log_probs(logits, tokens, temperature,
 with_entropy)` (the log-softmax of logits / T at the tokens, and the entropy: what the
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from reprorl.kernels.backend import Kernels
 from reprorl.kernels.check import BatchInvarianceError, verify_batch_invariance
 from reprorl.kernels.cpu import CpuInvariantKernels
 from reprorl.kernels.reference import ReferenceKernels
@@ -38,7 +40,7 @@ from reprorl.kernels.shared import KEY_BLOCK, apply_rotary, rope_tables
 from reprorl.kernels.torch_ops import TorchKernels
 
 __all__ = [
-    "KEY_BLOCK", "BatchInvarianceError", "CpuInvariantKernels", "ReferenceKernels", "TorchKernels",
+    "KEY_BLOCK", "BatchInvarianceError", "CpuInvariantKernels", "Kernels", "ReferenceKernels", "TorchKernels",
     "apply_rotary", "rope_tables", "select_kernels", "verify_batch_invariance",
 ]
 

@@ -56,17 +56,16 @@ def _invariance_problems(kernels, hidden: int, intermediate: int, vocab: int, nu
     w_q, w_kv = rand(num_heads * head_dim, hidden) * 0.05, rand(num_kv_heads * head_dim, hidden) * 0.05
     b_q = rand(num_heads * head_dim)
     w_o = rand(hidden, num_heads * head_dim) * 0.05
-    k = kernels
     checks = {
-        f"linear {hidden}->{num_heads * head_dim} with bias (q)": (hidden, lambda x: k.linear(x, w_q, b_q)),
-        f"linear {hidden}->{num_kv_heads * head_dim} (k, v)": (hidden, lambda x: k.linear(x, w_kv)),
-        f"linear {num_heads * head_dim}->{hidden} (o)": (num_heads * head_dim, lambda x: k.linear(x, w_o)),
-        f"linear {hidden}->{intermediate} (gate, up)": (hidden, lambda x: k.linear(x, w_up)),
-        f"linear {intermediate}->{hidden} (down)": (intermediate, lambda x: k.linear(x, w_down)),
-        f"linear {hidden}->{vocab} (LM head)": (hidden, lambda x: k.linear(x, w_head)),
-        f"rms_norm over {hidden}": (hidden, lambda x: k.rms_norm(x, norm_w, 1e-6)),
-        f"swiglu over {intermediate}": (intermediate, lambda x: k.swiglu(x, x.flip(-1))),
-        f"log_softmax over {vocab}": (vocab, lambda x: k.log_softmax(x * 4)),
+        f"linear {hidden}->{num_heads * head_dim} with bias (q)": (hidden, lambda x: kernels.linear(x, w_q, b_q)),
+        f"linear {hidden}->{num_kv_heads * head_dim} (k, v)": (hidden, lambda x: kernels.linear(x, w_kv)),
+        f"linear {num_heads * head_dim}->{hidden} (o)": (num_heads * head_dim, lambda x: kernels.linear(x, w_o)),
+        f"linear {hidden}->{intermediate} (gate, up)": (hidden, lambda x: kernels.linear(x, w_up)),
+        f"linear {intermediate}->{hidden} (down)": (intermediate, lambda x: kernels.linear(x, w_down)),
+        f"linear {hidden}->{vocab} (LM head)": (hidden, lambda x: kernels.linear(x, w_head)),
+        f"rms_norm over {hidden}": (hidden, lambda x: kernels.rms_norm(x, norm_w, 1e-6)),
+        f"swiglu over {intermediate}": (intermediate, lambda x: kernels.swiglu(x, x.flip(-1))),
+        f"log_softmax over {vocab}": (vocab, lambda x: kernels.log_softmax(x * 4)),
     }
     problems = []
     previous = torch.get_num_threads()
@@ -78,7 +77,7 @@ def _invariance_problems(kernels, hidden: int, intermediate: int, vocab: int, nu
                 alone = fn(row)[0]
                 torch.set_num_threads(threads)
                 # A backend whose tiles change with the row count: a batch past each change.
-                for m, pos in BATCHES + tuple((b + 1, b) for b in getattr(k, "row_buckets", ())):
+                for m, pos in BATCHES + tuple((b + 1, b) for b in getattr(kernels, "row_buckets", ())):
                     batch = rand(m, width)
                     batch[pos] = row[0]
                     if not torch.equal(fn(batch)[pos], alone):
@@ -91,14 +90,14 @@ def _invariance_problems(kernels, hidden: int, intermediate: int, vocab: int, nu
             q = rand(len(lens), num_heads, 1, head_dim)
             start = torch.tensor([n - 1 for n in lens], device=device)
             torch.set_num_threads(1)
-            alone = k.batched_attention(q[:1], kk[:1, :, :77], vv[:1, :, :77], start[:1])[0]
+            alone = kernels.batched_attention(q[:1], kk[:1, :, :77], vv[:1, :, :77], start[:1])[0]
             torch.set_num_threads(threads)
             shape = f"attention ({num_heads} heads, {num_kv_heads} kv heads, head_dim {head_dim})"
-            if not torch.equal(k.batched_attention(q, kk, vv, start)[0], alone):
+            if not torch.equal(kernels.batched_attention(q, kk, vv, start)[0], alone):
                 problems.append(f"{shape}: a sequence alone and in a batch of 5 differ")
             prefill_q = rand(1, num_heads, 77, head_dim)
             prefill_q[:, :, 76] = q[0, :, 0]
-            prefill = k.batched_attention(prefill_q, kk[:1, :, :77], vv[:1, :, :77], start.new_zeros(1))
+            prefill = kernels.batched_attention(prefill_q, kk[:1, :, :77], vv[:1, :, :77], start.new_zeros(1))
             if not torch.equal(prefill[0, :, 76:], alone):
                 problems.append(f"{shape}: a decode step and the last row of a prefill differ")
     finally:

@@ -15,17 +15,27 @@ KEY_BLOCK = 128
 
 
 def rope_tables(head_dim: int, theta: float, num_positions: int) -> tuple[Tensor, Tensor]:
-    """The rotary tables for positions 0..num_positions-1: (cos, sin_rot), each [P, D] float32.
-
-    Angles are computed once per model, in float32 the way transformers computes them, so a
-    position's entries are constants: the same bits whatever batch asks for them. `sin_rot`
-    is sin with its first half negated, the form `apply_rotary` reads. (Su et al. 2021, RoFormer)
-    """
+    """Plain RoPE's rotary tables (`rotary_tables` of the default inverse frequencies)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return rotary_tables(inv_freq, num_positions)
+
+
+def rotary_tables(inv_freq: Tensor, num_positions: int, attention_factor: float = 1.0) -> tuple[Tensor, Tensor]:
+    """The rotary tables for positions 0..num_positions-1: (cos, sin_rot), each [P, D] float32,
+    D = 2 x len(inv_freq) (models/rope.py computes a variant's inv_freq and attention factor).
+
+    Angles are computed once per model, in float32 the way transformers computes them (its
+    cos and sin times the attention factor), so a position's entries are constants: the same
+    bits whatever batch asks for them. `sin_rot` is sin with its first half negated, the form
+    `apply_rotary` reads. (Su et al. 2021, RoFormer)
+    """
+    half = inv_freq.shape[0]
     freqs = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # [P, D/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    sin = angles.sin()
-    return angles.cos(), torch.cat((-sin[:, : head_dim // 2], sin[:, head_dim // 2 :]), dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:

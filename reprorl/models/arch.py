@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from reprorl.errors import ConfigError
+from reprorl.models.rope import RopeScaling
 
-FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama"}
+FAMILY_PREFIX = {"qwen2": "Qwen2", "qwen3": "Qwen3", "llama": "Llama", "mistral": "Mistral", "olmo2": "Olmo2",
+                 "phi3": "Phi3"}
 # kind -> the transformers class suffix that holds that head.
 KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification", "critic": "ForTokenClassification"}
 
@@ -24,7 +26,7 @@ KIND_SUFFIX = {"causal_lm": "ForCausalLM", "reward": "ForSequenceClassification"
 class ModelArgs:
     """Everything needed to build a model; field names follow HF's config.json."""
 
-    model_type: str  # "qwen2" | "qwen3" | "llama"
+    model_type: str  # "qwen2" | "qwen3" | "llama" | "mistral" | "olmo2" | "phi3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,17 +36,27 @@ class ModelArgs:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()  # plain RoPE, or a scaled variant (models/rope.py)
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # bias on q_proj, k_proj, v_proj
     o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False  # bias on gate_proj, up_proj, down_proj
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (qwen3)
+    qk_norm_whole: bool = False  # RMSNorm over the whole q and k projections, before the heads (olmo2)
+    post_norm: bool = False  # norms after attention and MLP, inside the residual (olmo2)
+    fused_projections: bool = False  # the checkpoint's qkv_proj and gate_up_proj (phi3: models/fused.py)
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions RoPE rotates (phi3)
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     num_labels: int = 1  # width of the reward model's score head
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head dimensions RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def __post_init__(self) -> None:
         if self.model_type not in FAMILY_PREFIX:
@@ -69,7 +81,12 @@ class ModelArgs:
             raise ConfigError(f"config.json hidden_act {config['hidden_act']!r} is not supported; expected 'silu'")
         if config.get("use_sliding_window"):
             raise ConfigError("config.json use_sliding_window=true is not supported; expected false (full attention)")
-        rope_theta = _rope_theta(config, model_type)
+        window = config.get("sliding_window")
+        if model_type in ("mistral", "phi3") and window is not None \
+                and window < config.get("max_position_embeddings", 32768):
+            raise ConfigError(f"config.json sliding_window={window} (model_type {model_type}) is not supported yet; "
+                              "expected null or at least max_position_embeddings (full attention)")
+        rope_theta = _rope_theta(config)
 
         heads = config["num_attention_heads"]
         if model_type == "qwen2":
@@ -77,6 +94,8 @@ class ModelArgs:
         elif model_type == "qwen3":
             attention_bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = attention_bias, attention_bias, False, True
+        elif model_type in ("mistral", "olmo2", "phi3"):  # no biases (olmo2's norms, phi3's fusion: below)
+            qkv_bias, o_bias, mlp_bias, qk_norm = False, False, False, False
         else:
             attention_bias = bool(config.get("attention_bias", False))
             qkv_bias, o_bias, mlp_bias, qk_norm = (
@@ -102,6 +121,7 @@ class ModelArgs:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
+            rope_scaling=RopeScaling.from_hf_config(config, model_type),
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             # transformers 5 defaults this to False for all three families.
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -109,6 +129,11 @@ class ModelArgs:
             o_bias=o_bias,
             mlp_bias=mlp_bias,
             qk_norm=qk_norm,
+            qk_norm_whole=model_type == "olmo2",
+            post_norm=model_type == "olmo2",
+            fused_projections=model_type == "phi3",
+            partial_rotary_factor=float(config.get("partial_rotary_factor")
+                                        or (config.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0),
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=config.get("eos_token_id"),
@@ -130,6 +155,17 @@ class ModelArgs:
             raise ValueError("qwen3 has qk_norm and one attention_bias switch; these ModelArgs do not fit")
         if self.model_type == "llama" and (self.qk_norm or self.qkv_bias != self.o_bias):
             raise ValueError("llama has one attention_bias switch and no qk_norm; these ModelArgs do not fit")
+        if self.model_type == "mistral" and (self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
+            raise ValueError("mistral has no biases and no qk_norm; these ModelArgs do not fit")
+        if (self.model_type == "phi3") != self.fused_projections or self.model_type == "phi3" and (
+                self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
+            raise ValueError("phi3 (and only phi3) has fused projections, and no biases; these ModelArgs do not fit")
+        olmo2 = self.model_type == "olmo2"
+        if (self.qk_norm_whole, self.post_norm) != (olmo2, olmo2) or olmo2 and (
+                self.qk_norm or self.qkv_bias or self.o_bias or self.mlp_bias):
+            raise ValueError("olmo2 (and only olmo2) has post-norms and whole-projection q/k norms, no biases; "
+                             "these ModelArgs do not fit")
+        rope_scaling, rope_parameters = self.rope_scaling.to_hf(self.rope_theta)
         config: dict[str, Any] = {
             "architectures": [FAMILY_PREFIX[self.model_type] + KIND_SUFFIX[kind]],
             "model_type": self.model_type,
@@ -144,8 +180,8 @@ class ModelArgs:
             "rms_norm_eps": self.rms_norm_eps,
             # 4.x reads rope_theta + rope_scaling; 5.x reads rope_parameters.
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_dropout": 0.0,
@@ -156,12 +192,20 @@ class ModelArgs:
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type in ("qwen3", "llama"):
+        if self.model_type in ("qwen3", "llama", "olmo2"):
             config["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":
             config["mlp_bias"] = self.mlp_bias
         if self.model_type in ("qwen2", "qwen3"):
             config["use_sliding_window"] = False
+        if self.model_type in ("mistral", "phi3"):
+            config["sliding_window"] = None
+        if self.partial_rotary_factor != 1.0:
+            config["partial_rotary_factor"] = self.partial_rotary_factor
+            config["rope_parameters"]["partial_rotary_factor"] = self.partial_rotary_factor
+        original = self.rope_scaling.get("original_max_position_embeddings")
+        if self.model_type == "phi3" and original is not None:  # where transformers 4.x's Phi-3 reads it
+            config["original_max_position_embeddings"] = original
         if kind != "causal_lm":
             labels = self.num_labels if kind == "reward" else 1
             config["num_labels"] = labels
@@ -170,15 +214,7 @@ class ModelArgs:
         return config
 
 
-def _rope_theta(config: dict[str, Any], model_type: str) -> float:
-    """RoPE base from either layout; only plain (unscaled) RoPE is supported."""
+def _rope_theta(config: dict[str, Any]) -> float:
+    """RoPE base from either layout (transformers 5 keeps it in rope_parameters)."""
     params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    for source, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
-        rope_type = spec.get("rope_type", spec.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(
-                f"config.json {source} type {rope_type!r} (model_type {model_type}) is not supported; "
-                "expected plain RoPE ('default' or no rope_scaling)"
-            )
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from reprorl.errors import ReproRLError
 from reprorl.io import atomic_write
 from reprorl.models.arch import ModelArgs
+from reprorl.models.fused import join_fused, split_fused
 from reprorl.models.lora import LoraSpec, add_adapters
 from reprorl.models.transformer import CausalLM, SequenceClassifier, ValueModel
 
@@ -74,7 +75,7 @@ def load_model(
         raise CheckpointError(f"model path {path} has no config.json")
     args = ModelArgs.from_hf_config(json.loads(config_file.read_text()))
     model = MODEL_CLASSES[kind](args, dtype)
-    _copy_tensors(model, _read_tensors(path), kind, path)
+    _copy_tensors(model, split_fused(_read_tensors(path), args), kind, path)
     if lora is not None:
         if kind != "causal_lm":
             raise ValueError(f"load_model: LoRA adapters are for the policy (kind causal_lm), not {kind!r}")
@@ -93,7 +94,7 @@ def save_model(model: nn.Module, args: ModelArgs, out_dir: str | os.PathLike) ->
         raise TypeError(
             f"cannot save a {type(model).__name__}; expected one of CausalLM, SequenceClassifier, ValueModel"
         )
-    tensors = {name: t.detach().contiguous() for name, t in model.state_dict().items()}
+    tensors = join_fused({name: t.detach().contiguous() for name, t in model.state_dict().items()}, args)
     dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
     config = dataclasses.replace(args, torch_dtype=dtype).to_hf_config(kind)
     out_dir = Path(out_dir)

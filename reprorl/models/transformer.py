@@ -30,9 +30,11 @@ import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reprorl.kernels import KEY_BLOCK, TorchKernels, rope_tables
-from reprorl.kernels.shared import Padding, write_rows
+from reprorl.kernels import KEY_BLOCK, TorchKernels
+from reprorl.kernels.backend import Kernels
+from reprorl.kernels.shared import Padding, rotary_tables, write_rows
 from reprorl.models.arch import ModelArgs
+from reprorl.models.rope import inverse_frequencies, max_positions
 
 
 def _dtype(args: ModelArgs, dtype: torch.dtype | None) -> torch.dtype:
@@ -54,11 +56,11 @@ class Linear(nn.Module):
         self.lora_scaling = 0.0
         self.lora_enabled = True
 
-    def forward(self, x: Tensor, k) -> Tensor:
-        y = k.linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
+        y = kernels.linear(x, self.weight, self.bias)
         if self.lora_A is None or not self.lora_enabled:
             return y
-        return y + k.linear(k.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
+        return y + kernels.linear(kernels.linear(x, self.lora_A), self.lora_B) * self.lora_scaling
 
 
 class RMSNorm(nn.Module):
@@ -67,8 +69,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: Tensor, k) -> Tensor:
-        return k.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
+        return kernels.rms_norm(x, self.weight, self.eps)
 
 
 class KVCache:
@@ -179,20 +181,33 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden, kv_out, args.qkv_bias, dtype)
         self.v_proj = Linear(hidden, kv_out, args.qkv_bias, dtype)
         self.o_proj = Linear(q_out, hidden, args.o_bias, dtype)
-        if args.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, dtype)
+        # q/k norms per head (qwen3), or over the whole projection (olmo2: `qk_norm_whole`)
+        self.qk_norm_whole = args.qk_norm_whole
+        if args.qk_norm or args.qk_norm_whole:
+            q_width, k_width = (q_out, kv_out) if args.qk_norm_whole else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_width, args.rms_norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor, kern) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., H], cos/sin [..., D] -> q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D] (RoPE applied)."""
-        q = self.q_proj(x, kern).unflatten(-1, (self.num_heads, self.head_dim))
-        k = self.k_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x, kern).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q, kern), self.k_norm(k, kern)
-        return kern.apply_rotary(q, cos, sin), kern.apply_rotary(k, cos, sin), v
+        q, k = self.q_proj(x, kernels), self.k_proj(x, kernels)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x, kernels).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None and not self.qk_norm_whole:
+            q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
+        return self._rotate(q, cos, sin, kernels), self._rotate(k, cos, sin, kernels), v
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor, kernels: Kernels) -> Tensor:
+        """RoPE on each head's first cos.shape[-1] dimensions (all, but for a partial rotary: phi3)."""
+        rotary = cos.shape[-1]
+        if rotary == self.head_dim:
+            return kernels.apply_rotary(x, cos, sin)
+        return torch.cat((kernels.apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
 
 
 class MLP(nn.Module):
@@ -202,8 +217,8 @@ class MLP(nn.Module):
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
 
-    def forward(self, x: Tensor, k) -> Tensor:
-        return self.down_proj(k.swiglu(self.gate_proj(x, k), self.up_proj(x, k)), k)
+    def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x, kernels), self.up_proj(x, kernels)), kernels)
 
 
 class DecoderLayer(nn.Module):
@@ -211,59 +226,75 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(args, dtype)
         self.mlp = MLP(args, dtype)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        # Pre-norm (Llama, Qwen): x + attn(norm(x)), then + mlp(norm(.)). Post-norm (OLMo 2):
+        # x + norm(attn(x)), then + norm(mlp(.)), with HF's names for those two norms.
+        self.post_norm = args.post_norm
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = None if args.post_norm else RMSNorm(hidden, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype) if args.post_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kern) -> Tensor:
+    def _attention_input(self, x: Tensor, kernels: Kernels) -> Tensor:
+        return x if self.post_norm else self.input_layernorm(x, kernels)
+
+    def _rest(self, x: Tensor, attn: Tensor, kernels: Kernels) -> Tensor:
+        """The layer after attention: attn [..., Hq, D] through o_proj into the residual, then the MLP's."""
+        out = self.self_attn.o_proj(attn.flatten(-2), kernels)
+        if self.post_norm:
+            x = x + self.post_attention_layernorm(out, kernels)
+            return x + self.post_feedforward_layernorm(self.mlp(x, kernels), kernels)
+        x = x + out
+        return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kernels: Kernels) -> Tensor:
         """x [B, T, H], cos/sin [B, T, D], padding (the batch's, `Transformer.forward`) -> [B, T, H]."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)
-        x = x + self.self_attn.o_proj(kern.padded_attention(q, k, v, padding).flatten(-2), kern)
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)
+        return self._rest(x, kernels.padded_attention(q, k, v, padding), kernels)
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
-                       kern) -> Tensor:
+                       kernels: Kernels) -> Tensor:
         """x [N, H], cos/sin [N, D] -> [N, H]; writes this layer's keys/values into the cache.
 
         Attention runs in one `batched_attention` call per group of `plan` (the decode
         tokens, the longer chunks), whatever the number of sequences.
         """
-        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [N, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)  # [N, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [slots, Hkv, cap, D]
         kv_rows = plan.kv_rows(cache)
         write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         if plan.in_order:  # decode tokens of consecutive slots, in slot order: no gather, no scatter
-            out = kern.batched_attention(q[:, :, None], keys[plan.lo : plan.hi], values[plan.lo : plan.hi], plan.q_start)
+            lo, hi = plan.lo, plan.hi
+            out = kernels.batched_attention(q[:, :, None], keys[lo:hi], values[lo:hi], plan.q_start)
             attn = out[:, :, 0]  # [N, Hq, D]
         else:
             attn = q.new_empty(q.shape)  # [N, Hq, D]
             q_ext = torch.cat([q, q.new_zeros(1, *q.shape[1:])])  # row N: zeros for padding queries
             for g in plan.groups:
                 qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
-                kg, vg = (keys[g.lo : g.hi], values[g.lo : g.hi]) if g.index is None else (keys[g.index], values[g.index])
-                out = kern.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
+                rows = slice(g.lo, g.hi) if g.index is None else g.index
+                kg, vg = keys[rows], values[rows]
+                out = kernels.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
                 real = out.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * q.shape[2])[g.real]
                 write_rows(attn.view(attn.shape[0], -1), g.rows, real)
-        x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        return self._rest(x, attn, kernels)
 
 
     def forward_decode(self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, kv_rows: Tensor,
-                       q_start: Tensor, cache: KVCache, layer: int, attention, kern) -> Tensor:
+                       q_start: Tensor, cache: KVCache, layer: int, attention, kernels: Kernels) -> Tensor:
         """One decode token per row, with no host sync and static shapes (a CUDA graph can
         replay it): x [B, H], slots [B], kv_rows [B * Hkv] (`cache_rows`); q_start [S] (every
         slot of the cache; 0 for slots not decoding). Attention runs over all S slots as one
         view (zero queries for the idle ones cost a key block each) and each row takes its
         slot's output."""
-        q, k, v = self.self_attn.project(self.input_layernorm(x, kern), cos, sin, kern)  # [B, Hq|Hkv, D]
+        q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)  # [B, Hq|Hkv, D]
         keys, values = cache.keys[layer], cache.values[layer]  # [S, Hkv, cap, D]
         write_rows(keys.view(-1, keys.shape[-1]), kv_rows, k.reshape(-1, k.shape[-1]))
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         q_all = q.new_zeros(keys.shape[0], *q.shape[1:])  # [S, Hq, D]
         write_rows(q_all.view(q_all.shape[0], -1), slots, q.reshape(q.shape[0], -1))
         attn = attention(q_all[:, :, None], keys, values, q_start)[slots, :, 0]  # [B, Hq, D]
-        x = x + self.self_attn.o_proj(attn.flatten(-2), kern)
-        return x + self.mlp(self.post_attention_layernorm(x, kern), kern)
+        return self._rest(x, attn, kernels)
 
 
 class _Group:
@@ -366,7 +397,10 @@ class Transformer(nn.Module):
         # Recompute each layer's activations in backward (the trainer's option): the same
         # kernels run twice on the same inputs, so the gradient keeps its bits.
         self.gradient_checkpointing = False
-        cos, sin_rot = rope_tables(args.head_dim, args.rope_theta, args.max_position_embeddings)
+        inv_freq, attention_factor = inverse_frequencies(args.rope_scaling, args.rotary_dim, args.rope_theta,
+                                                         args.max_position_embeddings)
+        positions = max_positions(args.rope_scaling, args.max_position_embeddings)
+        cos, sin_rot = rotary_tables(inv_freq, positions, attention_factor)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
 

@@ -9,7 +9,7 @@
   to all of them and checks every one serves the version, replaces a replica that died
   (`reprorl.rollout.supervision`) with the current weights, shuts down.
 
-Which replica serves a request only affects speed (DESIGN.md): a sample is a function of
+Which replica serves a request only affects speed (docs/design.md): a sample is a function of
 (weights, prompt ids, sampling params, request seed), and all of those travel with the
 request or are checked equal across replicas (the weight version).
 

@@ -1,6 +1,6 @@
 """Next-token sampling: per-request parameters, one generator per request.
 
-The determinism contract (DESIGN.md) needs a sampled token to be a pure function of
+The determinism contract (docs/design.md) needs a sampled token to be a pure function of
 (logits, params, request seed). Two choices make it so:
 
 - **One private generator per request, drawn a fixed number of times per token.** Every

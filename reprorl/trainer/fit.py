@@ -1,6 +1,6 @@
 """The fit loop: prompts -> one rollout call -> rewards -> log-probs -> advantages -> updates.
 
-One training step, in the order of DESIGN.md:
+One training step, in the order of docs/design.md:
 
     batch of prompts (uid per prompt) -> repeat n, interleaved (ReMax: + one greedy row
     per prompt, same call) -> rollout -> reward -> old log-probs -> ref log-probs ->
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -35,6 +36,7 @@ import ray
 import torch
 
 from reprorl import algos
+from reprorl.agent_loop.tools import select_tools, tool_schemas
 from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
 from reprorl.config import Config, config_to_yaml, reward_fn_name
 from reprorl.data.dataset import PromptDataset, PromptSampler
@@ -67,7 +69,16 @@ from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.trainer.policy import PolicyLossArgs, mask_truncated
 from reprorl.trainer.resume_guard import flat_config, plan_resume
 from reprorl.trainer.run_dir import append_history, lock_run_dir
-from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics, truncate_metrics
+from reprorl.trainer.tracking import (
+    CURVES_FILE,
+    GENERATIONS_FILE,
+    METRICS_FILE,
+    Tracker,
+    plot_curves,
+    read_metrics,
+    truncate_metrics,
+)
+from reprorl.trainer.val_metrics import per_source_metrics
 from reprorl.workers.group import WorkerError, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -289,7 +300,8 @@ class Trainer:
             return PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
                                  prompt_key=data.prompt_key,
                                  check_ground_truth=check_ground_truth if builtin_rules else None,
-                                 known_sources=REWARD_FNS if builtin_rules else None)
+                                 known_sources=REWARD_FNS if builtin_rules else None,
+                                 template_kwargs=self._template_kwargs())
 
         return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
@@ -320,7 +332,7 @@ class Trainer:
             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
             entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
             kl_loss_type=actor.kl_loss_type, kl_loss_coef=actor.kl_loss_coef,
-            max_response_length=self.cfg.data.max_response_length,
+            max_response_length=self.cfg.data.max_response_length, cov=_cov_options(actor),
         )
 
     def _make_kl_controller(self) -> algos.FixedKLController | algos.AdaptiveKLController:
@@ -369,6 +381,12 @@ class Trainer:
                             "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead, "lora": self.lora},
         )
 
+    def _template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keywords beyond the messages: the tool loop's tools, listed
+        for the model as the template lists them."""
+        ro = self.cfg.rollout
+        return {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
+
     def _make_agent(self) -> AgentLoopManager:
         """The agent-loop manager that sends the rollout pool its requests."""
         cfg, ro, data = self.cfg, self.cfg.rollout, self.cfg.data
@@ -380,6 +398,7 @@ class Trainer:
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
+            template_kwargs=self._template_kwargs(),
             part_timeout_s=cfg.trainer.part_timeout_s,
         )
 
@@ -506,7 +525,7 @@ class Trainer:
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
 
     def _check_log_prob_gap(self, gap: float) -> None:
-        """Under full determinism the built-in engine's log-probs ARE the trainer's (DESIGN.md,
+        """Under full determinism the built-in engine's log-probs ARE the trainer's (docs/design.md,
         contract point 2): a gap means a kernel or the engine broke that, and every step
         after it would train on a mismatch, so the run stops here. vLLM's kernels are not
         ours: its gap is only reported. A gap that is not finite is left to `_require_finite`,
@@ -619,14 +638,16 @@ class Trainer:
 
         `val/accuracy` is the share of samples whose rule reward is full credit (>= 1.0),
         absent when the rule function does not run (a reward model alone, rule_weight 0);
-        `val/reward_mean` is the mean of the final reward (rule and model, weighted).
+        `val/reward_mean` is the mean of the final reward (rule and model, weighted); and
+        per data source, over the `rollout.val.n` samples of each prompt, `val_metrics`'s.
+        `trainer.log_generations` = K writes the first K samples to generations.jsonl.
         """
         cfg = self.cfg
         if self.val_set is None:  # data.val_files=[]
             return {}
         positions = list(range(len(self.val_set)))
         size = cfg.data.val_batch_size or len(positions)
-        scores, correct, lengths = [], [], []
+        scores, correct, lengths, sources, uids = [], [], [], [], []
         t0 = time.perf_counter()
         for start in range(0, len(positions), size):
             prompts = self._prompt_batch(self.val_set, positions[start : start + size], step=step, validate=True)
@@ -636,14 +657,39 @@ class Trainer:
             if rewards.rule is not None:
                 correct.append((rewards.rule >= 1.0).float())
             lengths.append(output["response_mask"].float().sum(-1))
+            sources += list(output.non_tensors["data_source"])
+            uids += list(output.non_tensors["uid"])
+            if start == 0 and cfg.trainer.log_generations:
+                self._log_generations(step, output, rewards.scores, cfg.trainer.log_generations)
+        all_scores = torch.cat(scores)
         metrics = {
-            "val/reward_mean": torch.cat(scores).mean().item(),
+            "val/reward_mean": all_scores.mean().item(),
             "val/response_length_mean": torch.cat(lengths).mean().item(),
             "timing/val_s": time.perf_counter() - t0,
         }
         if correct:
             metrics["val/accuracy"] = torch.cat(correct).mean().item()
+        metrics.update(per_source_metrics(sources, uids, all_scores, cfg.rollout.val.n,
+                                          correct=torch.cat(correct) if correct else None))
         return metrics
+
+    def _log_generations(self, step: int, output: Batch, scores: torch.Tensor, count: int) -> None:
+        """The first `count` validation samples of the step (prompt, response, reward), as
+        lines of generations.jsonl in the run directory (appended, durably)."""
+        lines = []
+        for i in range(min(count, len(output))):
+            model_tokens = output["response_mask"][i].nonzero()
+            length = int(model_tokens[-1]) + 1 if len(model_tokens) else 0  # tool turns between included
+            response = output["responses"][i][:length].tolist()
+            lines.append(json.dumps({
+                "step": step, "uid": output.non_tensors["uid"][i], "data_source": output.non_tensors["data_source"][i],
+                "prompt": self.tokenizer.decode(list(output.non_tensors["prompt_ids"][i])),
+                "response": self.tokenizer.decode(response), "reward": float(scores[i]),
+            }, sort_keys=True))
+        with open(self.run_dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -690,6 +736,7 @@ class Trainer:
             # From the start: drop the records of an attempt that trained no step (plan_resume
             # refuses to start over where steps were trained), such as a validation at step 0.
             truncate_metrics(self.run_dir / METRICS_FILE, 0)
+            truncate_metrics(self.run_dir / GENERATIONS_FILE, 0)
             truncate_fingerprints(self.run_dir, 0)
             return 0
         step, state = load_checkpoint(ckpt, verify=False)  # verified by plan_resume
@@ -701,6 +748,7 @@ class Trainer:
         # Replicas start from model.path: give them the checkpoint's weights as its version.
         weight_sync.push_weights(self.actor, self.pool, step, weight_sync.device_replicas(self.actor, self.pool))
         truncate_metrics(self.run_dir / METRICS_FILE, step)
+        truncate_metrics(self.run_dir / GENERATIONS_FILE, step)  # the same steps are validated again
         truncate_fingerprints(self.run_dir, step)
         logger.info("resumed from step %d (%s)", step, ckpt)
         return step
@@ -825,3 +873,13 @@ def train(cfg: Config) -> Path:
         return trainer.fit()
     finally:
         trainer.close()
+
+
+def _cov_options(actor: Any) -> dict[str, float] | None:
+    """The keywords of `actor.policy_loss` clip_cov or kl_cov (None for the other losses)."""
+    if actor.policy_loss == "clip_cov":
+        return {"clip_cov_ratio": actor.clip_cov_ratio, "clip_cov_lb": actor.clip_cov_lb,
+                "clip_cov_ub": actor.clip_cov_ub}
+    if actor.policy_loss == "kl_cov":
+        return {"kl_cov_ratio": actor.kl_cov_ratio, "ppo_kl_coef": actor.ppo_kl_coef}
+    return None

@@ -86,6 +86,8 @@ class PolicyLossArgs:
     kl_loss_coef: float = 0.0
     max_response_length: int | None = None
     """Divisor of "seq-mean-token-sum-norm" (data.max_response_length); None = the batch's R."""
+    cov: dict[str, float] | None = None
+    """clip_cov's or kl_cov's own keywords (`algos.clip_cov_policy_loss`, `kl_cov_policy_loss`)."""
 
 
 def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
@@ -335,7 +337,7 @@ class PolicyWorker:
         pg_loss, pg_stats = policy_loss(
             loss.policy_loss, micro["old_log_probs"], log_probs, micro["advantages"], mask,
             clip_ratio_low=loss.clip_ratio_low, clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c,
-            loss_agg_mode=loss.loss_agg_mode, **norms,
+            loss_agg_mode=loss.loss_agg_mode, cov=loss.cov, **norms,
         )
         # The entropy only takes part in the graph when it is in the loss.
         with contextlib.nullcontext() if loss.entropy_coeff != 0 else torch.no_grad():

@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
+GENERATIONS_FILE = "generations.jsonl"
+"""Validation samples, `trainer.log_generations` of them a validation (the step's)."""
 
 # Which metrics the console line shows, in this order, when present.
 CONSOLE_KEYS = ("reward/mean", "val/accuracy", "actor/pg_loss", "actor/kl", "response_length/mean", "timing/step_s")

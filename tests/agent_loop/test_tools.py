@@ -103,3 +103,95 @@ def test_run_tool_call():
     # A bug inside a tool is not the model's fault: it raises.
     with pytest.raises(ZeroDivisionError):
         run_tool_call(ToolCall("broken", {"x": 1}), {"broken": broken})
+
+
+# ---------------------------------------------------------------- the user's tools
+
+USER_TOOLS = '''
+def word_count(text: str) -> str:
+    """Count the words of a text.
+
+    Args:
+        text: the text whose words are counted
+    """
+    return str(len(text.split()))
+
+
+def repeat(word: str, times: int = 2) -> str:
+    """Repeat a word.
+
+    Args:
+        word: the word
+        times: how many times
+    """
+    return " ".join([word] * times)
+
+
+def _private(x: str) -> str:
+    return x
+'''
+
+
+@pytest.fixture
+def tools_file(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(USER_TOOLS)
+    return path
+
+
+def test_a_file_gives_its_public_functions_and_their_schemas(tools_file):
+    from reprorl.agent_loop.tools import select_tools, tool_schemas
+
+    tools = select_tools(["calculator", str(tools_file)])
+    assert list(tools) == ["calculator", "word_count", "repeat"]
+    schemas = tool_schemas(tools)
+    assert schemas[2] == {"type": "function", "function": {
+        "name": "repeat", "description": "Repeat a word.",
+        "parameters": {"type": "object", "properties": {
+            "word": {"type": "string", "description": "the word"},
+            "times": {"type": "integer", "description": "how many times"}}, "required": ["word"]},
+        "return": {"type": "string"}}}
+    assert schemas[0]["function"]["parameters"]["required"] == ["expression"]  # the built-in's too
+    call = ToolCall("repeat", {"word": "ab", "times": 3})
+    assert run_tool_call(call, tools) == "ab ab ab"
+    assert list(select_tools([f"{tools_file}:word_count"])) == ["word_count"]
+    assert list(select_tools(["reprorl.agent_loop.tools:calculator"])) == ["calculator"]
+
+
+@pytest.mark.parametrize("entry,message", [
+    ("nope", "unknown tool 'nope'; expected a built-in \\(calculator\\), package.module:function"),
+    ("{dir}/missing.py", "'{dir}/missing.py': no file {dir}/missing.py"),
+    ("{file}:nothing", "'{file}:nothing': {file} has no function 'nothing'"),
+    ("no_such_module_xyz:f", "'no_such_module_xyz:f': importing no_such_module_xyz failed: ModuleNotFoundError"),
+    ("os.path:join", "'os.path:join': tool 'join': Argument a is missing a type hint"),
+    ("calculator,calculator", "'calculator': a second tool named 'calculator'"),
+])
+def test_a_bad_tool_entry_is_one_line_naming_it(entry, message, tools_file):
+    from reprorl.agent_loop.tools import select_tools
+
+    fill = {"dir": str(tools_file.parent), "file": str(tools_file)}
+    with pytest.raises(ValueError, match=message.format(**fill)) as err:
+        select_tools(entry.format(**fill).split(","))
+    assert "\n" not in str(err.value)
+
+
+def test_the_prompt_lists_the_tools_as_the_chat_template_renders_them(tools_file, tmp_path):
+    import json
+
+    from reprorl.agent_loop.tools import select_tools, tool_schemas
+    from reprorl.data.dataset import PromptDataset
+    from reprorl.models.tokenizer import CHAT_TEMPLATE, make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()  # a template that lists the tools' names in a system turn
+    tokenizer.chat_template = ("{%- if tools %}{{ '<|im_start|>system\\n' }}{%- for t in tools %}"
+                               "{{ t['function']['name'] + ' ' }}{%- endfor %}{{ '<|im_end|>\\n' }}{%- endif %}"
+                               + CHAT_TEMPLATE)
+    row = {"data_source": "arithmetic", "prompt": [{"role": "user", "content": "hi"}], "ability": "math",
+           "reward_model": {"style": "rule", "ground_truth": "1"}}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    schemas = tool_schemas(select_tools(["calculator", str(tools_file)]))
+    plain = PromptDataset(data, tokenizer, None)[0].prompt_ids
+    with_tools = PromptDataset(data, tokenizer, None, template_kwargs={"tools": schemas})[0].prompt_ids
+    assert tokenizer.decode(with_tools).startswith("<|im_start|>system\ncalculator word_count repeat <|im_end|>")
+    assert with_tools[-len(plain):] == plain

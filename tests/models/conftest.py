@@ -21,6 +21,14 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(rope_theta=10000.0)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, rope_theta=1e6)),
     "llama": (transformers.LlamaConfig, dict(head_dim=16, attention_bias=True, mlp_bias=True, rope_theta=5e5)),
+    "mistral": (transformers.MistralConfig, dict(head_dim=32, rope_theta=1e6, sliding_window=None)),
+    "olmo2": (transformers.Olmo2Config, dict(rope_theta=5e5)),
+    # Phi-4-mini's layout: fused projections, 3/4 of each head rotated, longrope (short factors
+    # inside its original length; the batches here are shorter)
+    "phi3": (transformers.Phi3Config, dict(
+        partial_rotary_factor=0.75, sliding_window=None, original_max_position_embeddings=64,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]})),
 }
 HEADS = {
     "causal_lm": "ForCausalLM",

@@ -92,16 +92,26 @@ def test_round_trip_through_transformers(family, kind):
 
 
 def test_unsupported_model_type_is_named():
-    with pytest.raises(ConfigError, match="'mistral'"):
-        ModelArgs.from_hf_config({"model_type": "mistral"})
+    with pytest.raises(ConfigError, match="'gemma3_text'"):
+        ModelArgs.from_hf_config({"model_type": "gemma3_text"})
+
+
+def test_a_mistral_sliding_window_is_refused_and_a_null_one_is_llamas_layers():
+    config = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
+    with pytest.raises(ConfigError, match="config.json sliding_window=4096 \\(model_type mistral\\) is not supported"):
+        ModelArgs.from_hf_config({**config, "sliding_window": 4096})
+    args = ModelArgs.from_hf_config({**config, "sliding_window": None, "attention_bias": True})
+    assert not (args.qkv_bias or args.o_bias or args.mlp_bias or args.qk_norm)
+    assert ModelArgs.from_hf_config(args.to_hf_config()) == args
 
 
 @pytest.mark.parametrize(
     "extra, pattern",
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' needs low_freq_factor"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn' needs factor"),
         ({"use_sliding_window": True}, "use_sliding_window"),
         ({"hidden_act": "gelu"}, "'gelu'"),
     ],

@@ -30,7 +30,8 @@ def padded_batch(vocab: int, side: str = "left", seed: int = 0):
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-@pytest.mark.parametrize("family,tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False)])
+@pytest.mark.parametrize("family,tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False),
+                                        ("mistral", False), ("olmo2", False), ("phi3", False)])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_path):
     hf = make_hf_model(family, tie=tie)
@@ -49,14 +50,16 @@ def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_pa
     torch.testing.assert_close(invariant[real], expected[real], **TOL)
 
 
-@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False), ("llama", False)])
+@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False), ("llama", False), ("mistral", False),
+                                        ("olmo2", False), ("phi3", True)])
 def test_save_model_loads_in_transformers(family, tie, make_hf_model, tmp_path):
     hf = make_hf_model(family, tie=tie, seed=1)
     hf.save_pretrained(tmp_path / "hf")
     model, args = load_model(tmp_path / "hf")
     save_model(model, args, tmp_path / "ours")
     names = set(load_file(tmp_path / "ours" / "model.safetensors"))
-    assert "model.layers.0.self_attn.q_proj.weight" in names
+    fused = family == "phi3"  # its checkpoints hold q, k, v as one qkv_proj (models/fused.py)
+    assert f"model.layers.0.self_attn.{'qkv_proj' if fused else 'q_proj'}.weight" in names
     assert ("lm_head.weight" in names) == (not tie)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     assert type(reloaded) is type(hf)

@@ -28,6 +28,8 @@ FAMILY_ARGS = {
     "llama": ModelArgs(
         model_type="llama", qkv_bias=True, o_bias=True, mlp_bias=True, tie_word_embeddings=True, **SHAPE
     ),
+    "olmo2": ModelArgs(model_type="olmo2", qk_norm_whole=True, post_norm=True, **SHAPE),
+    "phi3": ModelArgs(model_type="phi3", fused_projections=True, partial_rotary_factor=0.75, **SHAPE),
 }
 
 
@@ -83,7 +85,7 @@ def check_companions(family, runs):
                 assert torch.equal(model.logits(hidden)[slot], model.logits(alone[step + 1])[0])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "olmo2", "phi3"])
 def test_packed_sequence_is_invariant_to_its_companions(family):
     check_companions(family, [(1, 1), (1, 9), (1, 30), (1, 63)])
 
@@ -109,7 +111,7 @@ def test_prefill_chunking_is_invisible():
             assert torch.equal(torch.cat(pieces), whole)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "olmo2", "phi3"])
 def test_forward_agrees_with_forward_packed(family):
     """Logits of `forward` on a left-padded batch vs prefill + decode through the cache:
     bitwise equal in batch-invariant mode, within float32 rounding in plain mode."""

@@ -203,3 +203,12 @@ def test_a_cuda_run_that_cannot_fit_stops_before_any_part_starts(tmp_path, monke
     with pytest.raises(ConfigError, match=r"^GPU memory: the run needs about [0-9.]+ GiB at its peak \(\w[\w -]*\) "
                                           r"and the GPU has 1.0 GiB; "):
         fit.Trainer(cfg)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "olmo2", "mistral"])
+def test_param_count_is_the_models(family):
+    from reprorl.models.transformer import CausalLM
+
+    args = dataclasses.replace(TINY, model_type=family, qkv_bias=False, qk_norm=family == "qwen3",
+                               qk_norm_whole=family == "olmo2", post_norm=family == "olmo2")
+    assert param_count(args) == sum(p.numel() for p in CausalLM(args).parameters())

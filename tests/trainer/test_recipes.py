@@ -1,4 +1,4 @@
-"""The policy losses users bring from verl (actor.policy_loss: gspo, cispo) end to end on
+"""The policy losses users bring from verl (actor.policy_loss: gspo, cispo, clip_cov, kl_cov) end to end on
 the tiny model: each trains, its engine log-probs stay the trainer's, and a run killed
 after step 2 and resumed is the same bits as one that ran straight through."""
 
@@ -17,6 +17,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 RECIPES = {
     "gspo": ("actor.policy_loss=gspo", "actor.clip_ratio_low=0.0003", "actor.clip_ratio_high=0.0004"),
     "cispo": ("actor.policy_loss=cispo", "actor.clip_ratio_low=0.8", "actor.clip_ratio_high=0.28"),
+    # a wide band and share, so the tiny run's small covariances choose tokens every step
+    "clip_cov": ("actor.policy_loss=clip_cov", "actor.clip_cov_ratio=0.2", "actor.clip_cov_lb=-100",
+                 "actor.clip_cov_ub=100"),
+    "kl_cov": ("actor.policy_loss=kl_cov", "actor.kl_cov_ratio=0.2", "actor.ppo_kl_coef=1.0"),
 }
 
 
@@ -36,3 +40,5 @@ def test_recipe_trains_and_resumes_bitwise(assets, tmp_path, recipe):
     metrics = [json.loads(line) for line in (Path(tmp_path / "whole") / "metrics.jsonl").read_text().splitlines()]
     assert all(m["rollout/log_prob_max_gap"] == 0.0 for m in metrics)
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
+    if recipe.endswith("_cov"):  # tokens were chosen (dropped, or penalised) in every update
+        assert all(m["actor/pg_clipfrac"] > 0 for m in metrics)

@@ -1,0 +1,55 @@
+"""Validation metrics per data source (reprorl/trainer/val_metrics.py), worked by hand."""
+
+import pytest
+import torch
+
+from reprorl.trainer.val_metrics import per_source_metrics
+
+
+def test_mean_best_and_majority_per_source():
+    # source a: prompt p (rewards 1, 0, 0; answers 7, 5, 5) and q (0, 0, 1; 3, 3, 4); source b: r (1, 1, 0)
+    sources = ["a"] * 6 + ["b"] * 3
+    uids = ["p", "p", "p", "q", "q", "q", "r", "r", "r"]
+    scores = torch.tensor([1.0, 0, 0, 0, 0, 1, 1, 1, 0])
+    answers = ["7", "5", "5", "3", "3", "4", "2", "2", "9"]
+    got = per_source_metrics(sources, uids, scores, 3, correct=scores >= 1, answers=answers)
+    assert got == pytest.approx({
+        "val/a/mean@3": 2 / 6, "val/a/accuracy": 2 / 6, "val/a/best@3": 1.0,
+        "val/a/maj@3": 0.0,  # p's majority 5 scores 0, q's majority 3 scores 0
+        "val/b/mean@3": 2 / 3, "val/b/accuracy": 2 / 3, "val/b/best@3": 1.0, "val/b/maj@3": 1.0,
+    })
+
+
+def test_a_tie_goes_to_the_answer_seen_first_and_no_answers_no_majority():
+    got = per_source_metrics(["s"] * 2, ["p", "p"], torch.tensor([0.0, 1.0]), 2, answers=["x", "y"])
+    assert got["val/s/maj@2"] == 0.0  # x and y once each: x came first
+    assert "val/s/maj@2" not in per_source_metrics(["s"] * 2, ["p", "p"], torch.tensor([0.0, 1.0]), 2)
+    single = per_source_metrics(["s", "s"], ["p", "q"], torch.tensor([0.5, 1.0]), 1)
+    assert single == {"val/s/mean@1": 0.75}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("ray_local")
+def test_a_run_logs_metrics_per_source_and_its_generations(assets, tmp_path):
+    import json
+
+    from reprorl.config import load_config
+    from small_run import run_trainer, small_run_overrides
+
+    run = tmp_path / "run"
+    run_trainer(load_config(None, small_run_overrides(
+        assets, run, "trainer.test_freq=1", "rollout.val.n=2", "rollout.val.do_sample=true",
+        "rollout.val.temperature=1.0", "trainer.log_generations=3")))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    validated = [m for m in metrics if "val/reward_mean" in m]
+    assert [m["step"] for m in validated] == [1, 2]
+    # a source may hold slashes ("openai/gsm8k"): the key is val/<source>/mean@2
+    sources = {key[len("val/"):-len("/mean@2")] for m in validated for key in m if key.endswith("/mean@2")}
+    assert sources  # the assets' data sources
+    for m in validated:
+        for source in sources:
+            assert m[f"val/{source}/best@2"] >= m[f"val/{source}/mean@2"]
+    lines = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in lines] == [1, 1, 1, 2, 2, 2]
+    assert set(lines[0]) == {"step", "uid", "data_source", "prompt", "response", "reward"}
+    assert lines[0]["uid"] == lines[1]["uid"]  # the n = 2 samples of the first prompt come first
