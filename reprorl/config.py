@@ -37,11 +37,11 @@ from reprorl.errors import ConfigError
 def _field(default: Any, help: str, **bounds: float) -> Any:
     """A config field: its default, its help text and optional bounds (ge, gt, le, lt).
 
-    Lists get a `default_factory` so that no two configs share one list object.
+    Lists and mappings get a `default_factory` so that no two configs share one object.
     """
     metadata = {"help": help, **bounds}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -68,6 +68,10 @@ class DataConfig:
         "error", "what to do with a prompt longer than max_prompt_length: fail naming the row, drop it, or cut it"
     )
     shuffle: bool = _field(True, "shuffle the training prompts each epoch, in an order drawn from the run seed")
+    apply_chat_template_kwargs: dict[str, bool | int | float | str] = _field(
+        {}, "more keywords of the tokenizer's chat template for every prompt, e.g. {enable_thinking: false} "
+        "(Qwen3); {} = none"
+    )
 
 
 @dataclass
@@ -514,6 +518,8 @@ def _describe(tp: Any, bounds: dict[str, float]) -> str:
         return "a list of strings" if args[0] is str else f"a list, each {_describe(args[0], {})}"
     if origin is tuple:
         return f"a list of {len(args)} numbers"
+    if origin is dict:
+        return f"a mapping of names to {_describe(args[1], {})}"
     if dataclasses.is_dataclass(tp):
         return "a mapping of " + ", ".join(_fields(tp))
     raise TypeError(f"no description for config type {tp!r}")  # a bug in this module, not user input
@@ -551,6 +557,10 @@ def _coerce(value: Any, tp: Any, key: str, bounds: dict[str, float]) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise bad
         return tuple(_coerce(item, a, f"{key}[{i}]", {}) for i, (item, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
+            raise bad
+        return {name: _coerce(item, args[1], f"{key}.{name}", {}) for name, item in value.items()}
     if dataclasses.is_dataclass(tp):  # an item of a list of mappings (reward.fns)
         return _coerce_mapping(value, tp, key)
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):  # bool is an int subclass

@@ -459,3 +459,17 @@ def test_console_command_smoke(tmp_path):
     assert printed["rollout"]["temperature"] == 0.7 and printed["trainer"]["loggers"] == ["console"]
     bad = subprocess.run([exe, "config", "rollout.n=abc"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr == "error: rollout.n: expected an integer >= 1, got 'abc'\n"
+
+
+def test_chat_template_kwargs_are_a_mapping_of_scalars_and_round_trip(tmp_path):
+    cfg = load_config(None, ["data.apply_chat_template_kwargs={enable_thinking: false, depth: 2}"])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False, "depth": 2}
+    assert load_config().data.apply_chat_template_kwargs == {}  # not shared between configs
+    path = tmp_path / "c.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path) == cfg
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template_kwargs.a: expected true or false or an "
+                                          r"integer or a number or a string, got \[1\]$"):
+        load_config(None, ["data.apply_chat_template_kwargs={a: [1]}"])
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template_kwargs: expected a mapping of names to "):
+        load_config(None, ["data.apply_chat_template_kwargs=3"])

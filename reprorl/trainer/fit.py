@@ -382,10 +382,11 @@ class Trainer:
         )
 
     def _template_kwargs(self) -> dict[str, Any]:
-        """The chat template's keywords beyond the messages: the tool loop's tools, listed
-        for the model as the template lists them."""
+        """The chat template's keywords beyond the messages: `data.apply_chat_template_kwargs`
+        and the tool loop's tools, listed for the model as the template lists them."""
         ro = self.cfg.rollout
-        return {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
+        tools = {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
+        return {**self.cfg.data.apply_chat_template_kwargs, **tools}
 
     def _make_agent(self) -> AgentLoopManager:
         """The agent-loop manager that sends the rollout pool its requests."""
