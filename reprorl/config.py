@@ -37,11 +37,11 @@ from reprorl.errors import ConfigError
 def _field(default: Any, help: str, **bounds: float) -> Any:
     """A config field: its default, its help text and optional bounds (ge, gt, le, lt).
 
-    Lists get a `default_factory` so that no two configs share one list object.
+    Lists and mappings get a `default_factory` so that no two configs share one object.
     """
     metadata = {"help": help, **bounds}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -68,6 +68,10 @@ class DataConfig:
         "error", "what to do with a prompt longer than max_prompt_length: fail naming the row, drop it, or cut it"
     )
     shuffle: bool = _field(True, "shuffle the training prompts each epoch, in an order drawn from the run seed")
+    apply_chat_template_kwargs: dict[str, bool | int | float | str] = _field(
+        {}, "more keywords of the tokenizer's chat template for every prompt, e.g. {enable_thinking: false} "
+        "(Qwen3); {} = none"
+    )
 
 
 @dataclass
@@ -173,10 +177,42 @@ class RolloutConfig:
 
 
 @dataclass
+class WeightedRewardFnConfig:
+    fn: str | None = _field(
+        None, "a rule reward function, as reward.fn takes it; null = chosen by each row's data_source (compute_score)"
+    )
+    weight: float = _field(1.0, "its weight in the rule reward")
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = _field(
+        False, "DAPO's overlong reward shaping: a response of L tokens (model and tool tokens) longer than M - len, "
+        "M = rollout.max_tokens, gets min(-(L - (M - len)) / len * penalty_factor, 0) added to its reward"
+    )
+    len: int = _field(0, "the buffer: the last this many tokens of rollout.max_tokens are penalised; >= 1 when "
+                      "enabled, at most rollout.max_tokens", ge=0)
+    penalty_factor: float = _field(0.0, "the penalty of a response that uses all of rollout.max_tokens", ge=0)
+
+
+@dataclass
 class RewardConfig:
     fn: str | None = _field(
         None, "rule reward function: 'module:function' or 'path.py:function'; null = chosen by each row's data_source"
     )
+    fns: list[WeightedRewardFnConfig] = _field(
+        [], "several rule reward functions instead of reward.fn, each {fn: ..., weight: ...}: the rule reward is the "
+        "weighted sum, added in list order; each function's mean is logged as reward/<name>/mean, <name> its "
+        "function's name (after the colon; compute_score for null), so no two may share one. [] = reward.fn alone"
+    )
+    reward_manager: Literal["naive", "batch"] = _field(
+        "naive", "how the rule function(s) are called (verl's name): naive = once per sample, as fn(data_source=, "
+        "solution_str=, ground_truth=, extra_info=) -> float; batch = once per batch of samples (a step's, or a "
+        "validation batch's) with lists, as verl's batch reward manager does: fn(data_sources=, solution_strs=, "
+        "ground_truths=, extra_infos=) -> a list of floats in sample order, reward.timeout_s then bounding the "
+        "whole call. batch needs user functions (reward.fn or every reward.fns entry set)"
+    )
+    overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig, "DAPO's overlong reward shaping")
     model_path: str | None = _field(None, "a reward model (HF-format directory); null = no reward model")
     backend: Literal["native", "vllm"] = _field(
         "native", "reward-model engine: the built-in scorer or vLLM's pooling path (with rollout.vllm_* settings)"
@@ -269,6 +305,10 @@ class ActorConfig:
     )
     kl_loss_coef: float = _field(0.001, "KL loss coefficient", ge=0)
     grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
+    mask_truncated: bool = _field(
+        False, "leave responses cut at rollout.max_tokens (finish reason 'length') out of the actor's loss: their "
+        "tokens are masked out and not counted (DAPO's overlong filtering); they still take part in the advantages"
+    )
 
 
 @dataclass
@@ -431,6 +471,8 @@ def _yaml_value(value: Any) -> str:
     """One value as a line of YAML that `_Loader` reads back as the same value."""
     if isinstance(value, tuple):
         value = list(value)
+    if isinstance(value, list):  # reward.fns: its items as mappings
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]
     text = yaml.dump(value, Dumper=_Dumper, default_flow_style=True, width=math.inf, allow_unicode=True)
     return text.removesuffix("\n...\n").strip()  # a bare scalar document ends with `...`
 
@@ -476,6 +518,10 @@ def _describe(tp: Any, bounds: dict[str, float]) -> str:
         return "a list of strings" if args[0] is str else f"a list, each {_describe(args[0], {})}"
     if origin is tuple:
         return f"a list of {len(args)} numbers"
+    if origin is dict:
+        return f"a mapping of names to {_describe(args[1], {})}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of " + ", ".join(_fields(tp))
     raise TypeError(f"no description for config type {tp!r}")  # a bug in this module, not user input
 
 
@@ -511,6 +557,12 @@ def _coerce(value: Any, tp: Any, key: str, bounds: dict[str, float]) -> Any:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise bad
         return tuple(_coerce(item, a, f"{key}[{i}]", {}) for i, (item, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(name, str) for name in value):
+            raise bad
+        return {name: _coerce(item, args[1], f"{key}.{name}", {}) for name, item in value.items()}
+    if dataclasses.is_dataclass(tp):  # an item of a list of mappings (reward.fns)
+        return _coerce_mapping(value, tp, key)
     if tp is int and (isinstance(value, bool) or not isinstance(value, int)):  # bool is an int subclass
         raise bad
     if tp is float:
@@ -527,6 +579,22 @@ def _coerce(value: Any, tp: Any, key: str, bounds: dict[str, float]) -> Any:
     ):
         raise bad
     return value
+
+
+def _coerce_mapping(value: Any, tp: type, key: str) -> Any:
+    """A `tp` (a config dataclass) from a mapping of its keys, each checked; missing keys keep
+    their defaults. An instance (set in Python) is checked key by key the same way."""
+    if dataclasses.is_dataclass(value) and isinstance(value, tp):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected {_describe(tp, {})}, got {_show(value)}")
+    item = tp()
+    for name, sub_value in value.items():
+        if name not in _fields(tp):
+            raise ConfigError(f"{key}: unknown key {_show(name)}; expected {', '.join(_fields(tp))}")
+        f, sub_tp = _fields(tp)[name]
+        setattr(item, name, _coerce(sub_value, sub_tp, f"{key}.{name}", _bounds(f)))
+    return item
 
 
 def _bounds(f: dataclasses.Field) -> dict[str, float]:
@@ -644,9 +712,7 @@ def _validate(cfg: Config) -> None:
     for key, top_k in (("rollout.top_k", cfg.rollout.top_k), ("rollout.val.top_k", cfg.rollout.val.top_k)):
         if top_k == 0:  # the bound already refuses < -1
             raise ConfigError(f"{key}: expected -1 (off) or an integer >= 1, got {top_k}")
-    fn = cfg.reward.fn
-    if fn is not None and not re.fullmatch(r"[^:]+:[A-Za-z_][A-Za-z0-9_]*", fn):
-        raise ConfigError(f"reward.fn: expected 'module:function' or 'path.py:function' or null, got {fn!r}")
+    _check_reward(cfg)
     if cfg.trainer.resume == "":
         raise ConfigError("trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''")
     keys = _all_keys()
@@ -706,6 +772,39 @@ def _validate(cfg: Config) -> None:
         _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
                            f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
                            f"{mini} * {rollout.n} / {micro}")
+
+
+def reward_fn_name(spec: str | None) -> str:
+    """The name a rule function's metrics go under: the part of `spec` after its last colon,
+    `compute_score` for null (the built-in rewards by data_source)."""
+    return "compute_score" if spec is None else spec.rpartition(":")[2]
+
+
+def _check_reward(cfg: Config) -> None:
+    """reward.fn or reward.fns (not both), the way they are called, the overlong buffer."""
+    reward = cfg.reward
+    specs = [("reward.fn", reward.fn)] + [(f"reward.fns[{i}].fn", entry.fn) for i, entry in enumerate(reward.fns)]
+    for key, fn in specs:
+        if fn is not None and not re.fullmatch(r"[^:]+:[A-Za-z_][A-Za-z0-9_]*", fn):
+            raise ConfigError(f"{key}: expected 'module:function' or 'path.py:function' or null, got {fn!r}")
+    if reward.fn is not None and reward.fns:
+        raise ConfigError("reward.fn and reward.fns are both set: pick one (reward.fns=[{fn: ..., weight: 1.0}] is "
+                          "reward.fn alone)")
+    names = [reward_fn_name(entry.fn) for entry in reward.fns]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"reward.fns[{i}].fn={reward.fns[i].fn!r}: a function named {name!r} is already in "
+                              f"reward.fns[{names.index(name)}]; each logs its metric reward/<name>/mean under its "
+                              "name")
+    called = specs[1:] if reward.fns else specs[:1]
+    missing = [key for key, fn in called if fn is None]
+    if reward.reward_manager == "batch" and missing:
+        raise ConfigError(f"{missing[0]}=null with reward.reward_manager=batch: the built-in compute_score scores one "
+                          "sample at a time; name a function that takes lists")
+    buffer, max_tokens = reward.overlong_buffer, cfg.rollout.max_tokens
+    if buffer.enable and not 1 <= buffer.len <= max_tokens:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len} with reward.overlong_buffer.enable=true: "
+                          f"expected 1 <= len <= rollout.max_tokens={max_tokens}")
 
 
 def _check_lora(cfg: Config) -> None:

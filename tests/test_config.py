@@ -205,6 +205,36 @@ OVERRIDE_ERRORS = [
     (["seed=-1"], "seed: expected an integer >= 0, got -1"),
     (["reward.fn=my_rewards"], "reward.fn: expected 'module:function' or 'path.py:function' or null, got 'my_rewards'"),
     (["trainer.resume=''"], "trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''"),
+    # several rewards, batch rewards, the overlong buffer, mask_truncated
+    (["reward.fn=a:f", "reward.fns=[{fn: b:g}]"],
+     "reward.fn and reward.fns are both set: pick one (reward.fns=[{fn: ..., weight: 1.0}] is reward.fn alone)"),
+    (["reward.fns=a:f"], "reward.fns: expected a list, each a mapping of fn, weight, got 'a:f'"),
+    (["reward.fns=[a:f]"], "reward.fns[0]: expected a mapping of fn, weight, got 'a:f'"),
+    (["reward.fns=[{fn: a:f, wieght: 2}]"], "reward.fns[0]: unknown key 'wieght'; expected fn, weight"),
+    (["reward.fns=[{fn: a:f, weight: heavy}]"], "reward.fns[0].weight: expected a number, got 'heavy'"),
+    (["reward.fns=[{fn: a:f}, {fn: my_rewards}]"],
+     "reward.fns[1].fn: expected 'module:function' or 'path.py:function' or null, got 'my_rewards'"),
+    (["reward.fns=[{fn: a:f}, {fn: b.py:f}]"],
+     "reward.fns[1].fn='b.py:f': a function named 'f' is already in reward.fns[0]; each logs its metric "
+     "reward/<name>/mean under its name"),
+    (["reward.reward_manager=lists"], "reward.reward_manager: expected one of naive, batch, got 'lists'"),
+    (["reward.reward_manager=batch"],
+     "reward.fn=null with reward.reward_manager=batch: the built-in compute_score scores one sample at a time; "
+     "name a function that takes lists"),
+    (["reward.reward_manager=batch", "reward.fns=[{fn: a:f}, {weight: 2}]"],
+     "reward.fns[1].fn=null with reward.reward_manager=batch: the built-in compute_score scores one sample at a "
+     "time; name a function that takes lists"),
+    (["reward.overlong_buffer.enable=true"],
+     "reward.overlong_buffer.len=0 with reward.overlong_buffer.enable=true: expected 1 <= len <= "
+     "rollout.max_tokens=8"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=9"],
+     "reward.overlong_buffer.len=9 with reward.overlong_buffer.enable=true: expected 1 <= len <= "
+     "rollout.max_tokens=8"),
+    (["reward.overlong_buffer.len=-1"], "reward.overlong_buffer.len: expected an integer >= 0, got -1"),
+    (["reward.overlong_buffer.penalty_factor=-1"],
+     "reward.overlong_buffer.penalty_factor: expected a number >= 0, got -1"),
+    (["reward.overlong_buffer.enable=yes"], "reward.overlong_buffer.enable: expected true or false, got 'yes'"),
+    (["actor.mask_truncated=1"], "actor.mask_truncated: expected true or false, got 1"),
     # cross-field
     (["actor.ppo_mini_batch_size=3"], "data.train_batch_size=16 must be divisible by actor.ppo_mini_batch_size=3"),
     (
@@ -387,6 +417,18 @@ def test_round_trip_of_changed_values(tmp_path):
     assert yaml.safe_load(config_to_yaml(cfg)) == as_dict
 
 
+def test_weighted_rewards_and_dapo_keys(tmp_path):
+    cfg = load_config(None, ["reward.fns=[{fn: a.py:f, weight: 0.5}, {fn: null, weight: -2}, {fn: m:g}]",
+                             "reward.overlong_buffer={enable: true, len: 4, penalty_factor: 1.0}",
+                             "actor.mask_truncated=true"])
+    assert [(e.fn, e.weight) for e in cfg.reward.fns] == [("a.py:f", 0.5), (None, -2.0), ("m:g", 1.0)]
+    assert cfg.reward.overlong_buffer.len == 4 and cfg.actor.mask_truncated
+    assert _reload(tmp_path, cfg) == cfg
+    batch = load_config(None, ["reward.reward_manager=batch", "reward.fn=m:score_all"])
+    assert batch.reward.reward_manager == "batch"
+    assert load_config().reward.fns == [] and not load_config().reward.overlong_buffer.enable
+
+
 def test_yaml_has_help_comments():
     lines = config_to_yaml(load_config()).splitlines()
     i = lines.index("  temperature: 1.0  # a number >= 0")
@@ -417,3 +459,17 @@ def test_console_command_smoke(tmp_path):
     assert printed["rollout"]["temperature"] == 0.7 and printed["trainer"]["loggers"] == ["console"]
     bad = subprocess.run([exe, "config", "rollout.n=abc"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr == "error: rollout.n: expected an integer >= 1, got 'abc'\n"
+
+
+def test_chat_template_kwargs_are_a_mapping_of_scalars_and_round_trip(tmp_path):
+    cfg = load_config(None, ["data.apply_chat_template_kwargs={enable_thinking: false, depth: 2}"])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False, "depth": 2}
+    assert load_config().data.apply_chat_template_kwargs == {}  # not shared between configs
+    path = tmp_path / "c.yaml"
+    path.write_text(config_to_yaml(cfg))
+    assert load_config(path) == cfg
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template_kwargs.a: expected true or false or an "
+                                          r"integer or a number or a string, got \[1\]$"):
+        load_config(None, ["data.apply_chat_template_kwargs={a: [1]}"])
+    with pytest.raises(ConfigError, match=r"^data.apply_chat_template_kwargs: expected a mapping of names to "):
+        load_config(None, ["data.apply_chat_template_kwargs=3"])

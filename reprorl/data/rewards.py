@@ -3,7 +3,8 @@
     fn(data_source, solution_str, ground_truth, extra_info=None) -> float
 
 `solution_str` is the decoded response (without the prompt). Every function here returns
-1.0 or 0.0: no partial format credit, so the mean reward is the accuracy.
+1.0 or 0.0 (no partial format credit, so the mean reward is the accuracy), except
+`math_dapo_score`, which keeps verl's DAPO rewards: 1.0 or -1.0.
 `compute_score` picks the function from the row's `data_source` through `REWARD_FNS`.
 """
 
@@ -152,6 +153,99 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
         return 0.0
 
 
+# DAPO's scorer (verl's `reward_score/math_dapo.py`, after lm-evaluation-harness's Minerva
+# MATH normalisation): the answer is the text after the last "Answer:", both sides normalised
+# and compared as strings. The tables are verl's, in verl's order (the order matters: "an "
+# goes before " " is dropped).
+_DAPO_SUBSTITUTIONS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), (r"\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+)
+_DAPO_REMOVED = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue", "points",
+    "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters", "meals", "edges", "students",
+    "childrentickets", "multiples", "\\text{s}", "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3",
+    "\\text{\n}", "\\text{}", r"\mathrm{th}", r"^\circ", r"^{\circ}", r"\;", r",\!", "{,}", '"', "\\dots",
+)
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_DAPO_TAIL_CHARS = 300  # verl scores the response's last 300 characters (MATH-500's longest answer: 159)
+_DAPO_BOX_TAIL_CHARS = 100  # and looks for the \boxed{} fallback in the last 100 of those
+
+
+def dapo_normalize(answer: str) -> str:
+    r"""A final answer as DAPO compares it: the part after the last `=`, units, spaces, `$`
+    and `\text{}` wrappers dropped, TeX shorthand (`\frac12`, `\sqrt2`) spelled out, and
+    the commas of a text of digits and commas removed (`1,000`).
+
+    >>> dapo_normalize("x = 1,000 dollars")
+    '1000'
+    >>> dapo_normalize("$\\frac12$")
+    '\\frac{1}{2}'
+    >>> dapo_normalize("\\text{(B)}")
+    '(B)'
+    """
+    answer = answer.split("=")[-1]
+    for before, after in _DAPO_SUBSTITUTIONS:
+        answer = answer.replace(before, after)
+    for expression in _DAPO_REMOVED:
+        answer = answer.replace(expression, "")
+    answer = re.sub(r"(.*?)(\$)(.*?)(\$)(.*)", "$\\3$", answer)
+    answer = re.sub(r"(\\text\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\textbf\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\overline\{)(.*?)(\})", "\\2", answer)
+    answer = re.sub(r"(\\boxed\{)(.*)(\})", "\\2", answer)
+    answer = re.sub(r"(frac)([^{])(.)", "frac{\\2}{\\3}", answer)
+    answer = re.sub(r"(sqrt)([^{])", "sqrt{\\2}", answer)
+    answer = answer.replace("$", "")
+    if answer.replace(",", "").isdigit():
+        answer = answer.replace(",", "")
+    return answer.strip()
+
+
+def _last_boxed(text: str) -> str | None:
+    r"""The content of the last `\boxed{...}` of `text` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start + len("\\boxed"), len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + len("\\boxed{") : i]
+    return None
+
+
+def math_dapo_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    r"""DAPO's math reward (`math_dapo`, verl's `math_dapo.compute_score`): 1.0 if right, -1.0 if not.
+
+    The answer is the text after the last `Answer:` (any case) in the response's last
+    300 characters, up to the end of its line; without one, the last `\boxed{}` of the
+    last 100 characters. Answer and `ground_truth` are compared as strings after
+    `dapo_normalize`. A response with no answer at all is wrong (-1.0): DAPO gives no
+    0 for a missing format.
+
+    >>> math_dapo_score("math_dapo", "2 + 2 is four.\nAnswer: 4", "4")
+    1.0
+    >>> math_dapo_score("math_dapo", "answer: $1,000$ dollars", "1000")
+    1.0
+    >>> math_dapo_score("math_dapo", "Answer: 5", "4")
+    -1.0
+    >>> math_dapo_score("math_dapo", "so it is \\boxed{\\frac12}", "\\frac{1}{2}")
+    1.0
+    >>> math_dapo_score("math_dapo", "I think 4", "4")
+    -1.0
+    """
+    tail = solution_str[-_DAPO_TAIL_CHARS:]
+    found = _DAPO_ANSWER.findall(tail)
+    if found:
+        answer = found[-1]
+    else:
+        answer = _last_boxed(tail[-_DAPO_BOX_TAIL_CHARS:])
+        if answer is None:
+            return -1.0
+    return 1.0 if dapo_normalize(answer) == dapo_normalize(ground_truth) else -1.0
+
+
 # data_source -> reward function, by the names verl's preprocessing gives the public
 # datasets; the MATH ones are scored by math-verify, not verl's last-\boxed string match
 # (see math_score).
@@ -162,6 +256,7 @@ REWARD_FNS = {
     "DigitalLearningGmbH/MATH-lighteval": math_score,
     "HuggingFaceH4/MATH-500": math_score,
     "math": math_score,
+    "math_dapo": math_dapo_score,  # DAPO-Math-17k's data_source in verl's recipe
 }
 
 

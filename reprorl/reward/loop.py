@@ -6,9 +6,11 @@
          timeout needs signals): a child process's under a per-call time limit
          (`rule_worker`), or this process's without one; a function that raises, or
          returns NaN or an infinity, scores 0.0 and is counted; failing on more than
-         `max_error_rate` of the samples is an error
+         `max_error_rate` of the samples is an error. Several weighted functions: the
+         rule reward is their weighted sum (`weighted_sum`); a batch function is called
+         once with lists instead of once per sample
       3. reward-model scores of (prompt messages, response text), if a model is given
-      4. score = rule_weight * rule + model_weight * model
+      4. score = rule_weight * rule + model_weight * model (+ DAPO's `overlong_penalty`)
 
 The batch is the rollout's output (`reprorl.agent_loop.manager`): tensors `responses`
 [B, R] and `response_mask` [B, R] (1 on model-generated tokens); non-tensor columns
@@ -28,7 +30,7 @@ import torch
 
 from reprorl.errors import DataError, ReproRLError
 from reprorl.protocol import Batch
-from reprorl.reward.rule_worker import START_TIMEOUT_S, Outcome, RuleWorker, call_rule_fn
+from reprorl.reward.rule_worker import START_TIMEOUT_S, Outcome, RuleWorker, call_batch_fn, call_rule_fn
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +53,22 @@ class RewardModel(Protocol):
         ...
 
 
+class WeightedFn(NamedTuple):
+    """One of several rule functions: its metric name (`reward/<name>/mean`), the function, its weight."""
+
+    name: str
+    fn: Callable[..., Any]
+    weight: float
+
+
 class Rewards(NamedTuple):
     """What `RewardLoop.compute` gives for a batch, in sample order."""
 
     scores: torch.Tensor
-    """[B] float32: rule_weight * rule + model_weight * model, the reward that is trained on."""
+    """[B] float32: rule_weight * rule + model_weight * model (+ the overlong penalty), the reward trained on."""
     rule: torch.Tensor | None
-    """[B] float32 rule scores alone (validation's accuracy); None when the rule function did not run."""
+    """[B] float32 rule scores alone, weighted sum of several functions (validation's accuracy); None when no rule
+    function ran."""
     metrics: dict[str, float]
 
 
@@ -76,13 +87,61 @@ def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, token
     return texts
 
 
+def weighted_sum(scores: Sequence[Sequence[float]], weights: Sequence[float]) -> list[float]:
+    """Per sample i, `weights[0] * scores[0][i] + weights[1] * scores[1][i] + ...`, added
+    left to right in float64 (a fixed order, so the same bits every run).
+
+    scores: one [B] list per function, in the config's order.
+
+    >>> weighted_sum([[1.0, 0.0], [0.5, 0.25]], [1.0, 2.0])
+    [2.0, 0.5]
+    """
+    total = [0.0] * len(scores[0])
+    for fn_scores, weight in zip(scores, weights, strict=True):
+        total = [t + weight * x for t, x in zip(total, fn_scores, strict=True)]
+    return total
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_len: int, penalty_factor: float) -> torch.Tensor:
+    """DAPO's overlong reward shaping (Yu et al. 2025, arXiv:2503.14476, eq. 13; verl's DAPO
+    reward manager): `min(-(L - (M - B)) / B * penalty_factor, 0)` for a response of L
+    tokens, M = `max_length`, B = `buffer_len`: 0 up to M - B tokens, then falling
+    linearly to -penalty_factor at M.
+
+    lengths: [B] response lengths; returns [B] float32 (computed in float64, as verl's
+    Python floats).
+
+    >>> overlong_penalty(torch.tensor([4, 6, 7, 8]), max_length=8, buffer_len=4, penalty_factor=1.0).tolist()
+    [0.0, -0.5, -0.75, -1.0]
+    """
+    exceed = lengths.to(torch.float64) - (max_length - buffer_len)  # [B]
+    # 0.0 itself where the response is short enough (min() would give -0.0 at exceed 0)
+    return torch.where(exceed > 0, -exceed / buffer_len * penalty_factor, 0.0).to(torch.float32)
+
+
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """[B] tokens of each response, model and tool tokens alike (verl's DAPO reward manager
+    counts the response's attention mask): the columns of `attention_mask` after the prompt's."""
+    for key in ("prompts", "attention_mask"):
+        if key not in batch.tensors:
+            raise DataError(f"reward batch has no tensor {key!r}; tensors: {list(batch.tensors)}")
+    return batch["attention_mask"][:, batch["prompts"].shape[1] :].sum(-1)
+
+
 class RewardLoop:
     """Scores a batch of rollouts; one instance per run.
 
     Args:
         reward_fn: the rule function (`resolve_reward_fn(cfg.reward.fn)`), called as
             `reward_fn(data_source=, solution_str=, ground_truth=, extra_info=)`; it
-            returns a float (or verl's `{"score": float, ...}`).
+            returns a float (or verl's `{"score": float, ...}`). Or several, a list of
+            `WeightedFn`: the rule reward is their `weighted_sum`, and each function's
+            mean is the metric `reward/<name>/mean`; each one's failures are counted
+            (and checked against `max_error_rate`) on their own.
+        batch: call each rule function once per batch with lists, as verl's batch reward
+            manager does: `fn(data_sources=, solution_strs=, ground_truths=, extra_infos=)`
+            returning one score per sample; a failure (or time-out) of that call fails
+            every sample of the batch.
         reward_model: scores (prompt messages, response) pairs; None for rules only.
         rule_weight, model_weight: weights of the two parts in the total. With a reward
             model and `rule_weight == 0`, the rule function is not called at all (a
@@ -99,6 +158,8 @@ class RewardLoop:
         max_error_rate: the largest share of a batch's samples on which the rule function
             may fail (raise, or time out) and score 0; more raises `RewardFnError` naming
             the function, the count and the first failure. None: no limit.
+        overlong_buffer: DAPO's buffer length B (`overlong_penalty`, with `max_length` and
+            `overlong_penalty_factor`), its penalty added to each sample's score; None: off.
 
     A rule function that raises gives 0.0 for that sample and the run goes on (while
     within `max_error_rate`): the count is the metric `reward/fn_errors`, and the
@@ -111,17 +172,31 @@ class RewardLoop:
 
     def __init__(
         self,
-        reward_fn: Callable[..., Any],
+        reward_fn: Callable[..., Any] | Sequence[WeightedFn],
         reward_model: RewardModel | None = None,
         rule_weight: float = 1.0,
         model_weight: float = 1.0,
         *,
+        batch: bool = False,
         timeout_s: float | None = None,
         timeout_is_error: bool = True,
         start_timeout_s: float = START_TIMEOUT_S,
         max_error_rate: float | None = None,
+        overlong_buffer: int | None = None,
+        overlong_penalty_factor: float = 0.0,
+        max_length: int | None = None,
     ) -> None:
-        self.reward_fn = reward_fn
+        # One function alone is not named: its metrics stay those of a plain run.
+        self.named = not callable(reward_fn)
+        self.fns = list(reward_fn) if self.named else [WeightedFn("", reward_fn, 1.0)]
+        if not self.fns:
+            raise ValueError("RewardLoop: an empty list of reward functions")
+        if overlong_buffer is not None and (max_length is None or not 1 <= overlong_buffer <= max_length):
+            raise ValueError(f"RewardLoop: overlong_buffer={overlong_buffer} needs 1 <= it <= max_length={max_length}")
+        self.batch = batch
+        self.overlong_buffer = overlong_buffer
+        self.overlong_penalty_factor = float(overlong_penalty_factor)
+        self.max_length = max_length
         self.max_error_rate = max_error_rate
         self.reward_model = reward_model
         self.rule_weight = float(rule_weight)
@@ -130,68 +205,102 @@ class RewardLoop:
         self.timeout_is_error = timeout_is_error
         self.fn_errors_total = 0  # over the run, for the log line
         self.fn_timeouts_total = 0
-        self._worker = None
+        self._workers: list[RuleWorker | None] = [None] * len(self.fns)  # a child process per function
         if timeout_s is not None:
-            try:
-                self._worker = RuleWorker(reward_fn, start_timeout_s)
-            except Exception as err:  # cloudpickle refuses some objects (locks, generators)
-                raise ReproRLError(
-                    f"reward.fn {getattr(reward_fn, '__name__', reward_fn)!r} cannot be sent to a rule-reward "
-                    f"process ({type(err).__name__}: {err}); set reward.timeout_s=null to call it in the "
-                    "trainer's process, without a time limit"
-                ) from err
+            for k, (_, fn, _) in enumerate(self.fns):
+                try:
+                    self._workers[k] = RuleWorker(fn, start_timeout_s, batch=batch)
+                except Exception as err:  # cloudpickle refuses some objects (locks, generators)
+                    raise ReproRLError(
+                        f"reward.fn {_fn_name(fn)!r} cannot be sent to a rule-reward "
+                        f"process ({type(err).__name__}: {err}); set reward.timeout_s=null to call it in the "
+                        "trainer's process, without a time limit"
+                    ) from err
 
     def close(self) -> None:
-        """Stop the rule-reward process, if one runs."""
-        if self._worker is not None:
-            self._worker.close()
+        """Stop the rule-reward processes, if any run."""
+        for worker in self._workers:
+            if worker is not None:
+                worker.close()
 
-    def _rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int, int]:
-        """([B] float32 rule scores, samples whose function raised, samples that timed out), in sample order."""
+    def _rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int, int, dict[str, float]]:
+        """([B] float32 rule scores, samples on which a function raised, samples on which one
+        timed out, {"reward/<name>/mean": ...} of several functions), in sample order. The
+        scores are the one function's, or the weighted sum of several."""
+        calls = self._rule_calls(batch, solutions)
+        data_sources = batch.non_tensors["data_source"]
+        per_fn, errors, timeouts, fn_means = [], 0, 0, {}
+        for k, (name, _, _) in enumerate(self.fns):
+            scores, fn_errors, fn_timeouts = self._fn_scores(k, calls, data_sources)
+            per_fn.append(scores)
+            errors, timeouts = errors + fn_errors, timeouts + fn_timeouts
+            if self.named:
+                fn_means[f"reward/{name}/mean"] = math.fsum(scores) / len(scores) if scores else 0.0
+        self.fn_errors_total += errors
+        self.fn_timeouts_total += timeouts
+        rule = weighted_sum(per_fn, [w for _, _, w in self.fns]) if self.named else per_fn[0]
+        return torch.tensor(rule, dtype=torch.float32), errors, timeouts, fn_means
+
+    def _rule_calls(self, batch: Batch, solutions: Sequence[str]) -> list[dict[str, Any]]:
+        """The keyword arguments of each sample's call, in sample order; with `batch`, ONE
+        call whose arguments are the lists (verl's batch names: data_sources, ...)."""
         for key in ("data_source", "ground_truth"):
             if key not in batch.non_tensors:
                 raise DataError(f"reward batch has no non-tensor column {key!r}; columns: {batch.keys()}")
         data_sources = batch.non_tensors["data_source"]
         ground_truths = batch.non_tensors["ground_truth"]
         extra_infos = batch.non_tensors.get("extra_info")
-        calls = [
+        if self.batch:
+            return [{"data_sources": list(data_sources), "solution_strs": list(solutions),
+                     "ground_truths": list(ground_truths),
+                     "extra_infos": [None] * len(solutions) if extra_infos is None else list(extra_infos)}]
+        return [
             {"data_source": data_sources[i], "solution_str": solution, "ground_truth": ground_truths[i],
              "extra_info": None if extra_infos is None else extra_infos[i]}
             for i, solution in enumerate(solutions)
         ]
-        if self._worker is None:
-            outcomes = [self._call_here(call) for call in calls]
+
+    def _fn_scores(self, k: int, calls: Sequence[dict[str, Any]], data_sources: Sequence[str]
+                   ) -> tuple[list[float], int, int]:
+        """(function k's scores, samples on which it raised, samples on which it timed out), in sample order."""
+        worker = self._workers[k]
+        if worker is None:
+            outcomes = [self._call_here(self.fns[k].fn, call) for call in calls]
         else:
-            outcomes = self._worker.run(calls, self.timeout_s, stop_at_timeout=self.timeout_is_error)
+            outcomes = worker.run(calls, self.timeout_s, stop_at_timeout=self.timeout_is_error)
+        if self.batch:  # the one call's outcome is every sample's
+            (outcome,) = outcomes
+            if outcome.kind == "ok":
+                return list(outcome.score), 0, 0
+            outcomes = [Outcome(outcome.kind, error=outcome.error)] * len(data_sources)
+        label = "reward function" + (f" {self.fns[k].name!r}" if self.named else "")
         scores, errors, timeouts = [], 0, 0
         for i, outcome in enumerate(outcomes):
             if outcome.kind == "timeout":
                 if self.timeout_is_error:
                     raise RewardTimeoutError(
-                        f"the reward function did not return within reward.timeout_s={self.timeout_s:g} s on "
+                        f"the {label} did not return within reward.timeout_s={self.timeout_s:g} s on "
                         f"sample {i} (data_source={data_sources[i]!r}); with full_determinism a timed-out sample "
                         "cannot score 0 (the result would depend on timing): fix the function or raise the limit"
                     )
                 timeouts += 1
                 if self.fn_timeouts_total + timeouts == 1:
                     logger.warning(
-                        "reward function did not return within reward.timeout_s=%g s on sample %d (data_source=%r); "
+                        "%s did not return within reward.timeout_s=%g s on sample %d (data_source=%r); "
                         "it scores 0.0. Later timeouts are only counted (metric reward/fn_timeouts).",
-                        self.timeout_s, i, data_sources[i])
+                        label, self.timeout_s, i, data_sources[i])
             elif outcome.kind == "error":
                 errors += 1
                 if self.fn_errors_total + errors == 1:
                     logger.error(
-                        "reward function raised on sample %d (data_source=%r); it scores 0.0. "
-                        "Later errors are only counted (metric reward/fn_errors).\n%s", i, data_sources[i],
+                        "%s raised on sample %d (data_source=%r); it scores 0.0. "
+                        "Later errors are only counted (metric reward/fn_errors).\n%s", label, i, data_sources[i],
                         outcome.error)
             scores.append(outcome.score)
-        self._check_failures(outcomes, data_sources)
-        self.fn_errors_total += errors
-        self.fn_timeouts_total += timeouts
-        return torch.tensor(scores, dtype=torch.float32), errors, timeouts
+        self._check_failures(self.fns[k].fn, outcomes, data_sources)
+        return scores, errors, timeouts
 
-    def _check_failures(self, outcomes: Sequence[Outcome], data_sources: Sequence[str]) -> None:
+    def _check_failures(self, fn: Callable[..., Any], outcomes: Sequence[Outcome], data_sources: Sequence[str]) -> None:
         """Raise `RewardFnError` if more than `max_error_rate` of `outcomes` failed."""
         failed = [i for i, outcome in enumerate(outcomes) if outcome.kind != "ok"]
         if self.max_error_rate is None or len(failed) <= self.max_error_rate * len(outcomes):
@@ -201,16 +310,16 @@ class RewardLoop:
             why = f"timed out (reward.timeout_s={self.timeout_s:g} s)"
         else:
             why = _exception(first.error)
-        name = getattr(self.reward_fn, "__name__", repr(self.reward_fn))
+        name = _fn_name(fn)
         raise RewardFnError(
             f"the reward function {name!r} failed on {len(failed)} of {len(outcomes)} samples, more than "
             f"reward.max_error_rate={self.max_error_rate:g}; the first, sample {failed[0]} (data_source="
             f"{data_sources[failed[0]]!r}): {why}"
         )
 
-    def _call_here(self, call: dict[str, Any]) -> Outcome:
+    def _call_here(self, fn: Callable[..., Any], call: dict[str, Any]) -> Outcome:
         try:
-            return Outcome("ok", score=call_rule_fn(self.reward_fn, call))
+            return Outcome("ok", score=(call_batch_fn if self.batch else call_rule_fn)(fn, call))
         except Exception:  # any failure of user code: 0 for this sample, the run goes on
             return Outcome("error", error=traceback.format_exc())
 
@@ -219,8 +328,9 @@ class RewardLoop:
 
         `tokenizer` is the policy's (it decodes the responses); the reward model tokenizes
         the text with its own. Metrics: `reward/rule_mean`, `reward/fn_timeouts` (when
-        rules run), `reward/model_mean` (with a reward model), `reward/fn_errors`,
-        `reward/mean`.
+        rules run), `reward/<name>/mean` (each of several functions), `reward/model_mean`
+        (with a reward model), `reward/overlong_penalty_mean` (with the overlong buffer),
+        `reward/fn_errors`, `reward/mean`.
         """
         for key in ("responses", "response_mask"):
             if key not in batch.tensors:
@@ -231,11 +341,12 @@ class RewardLoop:
         metrics: dict[str, float] = {"reward/fn_errors": 0.0}
         rule = None
         if self.reward_model is None or self.rule_weight != 0.0:
-            rule, errors, timeouts = self._rule_scores(batch, solutions)
+            rule, errors, timeouts, fn_means = self._rule_scores(batch, solutions)
             total = total + self.rule_weight * rule
             metrics["reward/rule_mean"] = _mean(rule)
             metrics["reward/fn_errors"] = float(errors)
             metrics["reward/fn_timeouts"] = float(timeouts)
+            metrics.update(fn_means)
         if self.reward_model is not None:
             if "raw_prompt" not in batch.non_tensors:
                 raise DataError(f"reward model needs the non-tensor column 'raw_prompt'; columns: {batch.keys()}")
@@ -250,8 +361,17 @@ class RewardLoop:
                 )
             total = total + self.model_weight * model.float()
             metrics["reward/model_mean"] = _mean(model)
+        if self.overlong_buffer is not None:
+            penalty = overlong_penalty(response_lengths(batch), self.max_length, self.overlong_buffer,
+                                       self.overlong_penalty_factor)  # [B]
+            total = total + penalty
+            metrics["reward/overlong_penalty_mean"] = _mean(penalty)
         metrics["reward/mean"] = _mean(total)
         return Rewards(total, rule, metrics)
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", repr(fn))
 
 
 def _exception(error: str) -> str:

@@ -50,12 +50,33 @@ def call_rule_fn(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> float:
     return score
 
 
+def call_batch_fn(fn: Callable[..., Any], kwargs: Mapping[str, Sequence[Any]]) -> list[float]:
+    """`fn(**kwargs)` of a batch reward function (lists in, one score per sample out) as
+    finite floats; verl's `{"score": ...}` dicts give their score.
+
+    Raises whatever `fn` raises, and ValueError for a result that is not a list of one
+    score per sample, or holds NaN or an infinity.
+    """
+    expected = len(next(iter(kwargs.values())))
+    result = fn(**kwargs)
+    if not isinstance(result, (list, tuple)) or len(result) != expected:
+        got = f"{len(result)} scores" if isinstance(result, (list, tuple)) else f"a {type(result).__name__}"
+        raise ValueError(f"batch reward function returned {got}; expected a list of {expected} scores")
+    scores = [float(r["score"] if isinstance(r, dict) else r) for r in result]
+    bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
+    if bad:
+        raise ValueError(f"batch reward function returned {scores[bad[0]]} for sample {bad[0]}; expected finite "
+                         "numbers")
+    return scores
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """One call's result: `kind` "ok" (with `score`), "error" (with the traceback) or "timeout"."""
+    """One call's result: `kind` "ok" (with `score`: a float, a list of them for a batch
+    function), "error" (with the traceback) or "timeout"."""
 
     kind: str
-    score: float = 0.0
+    score: float | list[float] = 0.0
     error: str = ""
 
 
@@ -66,11 +87,15 @@ class RuleWorker:
     """Calls `fn` in a child process, started at the first `run`; `close()` stops it.
 
     `start_timeout_s`: how long a child may take to load `fn` and say it is ready (its
-    imports); past it the child is killed and the start fails naming the limit.
+    imports); past it the child is killed and the start fails naming the limit. With
+    `batch`, each call is `call_batch_fn`'s (lists in, a list of scores out), else
+    `call_rule_fn`'s.
     """
 
-    def __init__(self, fn: Callable[..., Any], start_timeout_s: float = START_TIMEOUT_S) -> None:
-        self._payload = cloudpickle.dumps(fn)
+    def __init__(
+        self, fn: Callable[..., Any], start_timeout_s: float = START_TIMEOUT_S, *, batch: bool = False
+    ) -> None:
+        self._payload = cloudpickle.dumps((fn, batch))
         self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -152,7 +177,8 @@ def serve(fd: int, parent_pid: int) -> None:
         return
     conn = Connection(fd)
     try:
-        fn = cloudpickle.loads(conn.recv_bytes())
+        fn, batch = cloudpickle.loads(conn.recv_bytes())
+        call = call_batch_fn if batch else call_rule_fn
     except Exception:  # noqa: BLE001 - said to the parent, which raises it
         conn.send(("load_error", traceback.format_exc(limit=-3)))
         return
@@ -164,7 +190,7 @@ def serve(fd: int, parent_pid: int) -> None:
             return
         for kwargs in calls:
             try:
-                conn.send(("ok", call_rule_fn(fn, kwargs)))
+                conn.send(("ok", call(fn, kwargs)))
             except Exception:  # noqa: BLE001 - any failure of user code: the parent counts it
                 conn.send(("error", traceback.format_exc()))
 

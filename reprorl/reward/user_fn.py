@@ -4,7 +4,12 @@ Every rule reward has verl's `compute_score` signature, and is called with keywo
 
     fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float
 
-so a reward function written for verl works unchanged. The config's `reward.fn` names it:
+so a reward function written for verl works unchanged; with `reward.reward_manager=batch`
+it takes verl's batch names instead, lists of one entry per sample:
+
+    fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...]) -> list[float]
+
+The config's `reward.fn` (or each `fn` of `reward.fns`) names it:
 
     None                          reprorl.data.rewards.compute_score (by each row's data_source)
     "package.module:function"     imported
@@ -23,10 +28,12 @@ from reprorl.errors import ReproRLError
 
 # The keywords the reward loop calls a rule function with (verl's names).
 REWARD_FN_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+REWARD_BATCH_FN_ARGS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")  # reward_manager=batch
 
 
-def resolve_reward_fn(spec: str | None) -> Callable[..., float]:
-    """The rule reward function `spec` names (see the module docstring).
+def resolve_reward_fn(spec: str | None, batch: bool = False) -> Callable[..., float]:
+    """The rule reward function `spec` names (see the module docstring); with `batch`, one
+    that takes verl's batch keywords (`REWARD_BATCH_FN_ARGS`).
 
     The part after the LAST colon is the function name, so a file path may itself hold
     a colon. A path (it ends in `.py` or holds a `/`) is loaded as a file, relative to
@@ -55,7 +62,7 @@ def resolve_reward_fn(spec: str | None) -> Callable[..., float]:
         raise ReproRLError(f"reward.fn={spec!r}: {where!r} has no attribute {name!r}")
     if not callable(fn):
         raise ReproRLError(f"reward.fn={spec!r}: {name!r} is a {type(fn).__name__}, not a function")
-    _check_signature(spec, fn)
+    _check_signature(spec, fn, REWARD_BATCH_FN_ARGS if batch else REWARD_FN_ARGS)
     return fn
 
 
@@ -75,16 +82,16 @@ def _load_file(spec: str, path: Path):
     return module
 
 
-def _check_signature(spec: str, fn: Callable) -> None:
-    """Fail now, not at the first sample, if `fn` cannot take the four keywords."""
+def _check_signature(spec: str, fn: Callable, args: tuple[str, ...]) -> None:
+    """Fail now, not at the first sample, if `fn` cannot take the four keywords `args`."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return  # some builtins have no signature: nothing to check
     try:
-        signature.bind(**dict.fromkeys(REWARD_FN_ARGS))
+        signature.bind(**dict.fromkeys(args))
     except TypeError as err:
         raise ReproRLError(
             f"reward.fn={spec!r}: signature {signature} cannot be called as "
-            f"fn({', '.join(a + '=...' for a in REWARD_FN_ARGS)}) ({err})"
+            f"fn({', '.join(a + '=...' for a in args)}) ({err})"
         ) from err

@@ -38,7 +38,7 @@ import torch
 from reprorl import algos
 from reprorl.agent_loop.tools import select_tools, tool_schemas
 from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
-from reprorl.config import Config, config_to_yaml
+from reprorl.config import Config, config_to_yaml, reward_fn_name
 from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.data.rewards import REWARD_FNS, check_ground_truth
 from reprorl.determinism import determinism_env, enable_full_determinism
@@ -48,7 +48,7 @@ from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.models.lora import spec_from_config
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
+from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError, WeightedFn
 from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.pool import init_ray, replica_cpus
 from reprorl.rollout.replica import ReplicaPool
@@ -66,7 +66,7 @@ from reprorl.trainer.checkpoint import (
 from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
 from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.placement import Placement, plan_placement
-from reprorl.trainer.policy import PolicyLossArgs
+from reprorl.trainer.policy import PolicyLossArgs, mask_truncated
 from reprorl.trainer.resume_guard import flat_config, plan_resume
 from reprorl.trainer.run_dir import append_history, lock_run_dir
 from reprorl.trainer.tracking import (
@@ -130,6 +130,14 @@ def length_metrics(batch: Batch) -> dict[str, float]:
         "prompt_length/mean": prompt.mean().item(),
         "prompt_length/max": prompt.max().item(),
     }
+
+
+def _reward_fns(rw: Any) -> Any:
+    """The rule function of `reward.fn`, or the `WeightedFn`s of `reward.fns`, resolved."""
+    batch = rw.reward_manager == "batch"
+    if not rw.fns:
+        return resolve_reward_fn(rw.fn, batch)
+    return [WeightedFn(reward_fn_name(e.fn), resolve_reward_fn(e.fn, batch), e.weight) for e in rw.fns]
 
 
 def _test_kill_step() -> int | None:
@@ -226,7 +234,7 @@ class Trainer:
         caller then stops the others (`_stop_parts`).
         """
         t0 = time.perf_counter()
-        reward_fn = resolve_reward_fn(self.cfg.reward.fn)  # a bad reward.fn fails before any process starts
+        reward_fn = _reward_fns(self.cfg.reward)  # a bad reward.fn fails before any process starts
         reward_cpus, rollout_cpus = self._replica_cpus()
         # Each part is kept as soon as it exists, so that `_stop_parts` finds it if a later one fails.
         self._start_workers()
@@ -286,7 +294,8 @@ class Trainer:
         data, rw = self.cfg.data, self.cfg.reward
         # The built-in rule rewards know which sources and ground truths they can ever match: a
         # row that could only score 0 is an error naming it, before the run starts.
-        builtin_rules = rw.fn is None and (rw.model_path is None or rw.rule_weight != 0)
+        specs = [entry.fn for entry in rw.fns] if rw.fns else [rw.fn]
+        builtin_rules = None in specs and (rw.model_path is None or rw.rule_weight != 0)
         def dataset(files: list[str]) -> PromptDataset:
             return PromptDataset(files, self.tokenizer, data.max_prompt_length, overlong=data.overlong_prompts,
                                  prompt_key=data.prompt_key,
@@ -348,11 +357,15 @@ class Trainer:
         )
 
     def _make_reward_loop(self, reward_fn: Any) -> RewardLoop:
-        """The reward loop: the rule function `reward_fn` and the reward-model pool, weighted."""
+        """The reward loop: the rule function(s) `reward_fn` and the reward-model pool, weighted."""
         cfg, rw = self.cfg, self.cfg.reward
+        buffer = rw.overlong_buffer
         return RewardLoop(reward_fn, self.reward_model, rule_weight=rw.rule_weight, model_weight=rw.model_weight,
-                          timeout_s=rw.timeout_s, timeout_is_error=cfg.full_determinism,
-                          max_error_rate=rw.max_error_rate, start_timeout_s=cfg.trainer.part_timeout_s)
+                          batch=rw.reward_manager == "batch", timeout_s=rw.timeout_s,
+                          timeout_is_error=cfg.full_determinism, max_error_rate=rw.max_error_rate,
+                          start_timeout_s=cfg.trainer.part_timeout_s,
+                          overlong_buffer=buffer.len if buffer.enable else None,
+                          overlong_penalty_factor=buffer.penalty_factor, max_length=cfg.rollout.max_tokens)
 
     def _make_rollout(self, num_cpus_per_replica: float) -> ReplicaPool:
         """The rollout replica pool, started but not waited for."""
@@ -369,10 +382,11 @@ class Trainer:
         )
 
     def _template_kwargs(self) -> dict[str, Any]:
-        """The chat template's keywords beyond the messages: the tool loop's tools, listed
-        for the model as the template lists them."""
+        """The chat template's keywords beyond the messages: `data.apply_chat_template_kwargs`
+        and the tool loop's tools, listed for the model as the template lists them."""
         ro = self.cfg.rollout
-        return {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
+        tools = {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
+        return {**self.cfg.data.apply_chat_template_kwargs, **tools}
 
     def _make_agent(self) -> AgentLoopManager:
         """The agent-loop manager that sends the rollout pool its requests."""
@@ -558,8 +572,12 @@ class Trainer:
                 max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch,
                 cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=cfg.critic.loss_agg_mode,
             ))
+        actor_batch = batch
+        if cfg.actor.mask_truncated:  # a shallow copy: the critic and the fingerprint keep the real mask
+            actor_batch = batch.slice(0, len(batch))
+            actor_batch["response_mask"] = mask_truncated(batch["response_mask"], batch.non_tensors["finish_reason"])
         metrics.update(self.actor.update(
-            batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
+            actor_batch, ppo_epochs=cfg.actor.ppo_epochs, mini_batch_size=cfg.actor.ppo_mini_batch_size * n,
             micro_batch_size=cfg.actor.ppo_micro_batch_size, max_response_length=cfg.data.max_response_length,
             max_token_len=cfg.actor.ppo_max_token_len_per_micro_batch, loss=self.loss_args,
             temperature=cfg.rollout.temperature,

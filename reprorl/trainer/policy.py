@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -406,6 +406,22 @@ def mini_batch_norms(mini: Batch, max_response_length: int | None) -> dict[str, 
         "global_num_seqs": len(mini),
         "max_response_length": max_response_length or mini["responses"].shape[1],
     }
+
+
+def mask_truncated(response_mask: torch.Tensor, finish_reasons: Sequence[str]) -> torch.Tensor:
+    """The actor's loss mask without truncated responses (`actor.mask_truncated`): `response_mask`
+    [B, R] with the rows whose finish reason is "length" (cut at rollout.max_tokens) zeroed, so
+    they add nothing to the loss nor to its token count (DAPO's overlong filtering); the
+    seq-mean loss_agg_modes still count them among the mini-batch's sequences
+    (`mini_batch_norms`), as a 0.
+
+    >>> mask_truncated(torch.tensor([[1, 1, 0], [1, 1, 1]]), ["stop", "length"]).tolist()
+    [[1, 1, 0], [0, 0, 0]]
+    """
+    if len(finish_reasons) != response_mask.shape[0]:
+        raise ValueError(f"{len(finish_reasons)} finish reasons for {response_mask.shape[0]} responses")
+    keep = torch.tensor([reason != "length" for reason in finish_reasons], device=response_mask.device)  # [B]
+    return response_mask * keep.unsqueeze(-1).to(response_mask.dtype)
 
 
 def read_stats(stats: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:

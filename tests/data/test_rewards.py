@@ -13,7 +13,9 @@ from reprorl.data.rewards import (
     check_ground_truth,
     compute_score,
     gsm8k_score,
+    dapo_normalize,
     gsm8k_truth,
+    math_dapo_score,
     math_score,
 )
 from reprorl.errors import DataError
@@ -142,6 +144,46 @@ def test_compute_score_dispatches_on_data_source():
         assert compute_score(source, "\\boxed{5}", "5") == 1.0
         assert compute_score(source, "\\boxed{6}", "5") == 0.0
     assert compute_score("openai/gsm8k", "5", "5", extra_info={"split": "test"}) == 0.0
+
+
+@pytest.mark.parametrize(
+    "response, truth, score",
+    [
+        ("Let me add: 17 + 25 = 42.\nAnswer: 42", "42", 1.0),  # correct
+        ("Answer: 41", "42", -1.0),  # wrong
+        ("the answer is 42", "42", -1.0),  # no "Answer:" and no \boxed{}: wrong, not 0
+        ("", "42", -1.0),
+        ("ANSWER :  42 ", "42", 1.0),  # any case, spaces around the colon
+        ("Answer: 3\nno wait\nAnswer: 42", "42", 1.0),  # the last one counts
+        ("Answer: 42\nAnswer: 3", "42", -1.0),
+        ("Answer: 42\nbecause six times seven", "42", 1.0),  # up to the end of its line
+        ("Answer: x = 42", "42", 1.0),  # normalisation: after the last "="
+        ("Answer: $1,000$", "1000", 1.0),  # $ and thousands commas
+        ("Answer: 12 inches", "12", 1.0),  # units dropped
+        ("Answer: \\frac12", "\\frac{1}{2}", 1.0),  # TeX shorthand spelled out
+        ("Answer: \\text{(C)}", "(C)", 1.0),
+        ("Answer: 0.5", "\\frac{1}{2}", -1.0),  # strings, not values (unlike math_score)
+        ("so \\boxed{\\sqrt{2}}", "\\sqrt2", 1.0),  # no "Answer:": the last \boxed{}
+        ("\\boxed{42}" + "x" * 100, "42", -1.0),  # ... only in the last 100 characters
+        ("Answer: 42" + "x" * 300, "42", -1.0),  # only the last 300 characters are read
+    ],
+)
+def test_math_dapo_cases(response, truth, score):
+    assert math_dapo_score("math_dapo", response, truth) == score
+
+
+def test_dapo_normalize():
+    assert dapo_normalize(" 1,234 ") == "1234"
+    assert dapo_normalize("(1,2)") == "(1,2)"  # commas stay unless only digits are left
+    assert dapo_normalize("\\boxed{7}") == "7"
+    assert dapo_normalize("90^\\circ") == "90"
+    assert dapo_normalize("\\sqrt3") == "\\sqrt{3}"
+
+
+def test_math_dapo_is_registered():
+    assert REWARD_FNS["math_dapo"] is math_dapo_score
+    assert compute_score("math_dapo", "Answer: 7", "7") == 1.0
+    assert compute_score("math_dapo", "Answer: 8", "7") == -1.0
 
 
 def test_unknown_data_source_names_it_and_lists_known():

@@ -9,7 +9,14 @@ import torch
 from reprorl.data.rewards import compute_score
 from reprorl.errors import DataError
 from reprorl.protocol import Batch
-from reprorl.reward.loop import RewardFnError, RewardLoop, decode_responses
+from reprorl.reward.loop import (
+    RewardFnError,
+    RewardLoop,
+    WeightedFn,
+    decode_responses,
+    overlong_penalty,
+    weighted_sum,
+)
 
 R = 12  # response length of the test batches
 
@@ -218,3 +225,107 @@ def test_missing_columns(char_tokenizer):
     batch.pop(non_tensor_keys=["raw_prompt"])
     with pytest.raises(DataError, match="needs the non-tensor column 'raw_prompt'"):
         RewardLoop(compute_score, FixedModel([1.0])).compute(batch, char_tokenizer)
+
+
+# ---------------------------------------------------------------- several functions, batch functions, overlong
+
+
+def _digits(data_source, solution_str, ground_truth, extra_info):
+    return float(sum(c.isdigit() for c in solution_str))
+
+
+def _length(data_source, solution_str, ground_truth, extra_info):
+    return float(len(solution_str))
+
+
+def test_weighted_sum_by_hand():
+    assert weighted_sum([[1.0, 0.0, 2.0]], [0.5]) == [0.5, 0.0, 1.0]
+    assert weighted_sum([[1.0, 0.0, 2.0], [3.0, 4.0, 0.25]], [0.5, -1.0]) == [-2.5, -4.0, 0.75]
+    # Added left to right: (1e16 + 1) - 1e16 is 0 in float64, (1e16 - 1e16) + 1 would be 1.
+    assert weighted_sum([[1e16], [1.0], [1e16]], [1.0, 1.0, -1.0]) == [0.0]
+
+
+def test_weighted_functions_sum_in_order_and_log_each(char_tokenizer):
+    batch = _batch(char_tokenizer, ["7<|im_end|>", "12ab", "x"])
+    loop = RewardLoop([WeightedFn("digits", _digits, 1.0), WeightedFn("length", _length, -0.5)])
+    scores, rule, metrics = loop.compute(batch, char_tokenizer)
+    # digits [1, 2, 0], lengths [1, 4, 1] ("7" without its end token): 1 - 0.5, 2 - 2, 0 - 0.5
+    assert torch.equal(scores, torch.tensor([0.5, 0.0, -0.5]))
+    assert torch.equal(rule, scores)
+    assert metrics["reward/digits/mean"] == 1.0
+    assert metrics["reward/length/mean"] == 2.0
+    assert metrics["reward/rule_mean"] == 0.0
+
+
+def test_one_function_alone_logs_no_name(char_tokenizer):
+    _, _, metrics = RewardLoop(_digits).compute(_batch(char_tokenizer, ["7"]), char_tokenizer)
+    assert not any(key.count("/") > 1 for key in metrics)
+
+
+def test_each_weighted_function_is_checked_on_its_own(char_tokenizer):
+    def broken(data_source, solution_str, ground_truth, extra_info):
+        raise ValueError("no")
+
+    loop = RewardLoop([WeightedFn("digits", _digits, 1.0), WeightedFn("broken", broken, 1.0)], max_error_rate=0.5)
+    with pytest.raises(RewardFnError, match="'broken' failed on 2 of 2 samples"):
+        loop.compute(_batch(char_tokenizer, ["7", "8"]), char_tokenizer)
+
+
+def _batch_digits(data_sources, solution_strs, ground_truths, extra_infos):
+    assert len(data_sources) == len(ground_truths) == len(extra_infos) == len(solution_strs)
+    return [float(sum(c.isdigit() for c in s)) for s in solution_strs]
+
+
+@pytest.mark.parametrize("timeout_s", [None, 30.0], ids=["here", "child-process"])
+def test_batch_function_is_called_once_with_lists(char_tokenizer, timeout_s):
+    calls = []
+
+    def recorded(**kwargs):  # in this process only: a child process's calls are its own
+        calls.append(kwargs["solution_strs"])
+        return _batch_digits(**kwargs)
+
+    batch = _batch(char_tokenizer, ["7<|im_end|>", "12ab", "x"], extra_infos=[{"i": 0}, {"i": 1}, {"i": 2}])
+    fn = recorded if timeout_s is None else _batch_digits
+    loop = RewardLoop([WeightedFn("digits", fn, 2.0)], batch=True, timeout_s=timeout_s)
+    try:
+        scores, _, metrics = loop.compute(batch, char_tokenizer)
+    finally:
+        loop.close()
+    assert torch.equal(scores, torch.tensor([2.0, 4.0, 0.0]))
+    assert metrics["reward/digits/mean"] == 1.0
+    if timeout_s is None:
+        assert calls == [["7", "12ab", "x"]]
+
+
+def test_batch_function_with_a_wrong_count_fails_the_batch(char_tokenizer):
+    def too_few(data_sources, solution_strs, ground_truths, extra_infos):
+        return [1.0]
+
+    with pytest.raises(RewardFnError, match="failed on 2 of 2 samples.*returned 1 scores; expected a list of 2"):
+        RewardLoop(too_few, batch=True, max_error_rate=0.0).compute(_batch(char_tokenizer, ["7", "8"]),
+                                                                     char_tokenizer)
+
+
+def test_overlong_penalty_by_hand():
+    lengths = torch.tensor([2, 4, 5, 6, 7, 8])
+    # M = 8, B = 4: no penalty up to 4 tokens, then -(L - 4) / 4 * factor
+    assert overlong_penalty(lengths, 8, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -0.75, -1.0]
+    assert overlong_penalty(lengths, 8, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.375, -0.5]
+    # M = 8, B = 3: (7 - 5) / 3 = 2/3, computed in float64 and rounded once to float32
+    assert torch.equal(overlong_penalty(lengths, 8, 3, 1.0),
+                       torch.tensor([0.0, 0.0, 0.0, -1 / 3, -2 / 3, -1.0], dtype=torch.float64).float())
+
+
+def test_overlong_penalty_is_added_to_the_score(char_tokenizer):
+    batch = _batch(char_tokenizer, ["7<|im_end|>", "7abcdefg", "8"])
+    P = 3
+    prompt_mask = torch.ones(len(batch), P, dtype=torch.long)
+    batch["prompts"] = torch.zeros(len(batch), P, dtype=torch.long)
+    batch["attention_mask"] = torch.cat([prompt_mask, batch["response_mask"]], dim=1)  # lengths 2, 8, 1
+    loop = RewardLoop(compute_score, overlong_buffer=4, overlong_penalty_factor=1.0, max_length=8)
+    scores, rule, metrics = loop.compute(batch, char_tokenizer)
+    assert torch.equal(rule, torch.tensor([1.0, 0.0, 0.0]))
+    assert torch.equal(scores, torch.tensor([1.0, -1.0, 0.0]))  # 8 tokens of 8: -(8 - 4) / 4
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-1 / 3)
+    with pytest.raises(ValueError, match="overlong_buffer=9"):
+        RewardLoop(compute_score, overlong_buffer=9, max_length=8)

@@ -44,6 +44,21 @@ def test_kwargs_signature_is_accepted(tmp_path):
     assert resolve_reward_fn(f"{path}:f")(data_source="", solution_str="", ground_truth="", extra_info=None) == 1.0
 
 
+def test_batch_function_takes_verls_batch_names(tmp_path):
+    path = _write(tmp_path / "r.py", """
+        def lengths(data_sources, solution_strs, ground_truths, extra_infos):
+            return [float(len(s)) for s in solution_strs]
+    """)
+    fn = resolve_reward_fn(f"{path}:lengths", batch=True)
+    lists = {"data_sources": ["a", "b"], "solution_strs": ["x", "yz"], "ground_truths": ["", ""],
+             "extra_infos": [None, None]}
+    assert fn(**lists) == [1.0, 2.0]
+    with pytest.raises(ReproRLError, match=r"cannot be called as fn\(data_source=\.\.\."):
+        resolve_reward_fn(f"{path}:lengths")
+    with pytest.raises(ReproRLError, match=r"cannot be called as fn\(data_sources=\.\.\."):
+        resolve_reward_fn("reprorl.data.rewards:gsm8k_score", batch=True)
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [

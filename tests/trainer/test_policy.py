@@ -13,7 +13,7 @@ from reprorl.algos import LOSS_AGG_MODES
 from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from reprorl.trainer.optim import NonFiniteError, OptimArgs, lr_multiplier
 from reprorl.protocol import Batch
-from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, trim_padding
+from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mask_truncated, trim_padding
 
 LOSS = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.1)
@@ -143,6 +143,33 @@ def test_gradient_accumulation_equals_one_micro_batch(tiny_policy_dir, rollout_b
         assert stats.keys() == full_stats.keys()
         for key in stats:
             assert stats[key] == pytest.approx(full_stats[key], rel=1e-5, abs=1e-7), key
+
+
+def test_mask_truncated_zeroes_the_rows_cut_at_the_length_limit():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    out = mask_truncated(mask, ["stop", "length", "stop", "length"])
+    assert torch.equal(out, torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [0, 0, 0]]))
+    assert out.dtype == mask.dtype
+    assert torch.equal(mask_truncated(mask, ["stop"] * 4), mask)
+    with pytest.raises(ValueError, match="3 finish reasons for 4 responses"):
+        mask_truncated(mask, ["stop"] * 3)
+
+
+def test_masked_truncated_rows_add_nothing_to_the_gradient(tiny_policy_dir, rollout_batch, assert_grads_close):
+    """token-mean: the gradient with the truncated rows masked out is the gradient of the
+    other rows alone (their tokens are not counted either)."""
+    actor = _actor(tiny_policy_dir)
+    batch = _train_batch(actor, actor, rollout_batch, seed=5)
+    reasons = ["stop", "length", "stop", "stop", "length", "stop", "length", "stop"]
+    batch["advantages"] = batch["advantages"] + batch["response_mask"]  # every row pulls: a leak would show
+    masked = batch.slice(0, len(batch))
+    masked["response_mask"] = mask_truncated(batch["response_mask"], reasons)
+    kept = batch.index([i for i, reason in enumerate(reasons) if reason != "length"])
+    masked_grads, masked_stats = _grads(actor, masked, LOSS, micro_batch_size=8)
+    kept_grads, kept_stats = _grads(actor, kept, LOSS, micro_batch_size=5)
+    for g, k in zip(masked_grads, kept_grads):
+        assert_grads_close(g, k)
+    assert masked_stats["actor/pg_loss"] == pytest.approx(kept_stats["actor/pg_loss"], rel=1e-6)
 
 
 def test_non_finite_loss_raises_and_keeps_optimizer_state(tiny_policy_dir, rollout_batch):

@@ -8,3 +8,8 @@ response, which differs from sample to sample.
 
 def digit_share(data_source, solution_str, ground_truth, extra_info=None):
     return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)
+
+
+def short_answer(data_source, solution_str, ground_truth, extra_info=None):
+    """A second varied reward (the weighted-rewards recipe): higher for shorter responses."""
+    return 1.0 / (1 + len(solution_str))
