@@ -392,9 +392,9 @@ def main_cuda(args) -> None:
             if not det:  # n = 8 samples of 32 prompts: prefix sharing on, then off
                 prompts = [p for p in gpu_prompts(32, vocab, seed=1) for _ in range(8)]
                 record(name, "engine-n8", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
-                engine.prefix_sharing = False
+                engine.scheduler.prefix_sharing = False
                 record(name, "engine-n8-noshare", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
-                engine.prefix_sharing, engine.lookahead = True, False  # each step read before the next
+                engine.scheduler.prefix_sharing, engine.lookahead = True, False  # each step read before the next
                 prompts = gpu_prompts(max(GPU_BATCHES), vocab)
                 record(name, "engine-sync", 256, lambda: time_engine_cuda(engine, prompts, list(range(256))))
             engine.shutdown()

@@ -291,7 +291,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     engine = build_engine(str(model_dir), device=device, dtype="bfloat16", batch_invariant=full_determinism, lora=lora,
                           max_num_seqs=args.prompts * args.n, max_model_len=args.prompt_len + args.new_tokens,
                           max_num_batched_tokens=max(args.prompts * args.n, 8192))
-    engine.eos_token_ids = frozenset()  # random weights: every response runs to full length
+    engine.scheduler.eos_token_ids = frozenset()  # random weights: every response runs to full length
     worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
                         total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing, lora=lora,
                         gpu_gradient_vectors=args.gpu_gradient_vectors)

@@ -1,41 +1,23 @@
 """reprorl's built-in inference engine: continuous batching on the CPU or a CUDA GPU.
 
 `Engine` serves `generate` calls from many asyncio tasks. A background step loop batches
-them: each step packs one decode token for every running sequence, then prefill chunks
-of sequences still reading their prompt, then prompts of newly admitted requests, within
-`max_num_seqs` sequences and `max_num_batched_tokens` tokens. Requests join and leave
-between steps. Keys and values live in one `KVCache` with a slot per running sequence
-(`_SlotPool`), freed for the next request when a sequence finishes; on a GPU it is
-allocated once, from a share of the free memory (`gpu_memory_utilization`).
-
-Prefix sharing: requests that bring the same prompt while it is being prefilled (the n
-samples of a GRPO prompt, sent as n generate calls with their own seeds) are admitted as
-followers of the first: the prompt is prefilled once, its keys/values are copied into
-each follower's slot (a device copy, not shared blocks) and each follower samples its
-first token from the leader's last logits with its own uniform. In batch-invariant mode
-that is the same bits as n prefills (tested), so it changes only the work.
+them: which sequences run in each step, and what their new tokens do to them, is the
+`Scheduler`'s (`scheduler.py`: admission by priority, prefill chunking, prefix sharing,
+the KV cache slots); the engine runs the planned steps on the model and answers the
+callers. On a GPU the KV cache is allocated once, from a share of the free memory
+(`gpu_memory_utilization`). The options are `EngineOptions`, given as `Engine`'s keywords.
 
 On a GPU, decode-only steps are replayed from CUDA graphs (`cuda_graphs.py`) and sampling
 runs on the device for the whole batch (`sampling.sample_on_device`; one fused Triton launch
 for the rows that sample from the full distribution): the host ships the step's uniforms
-and parameters in one copy and reads the new tokens and log-probs back in one copy.
+and parameters in one copy and reads the new tokens and log-probs back in one copy. With
+`lookahead`, a decode step is launched from the step before's tokens still on the device
+while those are copied back (`lookahead.py`).
 
 The forward pass is the model's own `forward_packed` (`reprorl.models.transformer`, every
 op from `reprorl.kernels`): all decode tokens of a step share one batched attention
 call, prefill chunks another, and in batch-invariant mode both give the same bits as the
 trainer's padded forward (tested).
-
-Lookahead (`lookahead=True`, GPU): the host's work between two steps (reading the tokens,
-finishing sequences, planning the next step) leaves the GPU idle. While every running
-sequence decodes and none waits for admission, the engine launches step t+1's graph from
-step t's tokens still on the device, then copies step t's tokens to the host on a side
-stream while the GPU runs t+1. It assumes no sequence stops at step t (one that reaches
-max_tokens or its capacity is known ahead and ends the chain). A sequence that did stop has
-run one extra decode row: its token is dropped when step t+1 is read, its KV write lands past
-its end in a slot it no longer holds (the next holder writes every position before it
-reads it), and the uniform it drew is one of its own generator's, which no one draws again;
-every other sequence's step t+1 is the row it would have had anyway (same graph, same
-inputs, its own next uniform), so the bits do not change.
 
 Determinism (DESIGN.md): a sample is a pure function of (weights, prompt ids, sampling
 params, seed). The engine keeps it by (1) giving each request a private generator seeded
@@ -46,13 +28,6 @@ prompt was cut into prefill chunks, nor on the thread count (checked on this mac
 the engine is made: `kernels.verify_batch_invariance`). Which requests share a step, and
 when, then only changes speed. With `batch_invariant=False` the fastest kernels run and
 results may differ in the last bits between batch compositions and thread counts.
-
-Scheduling. Waiting requests are admitted in order of (priority, arrival): lower
-priority value first, then first come first served. A request that has waited more than
-`starvation_steps` steps goes ahead of every priority (in arrival order), so a stream of
-high-priority work cannot starve it. Running sequences are never preempted: each decodes
-one token every step (`max_num_batched_tokens >= max_num_seqs` guarantees room), and
-prefill chunks go to admitted sequences in admission order before new admissions.
 
 Threading. The step loop is an asyncio task on the caller's event loop, and each step
 runs on that same thread: requests, aborts and weight updates that arrive during a step
@@ -71,35 +46,32 @@ set for the duration of each step and restored after.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import json
 import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from reprorl.kernels import KEY_BLOCK, select_kernels, verify_batch_invariance
-from reprorl.models.transformer import KVCache
+from reprorl.rollout.cuda_graphs import DecodeGraphs
+from reprorl.rollout.lookahead import Launched, Lookahead, can_launch
 from reprorl.rollout.sampling import (
     SamplingParams,
     any_filter,
-    draw_uniforms,
     join_tokens_and_log_probs,
     make_generator,
     pack_step_params,
     sample_batch,
     sample_on_device,
 )
+from reprorl.rollout.scheduler import Chunk, Scheduler, Sequence, SlotPool, num_followers, samplers
 
 logger = logging.getLogger(__name__)
-
-# Uniforms drawn per call from a request's generator (one per token, see sampling.py).
-_DRAW_BLOCK = 32
 
 
 @dataclass
@@ -118,93 +90,54 @@ class GenerateOutput:
     """The weight version of the engine when the request's first forward pass ran."""
 
 
-@dataclass(eq=False)
-class _Sequence:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    priority: int
-    arrival: int  # admission tie-break
-    arrival_step: int  # starvation clock
-    future: asyncio.Future
-    capacity: int  # prompt + generated tokens that fit (max_tokens, max_model_len)
-    slot: int | None = None  # its row of the KV store while running
-    num_computed: int = 0  # tokens whose keys/values are in the KV store
-    output_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    weight_version: int = -1
-    aborted: bool = False
-    uniforms: list[float] = field(default_factory=list)  # drawn, not yet used (reversed)
-    # Prefix sharing: a follower waits for its leader (same prompt) to prefill, then takes a
-    # copy of the leader's keys/values and samples its first token from the leader's logits.
-    leader: _Sequence | None = None
-    followers: list[_Sequence] = field(default_factory=list)
+@dataclass(frozen=True)
+class EngineOptions:
+    """How an `Engine` batches, caches and runs: its keywords, checked when made. What they
+    leave to the model and the machine (`max_model_len`'s default, `num_threads`'s) the
+    engine derives once, in its constructor."""
 
-    def next_uniform(self) -> float:
-        """The draw of the next token: the generator's next value."""
-        if not self.uniforms:
-            self.uniforms = draw_uniforms(self.generator, _DRAW_BLOCK)[::-1]
-        return self.uniforms.pop()
+    batch_invariant: bool
+    """Run the model on its device's batch-invariant kernels (the determinism contract;
+    `reprorl.kernels.select_kernels`), else on the fastest ones."""
+    eos_token_id: int | Iterable[int] | None
+    """The end-of-sequence token: one id, several, or None."""
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Most tokens in one step; at least `max_num_seqs`, so every running sequence decodes each step."""
+    max_model_len: int | None = None
+    """Prompt plus generation, at most the model's rope table (None: min(that, 4096))."""
+    starvation_steps: int = 256
+    """Steps a request waits before it goes ahead of every priority (`scheduler.py`)."""
+    num_threads: int | None = None
+    """Torch threads of a step (None: the constructing thread's count)."""
+    gpu_memory_utilization: float = 0.5
+    """GPU: the share of the free device memory the KV cache takes, when the engine is made
+    and again on wake_up (`gpu_cache_shape`)."""
+    cuda_graphs: bool = True
+    """GPU: replay decode steps from CUDA graphs (`cuda_graphs.py`); False: eager."""
+    prefix_sharing: bool = True
+    """Prefill a prompt once for the requests that bring it together (the n samples of a
+    GRPO prompt) and copy its keys/values into the others' slots (`scheduler.py`)."""
+    lookahead: bool = True
+    """GPU, with graphs: while every running sequence decodes and none waits, launch step
+    t+1 from step t's tokens on the device before copying them to the host (`lookahead.py`)."""
 
-
-@dataclass(slots=True)  # not frozen: a step makes one per sequence, and frozen init costs 3x
-class _Chunk:
-    """Tokens of one sequence fed in one step (never changed after); `sample` if its last
-    token yields a new one."""
-
-    seq: _Sequence
-    slot: int
-    token_ids: list[int]
-    start: int  # position of token_ids[0]
-    sample: bool
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: expected >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens}: expected >= max_num_seqs "
+                f"({self.max_num_seqs}), so every running sequence can decode each step"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: expected a share in (0, 1]")
 
     @property
-    def is_decode(self) -> bool:
-        return self.start >= len(self.seq.prompt_ids)
-
-
-@dataclass(slots=True)
-class _Launched:
-    """A graphed decode step on its way (lookahead): its chunks, its new tokens on the device,
-    tokens and log-prob bits joined for the one copy back, and CUDA events around it."""
-
-    chunks: list[_Chunk]
-    tokens: Tensor
-    joined: Tensor
-    start: torch.cuda.Event
-    end: torch.cuda.Event
-
-
-class _SlotPool:
-    """The KV cache of every running sequence (the model's `KVCache`, one slot per sequence)
-    and which slots are free. Slots are taken lowest first, so running ones stay dense and
-    a decode step reads them as one view.
-
-    Slots rather than pages: every attention kernel reads a sequence's keys as one range of
-    its slot (`batched_attention`), so slots need no new kernel, and a decode step reads the
-    running slots as one view. The cost is memory: a slot holds `capacity` tokens whatever
-    its sequence uses. On the CPU (`capacity` None) the cache starts at one `KEY_BLOCK`
-    and grows (copying) to the longest sequence admitted. On a GPU it is allocated once, at
-    a fixed capacity, with one spare slot past `num_slots` for the padding rows of CUDA
-    graphs (`cuda_graphs.py`); admission waits while no slot is free."""
-
-    def __init__(self, args, num_slots: int, dtype: torch.dtype, device: torch.device, capacity: int | None = None):
-        self.fixed = capacity is not None
-        spare = 1 if self.fixed else 0
-        self.cache = KVCache.for_model(args, capacity or KEY_BLOCK, num_slots + spare, dtype, device)
-        self.num_slots = num_slots
-        self.free = list(range(num_slots))  # a heap
-
-    def alloc(self, capacity: int) -> int:
-        if not self.fixed:
-            self.cache.grow(-(-capacity // KEY_BLOCK) * KEY_BLOCK)
-        slot = heapq.heappop(self.free)
-        self.cache.lengths[slot] = 0
-        return slot
-
-    def release(self, slot: int) -> None:
-        heapq.heappush(self.free, slot)
+    def eos_token_ids(self) -> frozenset[int]:
+        e = self.eos_token_id
+        return frozenset() if e is None else frozenset([e]) if isinstance(e, int) else frozenset(e)
 
 
 def gpu_cache_shape(args, dtype: torch.dtype, device: torch.device, max_num_seqs: int, max_model_len: int,
@@ -244,116 +177,67 @@ def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, voc
 
 class Engine:
     """Continuous-batching generation on a `reprorl.models` `CausalLM` (see the module doc).
+    Keywords: the fields of `EngineOptions` (`batch_invariant` and `eos_token_id` required).
 
-    `batch_invariant`: run the model on its device's batch-invariant kernels (the determinism
-    contract; `reprorl.kernels.select_kernels`) or on the fastest ones. `eos_token_id`: one id, several, or None. `max_model_len`: prompt
-    plus generation, at most the model's rope table (default min(that, 4096)).
-    `num_threads`: torch threads of a step (default: the constructing thread's count).
-
-    On a GPU: the KV cache is allocated when the engine is made (and again on wake_up),
-    within `gpu_memory_utilization` of the free device memory (`gpu_cache_shape`);
-    `cuda_graphs` replays decode steps from CUDA graphs (`cuda_graphs.py`; False: eager);
-    sampling runs on the device (`sampling.sample_on_device`). Everywhere:
-    `prefix_sharing` prefills a prompt once for the requests that bring it together (the n
-    samples of a GRPO prompt) and copies its keys/values into the others' slots.
-    `lookahead` (GPU, with graphs): while every running
-    sequence decodes and none waits, launch step t+1 from step t's tokens on the device before
-    copying them to the host (see "Lookahead" in the module doc).
+    `scheduler` holds the requests in flight; `lookahead` (from the options) may be switched
+    between steps, and so may `scheduler.prefix_sharing` and `scheduler.eos_token_ids`.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        batch_invariant: bool,
-        eos_token_id: int | Iterable[int] | None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        starvation_steps: int = 256,
-        num_threads: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        cuda_graphs: bool = True,
-        prefix_sharing: bool = True,
-        lookahead: bool = True,
-    ):
+    def __init__(self, model: torch.nn.Module, **options):
         if not hasattr(model, "logits") or not hasattr(getattr(model, "model", None), "layers"):
             raise TypeError(f"Engine needs a reprorl.models.transformer.CausalLM, got {type(model).__name__}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={max_num_seqs}: expected >= 1")
-        if max_num_batched_tokens < max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={max_num_batched_tokens}: expected >= max_num_seqs "
-                f"({max_num_seqs}), so every running sequence can decode each step"
-            )
+        self.options = opts = EngineOptions(**options)
         self.model = model.eval()
         self.args = model.args
-        self.batch_invariant = batch_invariant
-        if eos_token_id is None:
-            self.eos_token_ids: frozenset[int] = frozenset()
-        elif isinstance(eos_token_id, int):
-            self.eos_token_ids = frozenset([eos_token_id])
-        else:
-            self.eos_token_ids = frozenset(eos_token_id)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        rope_len = model.model.rope_cos.shape[0]
-        self.max_model_len = max_model_len or min(rope_len, 4096)
-        if self.max_model_len > rope_len:
-            raise ValueError(f"max_model_len={self.max_model_len}: the model has rope positions for {rope_len}")
-        self.starvation_steps = starvation_steps
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization}: expected a share in (0, 1]")
-        self.gpu_memory_utilization = gpu_memory_utilization
-        self.prefix_sharing = prefix_sharing
-        self.lookahead = lookahead
-        self._ahead: _Launched | None = None  # a decode step launched from the last one's device tokens
-        self._last_end: torch.cuda.Event | None = None  # the end of the last lookahead-path step
-        self._copy_stream: torch.cuda.Stream | None = None
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.kernels = select_kernels(self.device, batch_invariant)
+        # Derived from the options, the model and the machine, once.
+        rope_len = model.model.rope_cos.shape[0]
+        self.max_model_len = opts.max_model_len or min(rope_len, 4096)
+        if self.max_model_len > rope_len:
+            raise ValueError(f"max_model_len={self.max_model_len}: the model has rope positions for {rope_len}")
+        self.num_threads = opts.num_threads or torch.get_num_threads()
+        self.cuda_graphs = opts.cuda_graphs and self.device.type == "cuda"
+        self.lookahead = opts.lookahead
+        self.kernels = select_kernels(self.device, opts.batch_invariant)
         model.kernels = self.kernels
         verify_batch_invariance(self.kernels, self.args, self.dtype, self.device)
 
+        self.scheduler = Scheduler(self.args, self.dtype, self.device, max_num_seqs=opts.max_num_seqs,
+                                   max_num_batched_tokens=opts.max_num_batched_tokens,
+                                   starvation_steps=opts.starvation_steps, prefix_sharing=opts.prefix_sharing,
+                                   eos_token_ids=opts.eos_token_ids)
         self.weight_version = 0
         self.asleep = False
-        self._kv: _SlotPool | None = None  # made on first admission (GPU: now), dropped by sleep()
-        self._graphs = None  # DecodeGraphs over the GPU cache, when cuda_graphs
+        self._graphs: DecodeGraphs | None = None  # over the GPU cache, when cuda_graphs
         self.graph_error: str | None = None  # why graph capture failed, if it did (then eager)
-        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self._sharing: dict[tuple[int, ...], _Sequence] = {}  # prompt -> leader still prefilling it
-        self._waiting: list[tuple[int, int, _Sequence]] = []  # heap of (priority, arrival, seq)
-        self._running: list[_Sequence] = []  # admission order
-        self._by_id: dict[str, _Sequence] = {}
-        self._arrivals = itertools.count()
-        self._stats = {"steps": 0, "tokens_generated": 0, "prompt_tokens": 0, "finished": 0, "aborted": 0,
-                       "prefix_shared": 0, "graph_steps": 0, "lookahead_steps": 0, "gpu_busy_s": 0.0,
-                       "step_wall_s": 0.0}
-        self.num_threads = num_threads or torch.get_num_threads()
+        self._ahead_path = Lookahead(self.device, self._sample_on_device)
+        self._stats = {"graph_steps": 0, "lookahead_steps": 0, "gpu_busy_s": 0.0, "step_wall_s": 0.0}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._step_lock: asyncio.Lock | None = None
-        self._sample_on_device = self.device.type == "cuda"  # else sample_batch: the host path's bits
+        self._device_sampling = self.device.type == "cuda"  # else sample_batch: the host path's bits
         if self.device.type == "cuda":
-            from reprorl.kernels.gpu.attention import batched_attention as triton_attention
-            from reprorl.kernels.gpu.sampling import row_cumsum, sample_rows
+            self._init_gpu()
 
-            # In both modes: the fused sampler's log-probs are the Triton log-softmax's bits.
-            self._cumsum, self._full_sampler = row_cumsum, sample_rows
-            # Graph replays need an attention that reads nothing on the host: the Triton one.
-            self._graph_attention = self.kernels.batched_attention if batch_invariant else triton_attention
-            self._make_gpu_pool()
+    def _init_gpu(self) -> None:
+        from reprorl.kernels.gpu.attention import batched_attention as triton_attention
+        from reprorl.kernels.gpu.sampling import row_cumsum, sample_rows
+
+        # In both modes: the fused sampler's log-probs are the Triton log-softmax's bits.
+        self._cumsum, self._full_sampler = row_cumsum, sample_rows
+        # Graph replays need an attention that reads nothing on the host: the Triton one.
+        self._graph_attention = self.kernels.batched_attention if self.options.batch_invariant else triton_attention
+        self._make_gpu_pool()
 
     def _make_gpu_pool(self) -> None:
-        slots, capacity = gpu_cache_shape(self.args, self.dtype, self.device, self.max_num_seqs,
-                                          self.max_model_len, self.gpu_memory_utilization)
-        self._kv = _SlotPool(self.args, slots, self.dtype, self.device, capacity)
+        opts = self.options
+        slots, capacity = gpu_cache_shape(self.args, self.dtype, self.device, opts.max_num_seqs,
+                                          self.max_model_len, opts.gpu_memory_utilization)
+        self.scheduler.kv = SlotPool(self.args, slots, self.dtype, self.device, capacity)
         if self.cuda_graphs:
-            from reprorl.rollout.cuda_graphs import DecodeGraphs
-
-            self._graphs = DecodeGraphs(self.model, self._kv.cache, self._graph_attention, slots)
+            self._graphs = DecodeGraphs(self.model, self.scheduler.kv.cache, self._graph_attention, slots)
 
     @classmethod
     def from_path(cls, path: str, *, batch_invariant: bool, dtype: torch.dtype | None = None,
@@ -382,30 +266,21 @@ class Engine:
         self._ensure_loop()
         if self.asleep:
             raise RuntimeError(f"generate({request_id!r}): the engine is asleep; call wake_up() first")
-        if request_id in self._by_id:
+        if request_id in self.scheduler.by_id:
             raise ValueError(f"generate: request_id {request_id!r} is already in flight")
         check_prompt(request_id, prompt_ids, self.max_model_len, self.args.vocab_size)
-        n = len(prompt_ids)
-        need = min(n + sampling_params.max_tokens, self.max_model_len)
-        if self._kv is not None and self._kv.fixed and need > self._kv.cache.capacity:
+        need = min(len(prompt_ids) + sampling_params.max_tokens, self.max_model_len)
+        kv = self.scheduler.kv
+        if kv is not None and kv.fixed and need > kv.cache.capacity:
             raise ValueError(
                 f"generate({request_id!r}): prompt + max_tokens = {need} tokens; a KV cache slot holds "
-                f"{self._kv.cache.capacity} (gpu_memory_utilization={self.gpu_memory_utilization}); raise it, "
+                f"{kv.cache.capacity} (gpu_memory_utilization={self.options.gpu_memory_utilization}); raise it, "
                 "or lower max_tokens or max_model_len"
             )
-        seq = _Sequence(
-            request_id=request_id,
-            prompt_ids=list(prompt_ids),
-            params=sampling_params,
-            generator=make_generator(seed),
-            priority=priority,
-            arrival=next(self._arrivals),
-            arrival_step=self._stats["steps"],
-            future=self._loop.create_future(),
-            capacity=min(n + sampling_params.max_tokens, self.max_model_len),
-        )
-        self._by_id[request_id] = seq
-        heapq.heappush(self._waiting, (priority, seq.arrival, seq))
+        seq = Sequence(request_id=request_id, prompt_ids=list(prompt_ids), params=sampling_params,
+                       generator=make_generator(seed), priority=priority, future=self._loop.create_future(),
+                       capacity=need)
+        self.scheduler.add(seq)
         self._wakeup.set()
         try:
             return await seq.future
@@ -415,7 +290,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight (its generate returns finish_reason "abort"); False if unknown."""
-        seq = self._by_id.get(request_id)
+        seq = self.scheduler.by_id.get(request_id)
         if seq is None:
             return False
         seq.aborted = True
@@ -451,9 +326,9 @@ class Engine:
         """Free the KV store while idle and, on an accelerator, move the weights to the host
         unless `keep_weights` (they then stay where a device-to-device push can reach them)."""
         async with self._lock():
-            if self._by_id:
-                raise RuntimeError(f"sleep: {len(self._by_id)} requests in flight; wait for or abort them first")
-            self._kv = self._graphs = None  # graphs hold the cache's and the weights' addresses
+            if self.scheduler.by_id:
+                raise RuntimeError(f"sleep: {len(self.scheduler.by_id)} requests in flight; wait for or abort them first")
+            self.scheduler.kv = self._graphs = None  # graphs hold the cache's and the weights' addresses
             if self.device.type != "cpu":
                 if not keep_weights:
                     self.model.to("cpu")
@@ -465,20 +340,22 @@ class Engine:
         async with self._lock():
             if self.device.type != "cpu":
                 self.model.to(self.device)
-            if self.device.type == "cuda" and self._kv is None:
+            if self.device.type == "cuda" and self.scheduler.kv is None:
                 self._make_gpu_pool()
             self.asleep = False
 
     def stats(self) -> dict:
         """Counters: running/waiting requests, steps, tokens generated, weight version..."""
+        kv = self.scheduler.kv
         return {
-            "running": len(self._running),
-            "waiting": len(self._waiting),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
             "asleep": self.asleep,
-            "kv_capacity": self._kv.cache.capacity if self._kv is not None else 0,
-            "kv_slots": self._kv.num_slots if self._kv is not None else 0,
+            "kv_capacity": kv.cache.capacity if kv is not None else 0,
+            "kv_slots": kv.num_slots if kv is not None else 0,
             "graph_error": self.graph_error,
+            **self.scheduler.stats,
             **self._stats,
         }
 
@@ -496,9 +373,8 @@ class Engine:
         # First call, or a new event loop (e.g. a second asyncio.run): requests left from a
         # closed loop can no longer be answered, so they are dropped.
         self._loop = loop
-        self._ahead = None
-        for seq in list(self._by_id.values()):
-            self._drop(seq)
+        self._ahead_path.ahead = None
+        self.scheduler.drop_all()
         self._wakeup = asyncio.Event()
         self._step_lock = asyncio.Lock()
         self._task = loop.create_task(self._step_loop())
@@ -511,32 +387,20 @@ class Engine:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._by_id or self._ahead is not None:
+            while self.scheduler.by_id or self._ahead_path.ahead is not None:
                 async with self._step_lock:
                     wall = time.perf_counter()
                     try:
-                        if self._ahead is not None:  # launched last step: read it (the next one may go first)
-                            launched, self._ahead = self._ahead, None
-                            chunks = launched.chunks
-                            tokens, log_probs = self._read_launched(launched, self._launch_ahead(launched))
-                        else:
-                            self._reap_aborted()
-                            chunks = self._schedule()
-                            if not chunks:
-                                break
-                            if self._can_launch(chunks):
-                                launched = self._launch_decode(chunks)
-                                tokens, log_probs = self._read_launched(launched, self._launch_ahead(launched))
-                            else:
-                                tokens, log_probs = self._timed_step(chunks)
+                        step = self._step()
                     except Exception as exc:  # an engine or model error fails every request in flight
-                        self._ahead = None
-                        for seq in list(self._by_id.values()):
-                            self._drop(seq)
+                        self._ahead_path.ahead = None
+                        for seq in self.scheduler.drop_all():
                             if not seq.future.done():
                                 seq.future.set_exception(exc)
                         break
-                    self._apply(chunks, tokens, log_probs)
+                    if step is None:
+                        break
+                    self._apply(*step)
                     self._stats["step_wall_s"] += time.perf_counter() - wall
                 # Let new requests, aborts and weight updates in. Twice: a call that arrived
                 # from another thread during the step (a Ray actor call) becomes a task on the
@@ -544,117 +408,29 @@ class Engine:
                 await asyncio.sleep(0)
                 await asyncio.sleep(0)
 
-    def _reap_aborted(self) -> None:
-        for seq in [s for s in self._by_id.values() if s.aborted]:
-            self._finish(seq, "abort")
-            self._stats["aborted"] += 1
+    def _step(self) -> tuple[list[Chunk], list[int], list[float]] | None:
+        """Run one step: read the one launched ahead, else plan one and run it.
+        -> (chunks, new tokens, their log-probs); None when there is nothing to run."""
+        if self._ahead_path.ahead is not None:  # launched last step: read it (the next one may go first)
+            launched, self._ahead_path.ahead = self._ahead_path.ahead, None
+            return launched.chunks, *self._read_launched(launched)
+        for seq in self.scheduler.reap_aborted():
+            self._answer(seq, "abort")
+        chunks = self.scheduler.schedule(self.weight_version)
+        if not chunks:
+            return None
+        if self.lookahead and can_launch(chunks, self._graphs):
+            launched = self._ahead_path.launch(self._graphs, chunks)
+            self._stats["graph_steps"] += 1
+            return chunks, *self._read_launched(launched)
+        return chunks, *self._timed_step(chunks)
 
-    def _schedule(self) -> list[_Chunk]:
-        """Plan one step: decodes, then pending prefill, then new admissions (module doc)."""
-        budget = self.max_num_batched_tokens
-        chunks = []
-        # Decodes first, one token each, in slot order (the forward reads their slots as one view).
-        for seq in sorted(self._running, key=lambda s: s.slot):
-            if seq.num_computed >= len(seq.prompt_ids):
-                chunks.append(_Chunk(seq, seq.slot, [seq.output_ids[-1]], seq.num_computed, True))
-                budget -= 1
-        for seq in self._running:  # prompts still being read, in admission order (followers wait)
-            if seq.num_computed < len(seq.prompt_ids) and seq.leader is None and budget > 0:
-                chunks.append(self._prefill_chunk(seq, budget))
-                budget -= len(chunks[-1].token_ids)
-        self._promote_starved()
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            if self._kv is None:
-                self._kv = _SlotPool(self.args, self.max_num_seqs, self.dtype, self.device)
-            if not self._kv.free:  # a GPU cache smaller than max_num_seqs slots: wait for one
-                break
-            seq = self._waiting[0][2]
-            key = tuple(seq.prompt_ids)
-            leader = self._sharing.get(key) if self.prefix_sharing else None
-            if leader is None and budget <= 0:  # followers cost no tokens: they join past the budget
-                break
-            heapq.heappop(self._waiting)
-            seq.slot = self._kv.alloc(seq.capacity)
-            seq.weight_version = self.weight_version
-            self._running.append(seq)
-            if leader is not None:  # the same prompt is being prefilled: wait for it, no tokens spent
-                seq.leader = leader
-                leader.followers.append(seq)
-                continue
-            chunks.append(self._prefill_chunk(seq, budget))
-            budget -= len(chunks[-1].token_ids)
-            if self.prefix_sharing:  # until its prompt is computed (`_apply`), even within this step
-                self._sharing[key] = seq
-        return chunks
+    def _apply(self, chunks: list[Chunk], tokens: list[int], log_probs: list[float]) -> None:
+        """Record the step's new tokens and answer the requests that are done."""
+        for seq, reason in self.scheduler.apply(chunks, tokens, log_probs):
+            self._answer(seq, reason)
 
-    def _prefill_chunk(self, seq: _Sequence, budget: int) -> _Chunk:
-        ids = seq.prompt_ids[seq.num_computed : seq.num_computed + budget]
-        last = seq.num_computed + len(ids) == len(seq.prompt_ids)
-        return _Chunk(seq, seq.slot, ids, seq.num_computed, last)
-
-    def _promote_starved(self) -> None:
-        # Anyone waiting longer than starvation_steps jumps every priority (arrival order).
-        cutoff = self._stats["steps"] - self.starvation_steps
-        top = -(2**62)
-        if any(s.arrival_step < cutoff and p != top for p, _, s in self._waiting):
-            self._waiting = [((top if s.arrival_step < cutoff else p), a, s) for p, a, s in self._waiting]
-            heapq.heapify(self._waiting)
-
-    def _apply(self, chunks: list[_Chunk], tokens: list[int], log_probs: list[float]) -> None:
-        """Record the step's new tokens and finish the sequences that are done."""
-        self._stats["steps"] += 1
-        samplers = iter(_samplers(chunks))
-        for c in chunks:
-            c.seq.num_computed += len(c.token_ids)
-            if not c.is_decode:
-                self._stats["prompt_tokens"] += len(c.token_ids)
-            if not c.sample:
-                continue
-            if not c.is_decode and self._sharing.get(tuple(c.seq.prompt_ids)) is c.seq:
-                del self._sharing[tuple(c.seq.prompt_ids)]
-            for f in c.seq.followers:  # their keys/values were copied in the step
-                f.leader, f.num_computed = None, len(f.prompt_ids)
-                self._stats["prefix_shared"] += 1
-            c.seq.followers = []
-        for seq, tok, lp in zip(samplers, tokens, log_probs):
-            if seq.slot is None:  # it finished (or was aborted) after this lookahead step was launched
-                continue
-            seq.output_ids.append(tok)
-            seq.log_probs.append(lp)
-            self._stats["tokens_generated"] += 1
-            p = seq.params
-            if tok in p.stop_token_ids or (tok in self.eos_token_ids and not p.ignore_eos):
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= seq.capacity:
-                self._finish(seq, "length")
-
-    def _drop(self, seq: _Sequence) -> None:
-        """Forget a sequence and give its KV slot back (a leader hands its followers on)."""
-        self._by_id.pop(seq.request_id, None)
-        key = tuple(seq.prompt_ids)
-        if self._sharing.get(key) is seq:
-            del self._sharing[key]
-        if seq.leader is not None:
-            seq.leader.followers.remove(seq)
-            seq.leader = None
-        if seq.followers:  # the first follower prefills the prompt itself; the others wait for it
-            new, *rest = seq.followers
-            new.leader, new.followers, seq.followers = None, rest, []
-            for f in rest:
-                f.leader = new
-            self._sharing[key] = new
-        if seq in self._running:
-            self._running.remove(seq)
-            self._kv.release(seq.slot)
-            seq.slot = None
-        else:
-            self._waiting = [w for w in self._waiting if w[2] is not seq]
-            heapq.heapify(self._waiting)
-
-    def _finish(self, seq: _Sequence, reason: str) -> None:
-        self._drop(seq)
-        if reason != "abort":
-            self._stats["finished"] += 1
+    def _answer(self, seq: Sequence, reason: str) -> None:
         if not seq.future.done():  # the caller may have been cancelled
             seq.future.set_result(
                 GenerateOutput(
@@ -669,7 +445,7 @@ class Engine:
 
     # ---- one step ------------------------------------------------------------------------
 
-    def _timed_step(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
+    def _timed_step(self, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
         """`_run_step`; on a GPU also adds its device span to `gpu_busy_s`: CUDA events from
         before its first launch to after its one sync. The span counts launch gaps inside the
         step as busy (an upper bound; a graph replay has none), so `gpu_busy_s / step_wall_s`
@@ -684,7 +460,7 @@ class Engine:
         self._stats["gpu_busy_s"] += start.elapsed_time(end) / 1e3
         return out
 
-    def _run_step(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
+    def _run_step(self, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
         """One forward pass over the packed chunks, then sampling at their last tokens."""
         caller_threads = torch.get_num_threads()
         if caller_threads != self.num_threads:
@@ -695,90 +471,43 @@ class Engine:
             if caller_threads != self.num_threads:
                 torch.set_num_threads(caller_threads)
 
-    # ---- the lookahead path (GPU graphs; module doc, Lookahead) -------------------------------
+    def _read_launched(self, launched: Launched) -> tuple[list[int], list[float]]:
+        """A step launched on the lookahead path, read back; the step after it is launched
+        first when it can go ahead (`lookahead.py`). Adds the device span to `gpu_busy_s`."""
+        behind = None
+        if not self.scheduler.waiting:  # admissions come first: the chain ends and the next step is planned
+            behind = self._ahead_path.launch_after(launched, self._graphs)
+            if behind is not None:
+                self._stats["graph_steps"] += 1
+                self._stats["lookahead_steps"] += 1
+        tokens, log_probs, busy_s = self._ahead_path.read(launched, behind)
+        self._stats["gpu_busy_s"] += busy_s
+        return tokens, log_probs
 
-    def _can_launch(self, chunks: list[_Chunk]) -> bool:
-        """Whether a step goes the lookahead way: decodes only, through a captured graph."""
-        g = self._graphs
-        return (self.lookahead and g is not None and len(chunks) <= g.max_batch and g.bucket(len(chunks)) in g.graphs
-                and all(c.is_decode for c in chunks))
-
-    def _launch_decode(self, chunks: list[_Chunk], device_ids: Tensor | None = None) -> _Launched:
-        """Launch a graphed decode step and its sampling, reading nothing back. `device_ids`:
-        the token ids on the device (the step before's tokens), else the chunks' own."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        with torch.inference_mode():
-            ids = None if device_ids is not None else [c.token_ids[0] for c in chunks]
-            logits = self._graphs.run(ids, [c.slot for c in chunks], [c.start for c in chunks], device_ids)
-            self._stats["graph_steps"] += 1
-            params = [c.seq.params for c in chunks]
-            uniforms = [c.seq.next_uniform() for c in chunks]
-            packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
-            tokens, log_probs = sample_on_device(logits, packed, any_filter(params), self.kernels.softmax,
-                                                 self._cumsum, self._full_sampler)
-            joined = torch.cat([tokens.to(torch.int32), log_probs.float().view(torch.int32)])
-        end.record()
-        return _Launched(chunks, tokens, joined, start, end)
-
-    def _launch_ahead(self, cur: _Launched) -> _Launched | None:
-        """Launch the step after `cur` from its device tokens (into `_ahead`) when every
-        sequence of `cur` decodes again whatever its token but a stop token, and none waits."""
-        if self._waiting:  # admissions come first: the chain ends and the next step is planned
-            return None
-        for c in cur.chunks:
-            seq, n = c.seq, len(c.seq.output_ids) + 1  # its output length after cur's token
-            if seq.slot is None or seq.aborted or n >= seq.params.max_tokens or len(seq.prompt_ids) + n >= seq.capacity:
-                return None
-        nxt = [_Chunk(c.seq, c.slot, [-1], c.start + 1, True) for c in cur.chunks]  # ids: on the device
-        self._ahead = self._launch_decode(nxt, cur.tokens)
-        self._stats["lookahead_steps"] += 1
-        return self._ahead
-
-    def _read_launched(self, launched: _Launched, behind: _Launched | None) -> tuple[list[int], list[float]]:
-        """A launched step's tokens and log-probs on the host. With a step launched `behind`
-        it, the copy goes on a side stream, so that step runs meanwhile. Adds the step's
-        device span to `gpu_busy_s`, less any overlap with the step before."""
-        if behind is None:
-            host = launched.joined.cpu()
-        else:
-            if self._copy_stream is None:
-                self._copy_stream = torch.cuda.Stream(self.device)
-            side = self._copy_stream
-            side.wait_event(launched.end)
-            with torch.cuda.stream(side):
-                host = torch.empty(launched.joined.shape, dtype=torch.int32, pin_memory=True)
-                host.copy_(launched.joined, non_blocking=True)
-                launched.joined.record_stream(side)
-                done = torch.cuda.Event()
-                done.record(side)
-            done.synchronize()
-        span = launched.start.elapsed_time(launched.end)
-        if self._last_end is not None:
-            span = min(span, self._last_end.elapsed_time(launched.end))
-        self._last_end = launched.end
-        self._stats["gpu_busy_s"] += span / 1e3
-        n = launched.tokens.shape[0]
-        return host[:n].tolist(), host[n:].view(torch.float32).tolist()
-
-    def _forward_and_sample(self, chunks: list[_Chunk]) -> tuple[list[int], list[float]]:
-        sampled = _samplers(chunks)
+    def _forward_and_sample(self, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
+        sampled = samplers(chunks)
         with torch.inference_mode():
             logits = self._logits(chunks)  # [S, V]
             if logits is None:
                 return [], []
             self._copy_shared_prefixes(chunks)
+            if self._device_sampling:
+                return join_tokens_and_log_probs(*self._sample_on_device(logits, sampled))
             params = [s.params for s in sampled]
             uniforms = [s.next_uniform() for s in sampled]
-            if not self._sample_on_device:
-                tokens, log_probs = sample_batch(logits, params, uniforms, self.kernels.log_softmax)
-                return tokens.tolist(), log_probs.tolist()
-            packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
-            tokens, log_probs = sample_on_device(logits, packed, any_filter(params), self.kernels.softmax,
-                                                 self._cumsum, self._full_sampler)
-            return join_tokens_and_log_probs(tokens, log_probs)
+            tokens, log_probs = sample_batch(logits, params, uniforms, self.kernels.log_softmax)
+            return tokens.tolist(), log_probs.tolist()
 
-    def _logits(self, chunks: list[_Chunk]) -> Tensor | None:
+    def _sample_on_device(self, logits: Tensor, seqs: list[Sequence]) -> tuple[Tensor, Tensor]:
+        """Each sequence's next token from its row of `logits` [B, V], and its log-prob, both
+        [B] and left on the device: the step's params and uniforms go there in one copy."""
+        params = [s.params for s in seqs]
+        uniforms = [s.next_uniform() for s in seqs]
+        packed = pack_step_params(params, uniforms, logits.shape[1]).pin_memory().to(self.device, non_blocking=True)
+        return sample_on_device(logits, packed, any_filter(params), self.kernels.softmax, self._cumsum,
+                                self._full_sampler)
+
+    def _logits(self, chunks: list[Chunk]) -> Tensor | None:
         """Logits [S, V] at each sampling row (a prefix leader's row once more per follower):
         from a CUDA graph when every chunk is a decode token, else the eager packed forward."""
         graphs = self._graphs
@@ -796,7 +525,7 @@ class Engine:
                 return graphs.run([c.token_ids[0] for c in chunks], [c.slot for c in chunks],
                                   [c.start for c in chunks])
         ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))
-        rows = [end - 1 for c, end in zip(chunks, ends) if c.sample for _ in range(1 + _num_followers(c))]
+        rows = [end - 1 for c, end in zip(chunks, ends) if c.sample for _ in range(1 + num_followers(c))]
         hidden = self._forward(chunks)  # [N, H]
         if not rows:
             return None
@@ -804,25 +533,16 @@ class Engine:
             hidden = hidden[torch.tensor(rows, device=self.device)]
         return self.model.logits(hidden)
 
-    def _copy_shared_prefixes(self, chunks: list[_Chunk]) -> None:
+    def _copy_shared_prefixes(self, chunks: list[Chunk]) -> None:
         """Give each follower of a leader whose prompt completed this step a copy of its keys/values."""
-        self._kv.cache.copy_prefixes([(c.slot, [f.slot for f in c.seq.followers], len(c.seq.prompt_ids))
-                                      for c in chunks if _num_followers(c)])
+        self.scheduler.kv.cache.copy_prefixes([(c.slot, [f.slot for f in c.seq.followers], len(c.seq.prompt_ids))
+                                               for c in chunks if num_followers(c)])
 
-    def _forward(self, chunks: list[_Chunk]) -> Tensor:
+    def _forward(self, chunks: list[Chunk]) -> Tensor:
         """The model's `forward_packed` over the chunks, each in its sequence's slot. -> hidden [N, H]."""
         ids = torch.tensor([t for c in chunks for t in c.token_ids], device=self.device)  # [N]
-        return self.model.forward_packed(ids, [len(c.token_ids) for c in chunks], self._kv.cache, [c.slot for c in chunks])
-
-
-def _num_followers(c: _Chunk) -> int:
-    """Followers sampled with a chunk: those of a leader whose prompt this chunk completes."""
-    return len(c.seq.followers) if c.sample and not c.is_decode else 0
-
-
-def _samplers(chunks: list[_Chunk]) -> list[_Sequence]:
-    """The sequences that get a token this step, in the order of the step's logits rows."""
-    return [s for c in chunks if c.sample for s in (c.seq, *(c.seq.followers if _num_followers(c) else ()))]
+        return self.model.forward_packed(ids, [len(c.token_ids) for c in chunks], self.scheduler.kv.cache,
+                                         [c.slot for c in chunks])
 
 
 def eos_ids_from_dir(path: str) -> int | list[int] | None:

@@ -145,7 +145,7 @@ class RolloutReplica:
 
     async def determinism_info(self) -> dict[str, Any]:
         """This replica's determinism mode (keys: see the module doc)."""
-        return model_part_info(backend="reprorl", batch_invariant=self.engine.batch_invariant,
+        return model_part_info(backend="reprorl", batch_invariant=self.engine.options.batch_invariant,
                                dtype=self.engine.dtype, num_threads=self.engine.num_threads,
                                kernels=self.engine.kernels.name, device=self.engine.device)
 
