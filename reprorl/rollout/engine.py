@@ -19,7 +19,7 @@ op from `reprorl.kernels`): all decode tokens of a step share one batched attent
 call, prefill chunks another, and in batch-invariant mode both give the same bits as the
 trainer's padded forward (tested).
 
-Determinism (DESIGN.md): a sample is a pure function of (weights, prompt ids, sampling
+Determinism (docs/design.md): a sample is a pure function of (weights, prompt ids, sampling
 params, seed). The engine keeps it by (1) giving each request a private generator seeded
 from its `seed` and drawn once per token (`sampling.py`), and (2) with
 `batch_invariant=True`, running the model on batch-invariant kernels (`reprorl.kernels`),
@@ -36,9 +36,8 @@ scheduler could use them anyway. One thread on purpose: torch's CPU parallelism 
 OpenMP (libgomp), which keeps a team of worker threads per calling thread; once two
 threads of a process have run parallel ops (the one that loaded the model, and a step
 thread), the teams oversubscribe the cores and libgomp throttles its spin-waits, so
-every op pays a futex wake-up. Measured on this 2-core machine: a batch-64 decode step
-took 23.4 ms instead of 19.0 (width 512) and 6.6 ms instead of 3.1 (tiny) on a second
-thread. A Ray async actor runs its constructor and its methods on one event-loop thread,
+every op pays a futex wake-up (a decode step then takes 1.2-2x as long: docs/performance.md).
+A Ray async actor runs its constructor and its methods on one event-loop thread,
 so a replica's loading, weight updates and steps all share one team. `num_threads` is
 set for the duration of each step and restored after.
 """
