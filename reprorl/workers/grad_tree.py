@@ -40,10 +40,10 @@ import torch
 from reprorl.workers.flat import FlatLayout
 
 
-def tree_pops(lo: int, hi: int) -> list[int]:
-    """For each leaf i of [lo, hi) (index i - lo): how many pending left sums are added to
-    the running sum right after it: one per internal node whose range ends at i + 1."""
-    pops = [0] * (hi - lo)
+def _nodes(lo: int, hi: int) -> list[tuple[int, int]]:
+    """The internal nodes [a, b) of `tree_reduce`'s tree over [lo, hi), in post order
+    (children before their parent)."""
+    nodes: list[tuple[int, int]] = []
 
     def visit(a: int, b: int) -> None:
         if b - a == 1:
@@ -51,9 +51,18 @@ def tree_pops(lo: int, hi: int) -> list[int]:
         mid = (a + b) // 2
         visit(a, mid)
         visit(mid, b)
-        pops[b - 1 - lo] += 1
+        nodes.append((a, b))
 
     visit(lo, hi)
+    return nodes
+
+
+def tree_pops(lo: int, hi: int) -> list[int]:
+    """For each leaf i of [lo, hi) (index i - lo): how many pending left sums are added to
+    the running sum right after it: one per internal node whose range ends at i + 1."""
+    pops = [0] * (hi - lo)
+    for _, b in _nodes(lo, hi):
+        pops[b - 1 - lo] += 1
     return pops
 
 
@@ -61,16 +70,8 @@ def pushed_spans(lo: int, hi: int) -> list[int]:
     """For each leaf i of [lo, hi): how many leaves the running sum covers once leaf i's
     pending sums are added, i.e. the sum pushed after it (the outermost node ending at i + 1)."""
     spans = [1] * (hi - lo)
-
-    def visit(a: int, b: int) -> None:
-        if b - a == 1:
-            return
-        mid = (a + b) // 2
-        visit(a, mid)
-        visit(mid, b)
-        spans[b - 1 - lo] = b - a  # after its children's: the outermost node wins
-
-    visit(lo, hi)
+    for a, b in _nodes(lo, hi):  # post order: a parent after its children, so the outermost wins
+        spans[b - 1 - lo] = b - a
     return spans
 
 
