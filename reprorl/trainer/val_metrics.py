@@ -4,26 +4,22 @@ For each data source s, over its prompts, each with its n samples' final rewards
 - `val/<s>/mean@n`: the mean reward of all its samples;
 - `val/<s>/best@n`: the mean over prompts of the best of their n rewards (pass@n when a
   reward of 1 means correct);
-- `val/<s>/maj@n`: the mean over prompts of the reward of the answer most of their n
-  samples give (ties: the answer seen first), where the reward function says which
-  answer a sample gave; absent otherwise;
 - `val/<s>/accuracy`: the share of its samples whose rule reward is full credit (>= 1).
-With n = 1 only mean@1 (and accuracy) are written: best and maj are the mean then.
+With n = 1 only mean@1 (and accuracy) are written: best is the mean then. (verl's
+maj@n needs each sample's answer, which no reward function reports yet.)
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 
 def per_source_metrics(sources: Sequence[str], uids: Sequence[str], scores: torch.Tensor, n: int,
-                       correct: torch.Tensor | None = None,
-                       answers: Sequence[str | None] | None = None) -> dict[str, float]:
+                       correct: torch.Tensor | None = None) -> dict[str, float]:
     """The metrics of the module doc; row i is a sample of prompt `uids[i]` from `sources[i]`
-    with reward `scores[i]` (and full credit `correct[i]`, answer `answers[i]`)."""
+    with reward `scores[i]` (and full credit `correct[i]`)."""
     groups: dict[str, dict[str, list[int]]] = {}  # source -> uid -> rows, in first-seen order
     for i, (source, uid) in enumerate(zip(sources, uids, strict=True)):
         groups.setdefault(source, {}).setdefault(uid, []).append(i)
@@ -38,14 +34,5 @@ def per_source_metrics(sources: Sequence[str], uids: Sequence[str], scores: torc
         if n == 1:
             continue
         metrics[f"val/{source}/best@{n}"] = sum(scores[m].max().item() for m in prompts) / len(prompts)
-        if answers is not None and all(answers[i] is not None for i in rows):
-            metrics[f"val/{source}/maj@{n}"] = sum(_majority_score(m, scores, answers) for m in prompts) / len(prompts)
     return metrics
 
-
-def _majority_score(members: list[int], scores: torch.Tensor, answers: Sequence[str | None]) -> float:
-    """The reward of the first sample that gave the prompt's most frequent answer."""
-    counts = Counter(answers[i] for i in members)
-    top = max(counts.values())
-    winner = next(answers[i] for i in members if counts[answers[i]] == top)
-    return scores[next(i for i in members if answers[i] == winner)].item()
