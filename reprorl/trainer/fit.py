@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -301,7 +302,7 @@ class Trainer:
                                  prompt_key=data.prompt_key,
                                  check_ground_truth=check_ground_truth if builtin_rules else None,
                                  known_sources=REWARD_FNS if builtin_rules else None,
-                                 template_kwargs=self._template_kwargs())
+                                 template_kwargs=self._template_kwargs)
 
         return dataset(data.train_files), (dataset(data.val_files) if data.val_files else None)
 
@@ -381,9 +382,11 @@ class Trainer:
                             "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead, "lora": self.lora},
         )
 
+    @functools.cached_property
     def _template_kwargs(self) -> dict[str, Any]:
         """The chat template's keywords beyond the messages: `data.apply_chat_template_kwargs`
-        and the tool loop's tools, listed for the model as the template lists them."""
+        and the tool loop's tools, listed for the model as the template lists them (once: a
+        tool file of the user's is executed to read its schemas)."""
         ro = self.cfg.rollout
         tools = {"tools": tool_schemas(select_tools(ro.tools))} if ro.agent_loop == "tool" else {}
         return {**self.cfg.data.apply_chat_template_kwargs, **tools}
@@ -399,7 +402,7 @@ class Trainer:
             sampling_params=_sampling_params(ro.temperature, ro.top_p, ro.top_k, ro.max_tokens),
             val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
             agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
-            template_kwargs=self._template_kwargs(),
+            template_kwargs=self._template_kwargs,
             part_timeout_s=cfg.trainer.part_timeout_s,
         )
 
