@@ -9,25 +9,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from kernel_modes import on_kernels
+from padded_batch import padded_batch
 from reprorl.models.hf_io import CheckpointError, load_model, save_model
 from reprorl.models.transformer import SequenceClassifier, ValueModel
 
 # float32, hidden 64, 2 layers, logits O(1): the two implementations differ by a few ulps.
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-def padded_batch(vocab: int, side: str = "left", seed: int = 0):
-    """3 sequences of 12, 8 and 1 real tokens; ids avoid the pad id 0; positions count real tokens."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (3, 12), generator=g)
-    mask = torch.zeros(3, 12, dtype=torch.long)
-    for i, n in enumerate((12, 8, 1)):
-        if side == "left":
-            mask[i, 12 - n :] = 1
-        else:
-            mask[i, :n] = 1
-    ids = ids.masked_fill(mask == 0, 0)
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False),

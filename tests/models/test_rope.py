@@ -10,6 +10,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kernel_modes import on_kernels
+from padded_batch import padded_batch
 from reprorl.errors import ConfigError
 from reprorl.models.arch import ModelArgs
 from reprorl.models.hf_io import load_model, save_model
@@ -61,13 +62,7 @@ def test_a_scaled_llama_matches_transformers_past_the_threshold(variant, tmp_pat
     hf.save_pretrained(tmp_path)
     model, args = load_model(tmp_path)
     assert args.rope_scaling.rope_type == VARIANTS[variant]["rope_type"]
-    lengths = (96, 70, 5)  # left padded; the longest reaches position 95
-    ids = torch.randint(3, 96, (3, 96), generator=g)
-    mask = torch.zeros(3, 96, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, 96 - n :] = 1
-    ids = ids.masked_fill(mask == 0, 0)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, pos = padded_batch(96, lengths=(96, 70, 5))  # left padded; the longest reaches position 95
     real = mask.bool()
     with torch.no_grad():
         expected = hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits
