@@ -44,9 +44,9 @@ from reprorl.models.hf_io import save_model  # noqa: E402
 from reprorl.models.tiny import init_weights  # noqa: E402
 from reprorl.models.transformer import CausalLM  # noqa: E402
 from reprorl.protocol import Batch  # noqa: E402
-from reprorl.trainer.optim import OptimArgs  # noqa: E402
-from reprorl.trainer.policy import PolicyLossArgs  # noqa: E402
 from reprorl.workers.group import WorkerGroup  # noqa: E402
+from reprorl.workers.optim import OptimArgs  # noqa: E402
+from reprorl.workers.policy import PolicyLossArgs  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_parallel.json"
 SAMPLES, PROMPT, RESPONSE, MICRO = 32, 32, 32, 4

@@ -10,7 +10,7 @@ in [P/4, P], response lengths R * u^2 for u uniform (many short, a few long). Tw
 `padded`, micro-batches of `--micro-batch` samples in sample order (each trimmed to its
 own longest sample, as always), and `budget`, `max_token_len` = micro-batch x (P + R),
 the most a padded micro-batch can hold, so both have the same memory bound
-(reprorl/trainer/micro_batches.py). Each runs once untimed (warm-up), then `--repeats`
+(reprorl/workers/micro_batches.py). Each runs once untimed (warm-up), then `--repeats`
 times (each an update of its own), the fastest reported.
 
 Reported per way and determinism mode: seconds of log-probs and of the update, the
@@ -84,7 +84,7 @@ def mixed_batch(samples: int, prompt_len: int, response_len: int, vocab: int):
 
 def computed_tokens(batch, micro_batch_size: int, max_token_len: int | None) -> tuple[int, int]:
     """(micro-batches, rows x trimmed width summed over them)."""
-    from reprorl.trainer.micro_batches import micro_batch_rows, row_spans, trimmed_width
+    from reprorl.workers.micro_batches import micro_batch_rows, row_spans, trimmed_width
 
     prompt, response = row_spans(batch)
     micros = micro_batch_rows(batch, micro_batch_size, max_token_len)
@@ -93,8 +93,8 @@ def computed_tokens(batch, micro_batch_size: int, max_token_len: int | None) -> 
 
 
 def run_mode(args: argparse.Namespace, model_dir: Path, batch, full_determinism: bool) -> dict:
-    from reprorl.trainer.micro_batches import in_sample_order
-    from reprorl.trainer.policy import PolicyLossArgs
+    from reprorl.workers.micro_batches import in_sample_order
+    from reprorl.workers.policy import PolicyLossArgs
 
     env = enter_mode(full_determinism)
     budget = args.micro_batch * (args.prompt_len + args.response_len)

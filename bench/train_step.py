@@ -17,7 +17,7 @@ stay), and it takes the new weights device to device from the rank's parameters,
 `reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py; the
 handle's cost: bench/weight_sync.py).
 `--max-token-len T` cuts micro-batches by token budget
-instead of `--micro-batch` samples (reprorl/trainer/micro_batches.py); with every response
+instead of `--micro-batch` samples (reprorl/workers/micro_batches.py); with every response
 at full length that measures its overhead only (bench/micro_batching.py measures its gain).
 
 Each mode runs a warm-up step first, of the timed step's shapes (compilation, autotuning, and
@@ -267,7 +267,7 @@ def start_rank(model_dir: Path, env: dict[str, str], *, dtype: str, batch_invari
                total_steps: int, **options):
     """The actor's one rank (`ShardWorker`, in this process; AdamW at lr 1e-6), joined to its
     process group of one on a free local port. `options`: more `ShardWorker` keywords."""
-    from reprorl.trainer.optim import OptimArgs
+    from reprorl.workers.optim import OptimArgs
     from reprorl.workers.worker import ShardWorker
 
     worker = ShardWorker("actor", 0, 1, str(model_dir), optim=OptimArgs(lr=1e-6, total_steps=total_steps), dtype=dtype,
@@ -282,8 +282,8 @@ def start_rank(model_dir: Path, env: dict[str, str], *, dtype: str, batch_invari
 def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determinism: bool) -> dict:
     """A warm-up step and `--timed-steps` GRPO steps in one mode; the median timed step as "timed"."""
     from reprorl.rollout.replica import build_engine
-    from reprorl.trainer.micro_batches import in_sample_order
-    from reprorl.trainer.policy import PolicyLossArgs
+    from reprorl.workers.micro_batches import in_sample_order
+    from reprorl.workers.policy import PolicyLossArgs
 
     env = enter_mode(full_determinism)
     device = args.device
@@ -372,7 +372,7 @@ def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_dete
     from torch.profiler import ProfilerActivity, profile
 
     from profiling import host_summary, kernel_summary, print_summary
-    from reprorl.trainer.policy import PolicyLossArgs
+    from reprorl.workers.policy import PolicyLossArgs
 
     samples = min(samples, micro_batches * args.micro_batch)
     batch = batch.slice(0, samples)

@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     from reprorl.fingerprint import tensor_digests
     from reprorl.rollout.replica import ReplicaPool
     from reprorl.trainer import weight_sync
-    from reprorl.trainer.optim import OptimArgs
     from reprorl.workers.group import WorkerGroup
+    from reprorl.workers.optim import OptimArgs
 
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
     shape = QUICK if args.quick else QWEN_05B

@@ -18,6 +18,10 @@ class DataError(ReproRLError):
     """A bad dataset file, row or field."""
 
 
+class CheckpointError(ReproRLError):
+    """A checkpoint that cannot be read."""
+
+
 class DeterminismError(ReproRLError, RuntimeError):
     """Under full determinism, two parts disagree where the contract says their bits are
     equal (the engine's log-probs and the trainer's); the run stops at that step."""

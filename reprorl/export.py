@@ -27,11 +27,11 @@ from safetensors.torch import save_file
 
 from reprorl.errors import ReproRLError
 from reprorl.io import atomic_write
-from reprorl.models.hf_io import load_model, save_model
+from reprorl.models.hf_io import dtype_from_name, load_model, save_model
 from reprorl.models.lora import LoraSpec, merged_state, peft_config, peft_state, resolve_targets
 from reprorl.models.transformer import CausalLM
 from reprorl.trainer.checkpoint import CHECKPOINTS_DIR, checkpoint_problem, find_valid_checkpoint, read_meta
-from reprorl.trainer.policy import TOKENIZER_FILES, dtype_from_name
+from reprorl.workers.policy import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 

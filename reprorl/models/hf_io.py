@@ -33,6 +33,16 @@ class CheckpointError(ReproRLError):
     """A model directory that is missing, incomplete or does not match its config.json."""
 
 
+def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
+    """"float32" / "bfloat16" (config values) -> torch dtype; a dtype or None passes."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}; got {name!r}")
+    return dtypes[name]
+
+
 def load_tokenizer(path: str | os.PathLike):
     """The tokenizer of an HF directory, padding with eos when it has no pad token.
 

@@ -170,7 +170,7 @@ class RewardReplica:
             self.scorer = VllmRewardScorer(model_path, expected_env=expected_env,
                                            where=f"reward replica {replica_id}", **options)
         else:
-            from reprorl.trainer.policy import dtype_from_name
+            from reprorl.models.hf_io import dtype_from_name
 
             options = dict(scorer_options, dtype=dtype_from_name(scorer_options.get("dtype")))
             self.scorer = RewardModelScorer(model_path, **options)

@@ -37,7 +37,7 @@ top-k set. Ties are broken by token id (lower id ranks first), via a stable sort
 
 The returned log-prob is that of the sampled token under `log_softmax(logits / T)` in
 float32, WITHOUT top-k/top-p truncation, and with T = 1 for greedy: it is what the
-trainer recomputes from the same logits (reprorl/trainer/policy.py), through the same
+trainer recomputes from the same logits (reprorl/workers/policy.py), through the same
 kernels' `log_softmax` (passed in), so with a batch-invariant backend the two agree bit for
 bit.
 """

@@ -1,9 +1,16 @@
-"""The trainer: actor/reference and critic workers, checkpoints, the fit loop.
+"""The driver of a run: the fit loop and what surrounds it, above the training ranks.
 
-- `policy.PolicyWorker`: the actor (trainable) or the reference (frozen) policy.
-- `critic.CriticWorker`: the PPO value model.
-- `checkpoint`: atomic checkpoints of a run and RNG capture/restore.
-- `optim`: AdamW, the learning-rate schedule and the guarded optimizer step.
+- `fit.Trainer`: builds the parts (worker groups, rollout pool, reward loop), runs the
+  step loop, validates, checkpoints and resumes.
+- `checkpoint`, `resume_guard`, `run_dir`: atomic checkpoints of a run, RNG capture and
+  restore, what a resumed run may change.
+- `placement`, `memory`: where each part runs, and whether it fits there.
+- `tracking`, `val_metrics`, `weight_sync`, `warm_start`, `default_run`: metrics, the
+  weight push to the replicas, the SFT warm start, the default run's assets.
+
+Layering: `trainer/` imports `workers/` (the ranks, their models, losses and optimizer),
+never the other way round: a rank needs nothing of the driver, and the driver reaches a
+model only through `workers.group.WorkerGroup`.
 
 Nothing is imported here, so `import reprorl.trainer.checkpoint` stays light.
 """

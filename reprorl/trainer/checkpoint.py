@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from reprorl.errors import ReproRLError
+from reprorl.errors import CheckpointError, ReproRLError
 from reprorl.io import TMP_PREFIX, atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -56,10 +56,6 @@ LATEST = "latest"
 META = "meta.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _PLAIN_LEAVES = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device)
-
-
-class CheckpointError(ReproRLError):
-    """A checkpoint that cannot be read."""
 
 
 class CheckpointNotFoundError(ReproRLError, FileNotFoundError):

@@ -65,9 +65,7 @@ from reprorl.trainer.checkpoint import (
     save_checkpoint,
 )
 from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
-from reprorl.trainer.optim import NonFiniteError, OptimArgs
 from reprorl.trainer.placement import Placement, plan_placement
-from reprorl.trainer.policy import PolicyLossArgs, mask_truncated
 from reprorl.trainer.resume_guard import flat_config, plan_resume
 from reprorl.trainer.run_dir import append_history, lock_run_dir
 from reprorl.trainer.tracking import (
@@ -81,6 +79,8 @@ from reprorl.trainer.tracking import (
 )
 from reprorl.trainer.val_metrics import per_source_metrics
 from reprorl.workers.group import WorkerError, WorkerGroup
+from reprorl.workers.optim import NonFiniteError, OptimArgs
+from reprorl.workers.policy import PolicyLossArgs, mask_truncated
 
 logger = logging.getLogger(__name__)
 

@@ -38,9 +38,9 @@ from reprorl.errors import ConfigError
 from reprorl.kernels.shared import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.models.lora import resolve_targets
-from reprorl.trainer.optim import STEP_CHUNK
 from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import gpu_vectors_held
+from reprorl.workers.optim import STEP_CHUNK
 
 GIB = 2**30
 FP32 = 4
@@ -198,7 +198,7 @@ def lora_settings(model_cfg: Any, lora_rank: int | None = None) -> tuple[int, An
 def micro_batch_geometry(mini_samples: int, micro_batch_size: int, max_token_len: int | None,
                          seq_len: int) -> tuple[int, int]:
     """(micro-batches of a mini-batch, rows of the widest one), every sample at full length:
-    by `micro_batch_size` samples, or by a token budget (`trainer/micro_batches.py`)."""
+    by `micro_batch_size` samples, or by a token budget (`workers/micro_batches.py`)."""
     rows = micro_batch_size if max_token_len is None else max(1, max_token_len // seq_len)
     rows = min(rows, mini_samples)
     return math.ceil(mini_samples / rows), rows

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from reprorl.errors import ConfigError
 from reprorl.kernels import select_kernels
 from reprorl.models.hf_io import load_model, save_model
-from reprorl.trainer.optim import OptimArgs, guarded_step, lr_multiplier, make_adamw, set_lr
+from reprorl.workers.optim import OptimArgs, guarded_step, lr_multiplier, make_adamw, set_lr
 
 logger = logging.getLogger(__name__)
 

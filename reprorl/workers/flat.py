@@ -23,7 +23,7 @@ What keeps the bits independent of N (the rule `config.py` checks for `trainer.n
   to add gradients. The worker evaluates that tree with `GradTree` (grad_tree.py): the same
   bits, a parameter at a time as the backward pass makes them, with fewer whole vectors.
 - With a token budget (`actor.ppo_max_token_len_per_micro_batch`), a mini-batch's
-  micro-batch count M is whatever its lengths make it (trainer/micro_batches.py), so N may
+  micro-batch count M is whatever its lengths make it (workers/micro_batches.py), so N may
   not divide it. The M micro-batches are then laid on the P leaves of the tree, P the
   power of two >= M (`budget_leaves`): leaf s holds one when bit_reverse(s) < M, in
   micro-batch order; the other leaves are empty and add nothing. P and the layout depend

@@ -12,7 +12,7 @@ digests, checkpoints and determinism info. One worker is the same code path as e
                            max_response_length=8, loss=PolicyLossArgs(), temperature=1.0)
 
 The batch goes to Ray's object store once; each rank takes its contiguous block of the
-micro-batches (cut in sample order, or by token budget: trainer/micro_batches.py, never by
+micro-batches (cut in sample order, or by token budget: workers/micro_batches.py, never by
 the worker count), and results come back with their rows and are put in sample order, and
 metrics are joined in micro-batch order, so a tensor or metric never depends on how many
 workers made it. How gradients are
@@ -46,14 +46,13 @@ import ray
 import torch
 
 from reprorl.determinism import determinism_env, ray_runtime_env
-from reprorl.errors import ReproRLError
+from reprorl.errors import CheckpointError, ReproRLError
 from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch
 from reprorl.rollout.supervision import PART_TIMEOUT_S, time_limit
 from reprorl.rollout.weights import SharedWeights
-from reprorl.trainer.checkpoint import CheckpointError
-from reprorl.trainer.micro_batches import in_sample_order
-from reprorl.trainer.optim import OptimArgs
+from reprorl.workers.micro_batches import in_sample_order
+from reprorl.workers.optim import OptimArgs
 from reprorl.workers.worker import ShardWorker
 
 WORKER_ENV = {"NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": "1"}
@@ -223,7 +222,7 @@ class WorkerGroup:
                max_response_length: int | None = None, max_token_len: int | None = None,
                **loss: Any) -> dict[str, float]:
         """One training step; the metrics `PolicyWorker.update` / `CriticWorker.update` give.
-        `max_token_len`: micro-batches by token budget (trainer/micro_batches.py).
+        `max_token_len`: micro-batches by token budget (workers/micro_batches.py).
 
         `loss`: the model worker's `micro_batch_loss` arguments (actor: `loss=PolicyLossArgs`,
         `temperature`; critic: `cliprange_value`, `loss_agg_mode`). A non-finite loss or

@@ -53,10 +53,7 @@ from reprorl.io import atomic_write
 from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch, tensor_to
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
-from reprorl.trainer.critic import CriticWorker
-from reprorl.trainer.micro_batches import Rows, micro_batch_rows, rows_tensor, take
-from reprorl.trainer.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr, step_in_chunks
-from reprorl.trainer.policy import PolicyWorker, mini_batch_norms, read_stats, trim_padding
+from reprorl.workers.critic import CriticWorker
 from reprorl.workers.flat import (
     EMPTY_GRADIENT,
     FlatLayout,
@@ -69,6 +66,9 @@ from reprorl.workers.flat import (
     rank_block,
 )
 from reprorl.workers.grad_tree import GradTree
+from reprorl.workers.micro_batches import Rows, micro_batch_rows, rows_tensor, take
+from reprorl.workers.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr, step_in_chunks
+from reprorl.workers.policy import PolicyWorker, mini_batch_norms, read_stats, trim_padding
 
 WORKER_THREADS = 1
 MASTER_DTYPE = torch.float32
@@ -200,7 +200,7 @@ class ShardWorker:
                **loss: Any) -> dict[str, Any]:
         """One training step: per mini-batch (sample order), this rank's micro-batches'
         stats by micro-batch index and the (global) gradient norm; and the step's lr.
-        `max_token_len`: micro-batches by token budget (trainer/micro_batches.py), else of
+        `max_token_len`: micro-batches by token budget (workers/micro_batches.py), else of
         `micro_batch_size` samples. `loss` goes to the model worker's `micro_batch_loss`."""
         if not self.trainable:
             raise RuntimeError(f"update: the {self.role} group is frozen (built without optim)")

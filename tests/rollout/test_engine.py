@@ -116,7 +116,7 @@ def reference_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def reference_log_probs(logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-    """The trainer's formula (reprorl/trainer/policy.py): the kernels' log_softmax at the tokens."""
+    """The trainer's formula (reprorl/workers/policy.py): the kernels' log_softmax at the tokens."""
     return CpuInvariantKernels.log_softmax(logits).gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 

@@ -197,7 +197,7 @@ def _trainer_log_probs(worker, ids):
 
 
 def test_weight_update_reaches_vllm_and_matches_the_trainer(pool2, policy):
-    from reprorl.trainer.policy import PolicyWorker
+    from reprorl.workers.policy import PolicyWorker
 
     worker = PolicyWorker(policy, batch_invariant=True)
     reqs = requests(step=4)

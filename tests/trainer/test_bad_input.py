@@ -40,7 +40,7 @@ from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
 from reprorl.trainer.checkpoint import load_checkpoint
 from reprorl.trainer.checks import check_models
 from reprorl.trainer.fit import Trainer
-from reprorl.trainer.optim import NonFiniteError
+from reprorl.workers.optim import NonFiniteError
 from small_run import run_trainer, small_run_overrides
 
 def _tiny_policy(out: Path, tokenizer=None, **changes) -> Path:

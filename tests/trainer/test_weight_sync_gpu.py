@@ -27,8 +27,8 @@ def parts(tmp_path_factory, ray_local):
     from reprorl.models.tiny import make_tiny
     from reprorl.rollout.replica import ReplicaPool
     from reprorl.rollout.supervision import Restarts
-    from reprorl.trainer.optim import OptimArgs
     from reprorl.workers.group import WorkerGroup
+    from reprorl.workers.optim import OptimArgs
 
     root = tmp_path_factory.mktemp("weight_sync_gpu")
     replica_model = make_tiny(root / "replica", kind="policy", seed=0)

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from reprorl.trainer.optim import OptimArgs, make_adamw
 from reprorl.workers.flat import (
     CHUNK,
     EMPTY_GRADIENT,
@@ -14,6 +13,7 @@ from reprorl.workers.flat import (
     tree_reduce,
     tree_sum,
 )
+from reprorl.workers.optim import OptimArgs, make_adamw
 
 
 def test_tree_sum_groups_as_halves_by_index():

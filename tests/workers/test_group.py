@@ -7,11 +7,11 @@ import signal
 import pytest
 import torch
 
-from reprorl.trainer.optim import NonFiniteError, OptimArgs, make_adamw
-from reprorl.trainer.micro_batches import token_budget_micro_batches
-from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_sum
 from reprorl.workers.group import WorkerError, WorkerGroup
+from reprorl.workers.micro_batches import token_budget_micro_batches
+from reprorl.workers.optim import NonFiniteError, OptimArgs, make_adamw
+from reprorl.workers.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
 
 pytestmark = pytest.mark.slow
 

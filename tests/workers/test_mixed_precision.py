@@ -5,10 +5,10 @@ workers, and gradient checkpointing that changes no bit."""
 import pytest
 import torch
 
-from reprorl.trainer.optim import OptimArgs
-from reprorl.trainer.policy import PolicyLossArgs
 from reprorl.workers.flat import FlatLayout, flatten
 from reprorl.workers.group import WorkerGroup
+from reprorl.workers.optim import OptimArgs
+from reprorl.workers.policy import PolicyLossArgs
 
 pytestmark = pytest.mark.slow
 

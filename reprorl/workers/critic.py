@@ -26,15 +26,14 @@ from safetensors import safe_open
 from reprorl.algos import value_loss
 from reprorl.determinism_report import model_part_info
 from reprorl.kernels import select_kernels, verify_batch_invariance
-from reprorl.models.hf_io import load_model
+from reprorl.models.hf_io import dtype_from_name, load_model
 from reprorl.protocol import Batch
-from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
-from reprorl.trainer.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
-from reprorl.trainer.policy import (
+from reprorl.workers.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
+from reprorl.workers.optim import LRSchedule, OptimArgs, check_finite_loss, guarded_step, make_adamw, set_lr
+from reprorl.workers.policy import (
     MAX_POSITION,
     RESPONSE_WIDTH,
     check_positive,
-    dtype_from_name,
     mini_batch_norms,
     pad_responses,
     read_stats,

@@ -5,8 +5,8 @@ import torch
 
 from reprorl.algos import LOSS_AGG_MODES
 from reprorl.trainer.checkpoint import load_checkpoint, save_checkpoint
-from reprorl.trainer.critic import CriticWorker
-from reprorl.trainer.optim import OptimArgs
+from reprorl.workers.critic import CriticWorker
+from reprorl.workers.optim import OptimArgs
 
 STEP = dict(ppo_epochs=1, mini_batch_size=8, micro_batch_size=4, cliprange_value=0.5, loss_agg_mode="token-mean")
 

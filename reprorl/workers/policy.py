@@ -48,11 +48,11 @@ import torch
 from reprorl.algos import agg_loss, kl_penalty, policy_loss
 from reprorl.determinism_report import model_part_info
 from reprorl.kernels import select_kernels, verify_batch_invariance
-from reprorl.models.hf_io import load_model, save_model
+from reprorl.models.hf_io import dtype_from_name, load_model, save_model
 from reprorl.models.lora import LoraSpec, adapters_disabled
 from reprorl.protocol import Batch
-from reprorl.trainer.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
-from reprorl.trainer.optim import (
+from reprorl.workers.micro_batches import in_sample_order, micro_batch_rows, rows_tensor, take
+from reprorl.workers.optim import (
     LRSchedule,
     OptimArgs,
     check_finite_loss,
@@ -88,16 +88,6 @@ class PolicyLossArgs:
     """Divisor of "seq-mean-token-sum-norm" (data.max_response_length); None = the batch's R."""
     cov: dict[str, float] | None = None
     """clip_cov's or kl_cov's own keywords (`algos.clip_cov_policy_loss`, `kl_cov_policy_loss`)."""
-
-
-def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
-    """"float32" / "bfloat16" (config values) -> torch dtype; a dtype or None passes."""
-    if name is None or isinstance(name, torch.dtype):
-        return name
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"dtype must be one of {', '.join(dtypes)}; got {name!r}")
-    return dtypes[name]
 
 
 FULL_WIDTH_KEYS = ("input_ids", "attention_mask", "position_ids")  # [b, P+R]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from reprorl.algos import LOSS_AGG_MODES
-from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
-from reprorl.trainer.optim import NonFiniteError, OptimArgs, lr_multiplier
 from reprorl.protocol import Batch
-from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mask_truncated, trim_padding
+from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from reprorl.workers.optim import NonFiniteError, OptimArgs, lr_multiplier
+from reprorl.workers.policy import PolicyLossArgs, PolicyWorker, mask_truncated, trim_padding
 
 LOSS = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.1)
@@ -311,7 +311,7 @@ def test_the_triton_kernels_give_a_micro_batch_the_gradient_of_stock_torch(tiny_
         pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
     kernels, device = backend_and_device("triton")
     from reprorl.kernels import TorchKernels
-    from reprorl.trainer.policy import mini_batch_norms
+    from reprorl.workers.policy import mini_batch_norms
 
     worker = PolicyWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-3, total_steps=10))
     worker.model.to(device)

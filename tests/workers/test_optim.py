@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from reprorl.trainer.optim import (
+from reprorl.workers.optim import (
     LRSchedule,
     NonFiniteError,
     OptimArgs,

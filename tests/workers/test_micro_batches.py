@@ -1,10 +1,10 @@
-"""Cutting a batch into micro-batches by a token budget (reprorl/trainer/micro_batches.py)."""
+"""Cutting a batch into micro-batches by a token budget (reprorl/workers/micro_batches.py)."""
 
 import pytest
 import torch
 
 from reprorl.protocol import Batch
-from reprorl.trainer.micro_batches import (
+from reprorl.workers.micro_batches import (
     in_sample_order,
     micro_batch_rows,
     row_spans,
@@ -13,7 +13,7 @@ from reprorl.trainer.micro_batches import (
     token_budget_micro_batches,
     trimmed_width,
 )
-from reprorl.trainer.policy import trim_padding
+from reprorl.workers.policy import trim_padding
 
 
 def _batch(prompt_lens, response_lens, prompt_width, response_width):
@@ -115,9 +115,9 @@ def test_in_sample_order_undoes_the_micro_batch_order(rollout_batch):
 def test_on_the_gpu_log_probs_and_values_by_budget_are_the_bits_by_count(tiny_policy_dir, rollout_batch):
     """bf16 on the GPU's batch-invariant kernels: length-sorted micro-batches of a token
     budget give every sample the bits it gets in micro-batches of 4, in sample order."""
-    from reprorl.trainer.critic import CriticWorker
-    from reprorl.trainer.optim import OptimArgs
-    from reprorl.trainer.policy import PolicyWorker
+    from reprorl.workers.critic import CriticWorker
+    from reprorl.workers.optim import OptimArgs
+    from reprorl.workers.policy import PolicyWorker
 
     batch = rollout_batch(24, 12, 16, seed=7).to("cuda")
     worker = PolicyWorker(tiny_policy_dir, batch_invariant=True, device="cuda", dtype="bfloat16")
@@ -149,8 +149,8 @@ def test_on_the_gpu_a_micro_batch_trimmed_on_the_host_never_waits_for_the_gpu(ti
     micro-batch's log-probs, its loss and the loss's backward read nothing from the GPU:
     torch's sync debug mode raises at any read. (Each read lets the GPU's queue run dry
     while the host waits.)"""
-    from reprorl.trainer.optim import OptimArgs
-    from reprorl.trainer.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
+    from reprorl.workers.optim import OptimArgs
+    from reprorl.workers.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
 
     batch = rollout_batch(8, 12, 16, seed=3)
     worker = PolicyWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-5), batch_invariant=True, device="cuda",
