@@ -31,10 +31,16 @@ from reprorl.models.hf_io import dtype_from_name, load_model, save_model
 from reprorl.models.lora import LoraSpec, merged_state, peft_config, peft_state, resolve_targets
 from reprorl.models.transformer import CausalLM
 from reprorl.trainer.checkpoint import CHECKPOINTS_DIR, checkpoint_problem, find_valid_checkpoint, read_meta
-from reprorl.workers.policy import TOKENIZER_FILES
 
 logger = logging.getLogger(__name__)
 
+# Files copied from the model directory next to exported weights: the tokenizer (and
+# generation defaults), so the export is a complete HF model directory.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

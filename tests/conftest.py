@@ -1,6 +1,7 @@
 """Shared fixtures: the project's tokenizer, a tiny policy, the small runs' assets and one plain
 run trained on them, rollout-shaped batches, a local Ray and whether one of its actors is dead,
-the tolerance of gradients summed in another grouping, and `reprorl compare`'s verdict on two runs.
+worker groups of one rank in this process, the tolerance of gradients summed in another
+grouping, and `reprorl compare`'s verdict on two runs.
 
 The whole session runs torch's portable CPU kernels (`ATEN_CPU_CAPABILITY=default`), as a
 full-determinism run does: a run inside this process must agree with one in a subprocess.
@@ -70,6 +71,28 @@ def _actor_dead(actor, within_s: float = 10.0) -> bool:
 @pytest.fixture
 def actor_dead():
     return _actor_dead
+
+
+@pytest.fixture
+def in_process_group():
+    """`in_process_group(role, model_path, **options) -> WorkerGroup`: a group of one rank in
+    this process (`WorkerGroup(in_process=True)`: the fit loop's training path without Ray),
+    seed 0 and full determinism off unless given. The groups are shut down after the test,
+    and torch's thread count, which a rank sets to its own, is restored."""
+    from reprorl.workers.group import WorkerGroup
+
+    threads = torch.get_num_threads()
+    groups = []
+
+    def make(role, model_path, **options):
+        options = {"optim": None, "seed": 0, "full_determinism": False, **options}
+        groups.append(WorkerGroup(role, 1, model_path, in_process=True, **options))
+        return groups[-1]
+
+    yield make
+    for group in groups:
+        group.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,9 @@
   weight push to the replicas, the SFT warm start, the default run's assets.
 
 Layering: `trainer/` imports `workers/` (the ranks, their models, losses and optimizer),
-never the other way round: a rank needs nothing of the driver, and the driver reaches a
-model only through `workers.group.WorkerGroup`.
+never the other way round: a rank needs nothing of the driver, so `workers/` runs and is
+tested alone (a group of one rank in the test's process), and the driver reaches a model
+only through `workers.group.WorkerGroup`.
 
 Nothing is imported here, so `import reprorl.trainer.checkpoint` stays light.
 """

@@ -333,7 +333,7 @@ class Trainer:
             clip_ratio_c=actor.clip_ratio_c, loss_agg_mode=actor.loss_agg_mode,
             entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss,
             kl_loss_type=actor.kl_loss_type, kl_loss_coef=actor.kl_loss_coef,
-            max_response_length=self.cfg.data.max_response_length, cov=_cov_options(actor),
+            cov=_cov_options(actor),
         )
 
     def _make_kl_controller(self) -> algos.FixedKLController | algos.AdaptiveKLController:

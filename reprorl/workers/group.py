@@ -17,7 +17,13 @@ the worker count), and results come back with their rows and are put in sample o
 metrics are joined in micro-batch order, so a tensor or metric never depends on how many
 workers made it. How gradients are
 summed: flat.py. Metrics are added up here from every micro-batch's own stats, in
-micro-batch order, as `PolicyWorker.update` adds them.
+micro-batch order.
+
+`in_process=True` runs the group's one rank in the caller's process instead of a Ray
+actor (the tests' way to the training path, without Ray): the same `ShardWorker`, called
+directly, in a process group of this process alone. It runs in the caller's environment
+(no determinism variables travel or are checked) and sets the process's torch threads to
+the rank's `WORKER_THREADS`; a failure raises as it is, and there is no time limit.
 
 Every rank gets the run's determinism variables and `WORKER_ENV` through its runtime_env
 (NCCL's in-switch reduction off: it sums in the switch's order). A worker that dies or
@@ -72,32 +78,35 @@ class WorkerGroup:
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
                  device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
                  gpu_gradient_vectors: int = 0, wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S,
-                 lora: LoraSpec | None = None) -> None:
+                 lora: LoraSpec | None = None, in_process: bool = False) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
         the processes are asked for, before they have started: `wait_ready()` waits.
         `part_timeout_s`: the limit of a call, scaled by its batch's tokens (`time_limit`).
-        `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone."""
+        `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone.
+        `in_process`: its one rank in this process (module doc)."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
-        self.role, self.num_workers = role, num_workers
+        if in_process and num_workers != 1:
+            raise ValueError(f"WorkerGroup: in_process with num_workers={num_workers}; in one thread, ranks would "
+                             "wait for each other in their first collective")
+        self.role, self.num_workers, self.in_process = role, num_workers, in_process
         self.part_timeout_s = part_timeout_s
         self.num_gpus = (1 if device == "cuda" else 0) if num_gpus is None else num_gpus
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
-        remote = ray.remote(ShardWorker).options(
-            num_cpus=0, num_gpus=self.num_gpus,
-            runtime_env=ray_runtime_env(env),
-        )
-        batch_invariant = full_determinism if batch_invariant is None else batch_invariant
-        self.workers = [
-            remote.remote(role, rank, num_workers, str(model_path), optim=optim, dtype=dtype,
-                          batch_invariant=batch_invariant, seed=seed, expected_env=env, device=device,
-                          gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors,
-                          lora=lora)
-            for rank in range(num_workers)
-        ]
+        options = dict(optim=optim, dtype=dtype, seed=seed, device=device, lora=lora,
+                       batch_invariant=full_determinism if batch_invariant is None else batch_invariant,
+                       gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors)
         self.pids: dict[int, int] = {}
+        self._starting: list[Any] | None = None  # the ranks' start-up answers, until `wait_ready`
+        if in_process:
+            self.workers = [ShardWorker(role, 0, 1, str(model_path), expected_env={}, **options)]
+            self._join(None)
+            return
+        remote = ray.remote(ShardWorker).options(num_cpus=0, num_gpus=self.num_gpus, runtime_env=ray_runtime_env(env))
+        self.workers = [remote.remote(role, rank, num_workers, str(model_path), expected_env=env, **options)
+                        for rank in range(num_workers)]
         self._starting = [w.ready.remote() for w in self.workers]  # answered once each rank has loaded
         if wait:
             self.wait_ready()
@@ -112,13 +121,16 @@ class WorkerGroup:
             self._wait_placed(self._starting)
             self._wait(self._starting, "start-up", ranks=list(range(self.num_workers)))
             self._starting = None
-            address = self._call_one(0, "address")
-            self._call("join", address, what="joining the process group")
-            self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
-            self.layout = self._call_one(0, "layout_json")
+            self._join(self._call_one(0, "address"))
         except BaseException:  # a failure (or Ctrl-C) at start-up leaves no rank running
             self._kill()
             raise
+
+    def _join(self, address: str | None) -> None:
+        """Every rank into the process group at `address` (None: in process); then the pids and layout."""
+        self._call("join", address, what="joining the process group")
+        self.pids = {rank: info["pid"] for rank, info in enumerate(self._call("determinism_info"))}
+        self.layout = self._call_one(0, "layout_json")
 
     def _wait_placed(self, starting: list[Any]) -> None:
         """Fail, instead of waiting forever, when Ray has not started every rank within the
@@ -138,11 +150,15 @@ class WorkerGroup:
     # ---------------------------------------------------------------- calls
 
     def _call_one(self, rank: int, method: str, *args: Any) -> Any:
+        if self.in_process:
+            return getattr(self.workers[rank], method)(*args)
         return self._wait([getattr(self.workers[rank], method).remote(*args)], method, ranks=[rank])[0]
 
     def _call(self, method: str, *args: Any, what: str | None = None, tokens: int = 0, **kwargs: Any) -> list[Any]:
         """`method(*args, **kwargs)` on every rank; the answers by rank. `tokens`: the work the
         call carries, which scales its time limit."""
+        if self.in_process:
+            return [getattr(w, method)(*args, **kwargs) for w in self.workers]
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
         return self._wait(refs, what or method, ranks=list(range(self.num_workers)), tokens=tokens)
 
@@ -165,6 +181,11 @@ class WorkerGroup:
             except ray.exceptions.RayActorError as err:
                 self._fail(refs, ranks, refs.index(done[0]), err, what)
         return [results[i] for i in range(len(refs))]
+
+    def _put(self, batch: Batch) -> Any:
+        """`batch` as the ranks' calls take it: once into Ray's object store (every rank reads
+        that copy), or as it is in process."""
+        return batch if self.in_process else ray.put(batch)
 
     def _fail(self, refs: list[Any], ranks: Sequence[int], first: int, err: Exception, what: str) -> None:
         """Name the worker that failed (a dead one before one whose peer vanished), stop the group."""
@@ -199,9 +220,11 @@ class WorkerGroup:
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
                           max_token_len: int | None = None, with_entropy: bool = False,
                           base: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As `PolicyWorker.compute_log_probs`: `[B, R]` (and entropies) in sample order,
-        micro-batches spread over the ranks. `base`: with the LoRA adapters off (the reference)."""
-        parts = [p for p in self._call("compute_log_probs", ray.put(batch), temperature=temperature,
+        """Log-prob of every response token (policy.py): `[B, R]` float32 in sample order, 0
+        where `response_mask` is 0; with `with_entropy`, also each token's entropy `[B, R]`.
+        Micro-batches of `micro_batch_size` samples or by token budget `max_token_len`
+        (micro_batches.py), spread over the ranks. `base`: with the LoRA adapters off (the reference)."""
+        parts = [p for p in self._call("compute_log_probs", self._put(batch), temperature=temperature,
                                        micro_batch_size=micro_batch_size, max_token_len=max_token_len,
                                        with_entropy=with_entropy, base=base, tokens=_tokens(batch))
                  if p is not None]
@@ -211,8 +234,9 @@ class WorkerGroup:
         return in_sample_order(torch.cat([out for _, out in parts]), rows)
 
     def compute_values(self, batch: Batch, *, micro_batch_size: int, max_token_len: int | None = None) -> torch.Tensor:
-        """As `CriticWorker.compute_values`: `[B, R]` in sample order."""
-        parts = [p for p in self._call("compute_values", ray.put(batch), micro_batch_size=micro_batch_size,
+        """The critic's values of the states before each response token (critic.py): `[B, R]`
+        float32 in sample order, 0 where `response_mask` is 0; micro-batches as `compute_log_probs`."""
+        parts = [p for p in self._call("compute_values", self._put(batch), micro_batch_size=micro_batch_size,
                                        max_token_len=max_token_len, tokens=_tokens(batch)) if p is not None]
         return in_sample_order(torch.cat([out for _, out in parts]), torch.cat([r for r, _ in parts]))
 
@@ -221,14 +245,28 @@ class WorkerGroup:
     def update(self, batch: Batch, *, ppo_epochs: int, mini_batch_size: int, micro_batch_size: int,
                max_response_length: int | None = None, max_token_len: int | None = None,
                **loss: Any) -> dict[str, float]:
-        """One training step; the metrics `PolicyWorker.update` / `CriticWorker.update` give.
-        `max_token_len`: micro-batches by token budget (workers/micro_batches.py).
+        """One training step on `batch`; returns its metrics.
 
-        `loss`: the model worker's `micro_batch_loss` arguments (actor: `loss=PolicyLossArgs`,
-        `temperature`; critic: `cliprange_value`, `loss_agg_mode`). A non-finite loss or
-        gradient norm raises `NonFiniteError` as theirs do; nothing is stepped for that mini-batch.
+        `ppo_epochs` passes over the batch, each cut into consecutive mini-batches of
+        `mini_batch_size` SAMPLES (verl's ppo_mini_batch_size in prompts times rollout.n;
+        sample order, no shuffling; the last may be smaller), one optimizer step per
+        mini-batch; a mini-batch cut into micro-batches of `micro_batch_size` samples, or by
+        token budget `max_token_len` (micro_batches.py). `max_response_length`: the divisor
+        of "seq-mean-token-sum-norm" (None = the batch's R). The learning rate is stepped once
+        per call (optim.py).
+
+        `loss`: the role's `micro_batch_loss` arguments (actor: `loss=PolicyLossArgs`,
+        `temperature`: policy.py; critic: `cliprange_value`, `loss_agg_mode`: critic.py).
+        Metrics: the loss's stats named `<role>/<stat>` (actor: `pg_loss`, `entropy`, `kl` when
+        the batch has `ref_log_probs`, `pg_clipfrac`, `ppo_kl`; critic: `vf_loss`,
+        `vf_clipfrac`), each exact per mini-batch whatever the micro-batches, then the mean
+        over the step's mini-batches in order; `<role>/grad_norm` (before clipping, mean over
+        mini-batches); `<role>/lr`. A non-finite loss or gradient norm raises
+        `NonFiniteError` naming the update (1-based: the trainer's step), epoch, mini-batch
+        (and micro-batch); that mini-batch is not stepped (earlier ones of the update have
+        been), nor the schedule advanced.
         """
-        answers = self._call("update", ray.put(batch), ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
+        answers = self._call("update", self._put(batch), ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
                              micro_batch_size=micro_batch_size, max_response_length=max_response_length,
                              max_token_len=max_token_len, what="update", tokens=_tokens(batch) * ppo_epochs, **loss)
         records = []
@@ -294,6 +332,9 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Stop every rank's process (a dead one included)."""
         if not self.workers:
+            return
+        if self.in_process:
+            self.workers.pop().shutdown()
             return
         ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=10)
         self._kill()

@@ -1,6 +1,8 @@
-"""Optimizer, learning-rate schedule and the guarded optimizer step shared by the workers.
+"""AdamW, the learning-rate schedule and the optimizer steps: the ranks' chunked step on
+their master shard (worker.py), and the guarded step of the SFT warm start
+(trainer/warm_start.py).
 
-The schedule is stepped once per TRAINING step (one `update` call of a worker), not once
+The schedule is stepped once per TRAINING step (one `update` call of a rank), not once
 per optimizer step: `warmup_steps` and `total_steps` then count the same steps as
 `trainer.total_steps`, and the learning rate of a step does not depend on how many
 mini-batches the step was cut into (verl steps its scheduler the same way). Every
@@ -167,15 +169,6 @@ def guarded_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
-
-def check_finite_loss(loss: torch.Tensor, optimizer: torch.optim.Optimizer | None, where: str) -> None:
-    """Raise `NonFiniteError` naming `where` if `loss` is NaN/inf (before its backward),
-    clearing the gradients accumulated so far."""
-    if not bool(torch.isfinite(loss)):
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteError(f"{where}: loss is {float(loss.detach())}; optimizer not stepped")
 
 
 @dataclass

@@ -9,10 +9,10 @@ runs on the GPU Ray gave the process (the group's collectives then use NCCL), an
 memory (grad_tree.py: at most k whole float32 gradient vectors on the device, whatever the
 micro-batch count; 0: all on the device).
 
-The model and its losses are `PolicyWorker`'s and `CriticWorker`'s (trainer/): a rank runs
-their per-micro-batch loss and adds nothing itself; their own optimizer stays unused (it
-holds no state until stepped). Every rank runs torch with WORKER_THREADS threads: a
-gradient's bits can depend on the thread count, and the rank that computes a micro-batch
+The rank loads its model and owns it and the optimizer: the one training loop of reprorl
+(`update`). The math it runs on a micro-batch is policy.py's and critic.py's plain
+functions (log-probs, values, losses). Every rank runs torch with WORKER_THREADS threads:
+a gradient's bits can depend on the thread count, and the rank that computes a micro-batch
 must not matter.
 
 With LoRA (`lora`: models/lora.py) only the adapters are trainable: the flat layout, the
@@ -53,7 +53,7 @@ from reprorl.io import atomic_write
 from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch, tensor_to
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
-from reprorl.workers.critic import CriticWorker
+from reprorl.workers import critic, policy
 from reprorl.workers.flat import (
     EMPTY_GRADIENT,
     FlatLayout,
@@ -68,7 +68,7 @@ from reprorl.workers.flat import (
 from reprorl.workers.grad_tree import GradTree
 from reprorl.workers.micro_batches import Rows, micro_batch_rows, rows_tensor, take
 from reprorl.workers.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr, step_in_chunks
-from reprorl.workers.policy import PolicyWorker, mini_batch_norms, read_stats, trim_padding
+from reprorl.workers.policy import mini_batch_norms, read_stats, trim_padding
 
 WORKER_THREADS = 1
 MASTER_DTYPE = torch.float32
@@ -103,19 +103,21 @@ class ShardWorker:
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
         if role == "critic":
-            self.model_worker = CriticWorker(model_path, optim=optim, seed=seed, dtype=dtype,
-                                             batch_invariant=batch_invariant, device=self.device)
+            self.model = critic.load_critic(model_path, seed=seed, dtype=dtype, batch_invariant=batch_invariant,
+                                            device=self.device)
+            self._loss = critic.micro_batch_loss
         else:
-            self.model_worker = PolicyWorker(model_path, optim=optim, dtype=dtype, batch_invariant=batch_invariant,
-                                             name=role, device=self.device, lora=lora)
-        model = self.model_worker.model
-        model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
+            self.model = policy.load_policy(model_path, trainable=optim is not None, dtype=dtype,
+                                            batch_invariant=batch_invariant, device=self.device, lora=lora)
+            self._loss = policy.micro_batch_loss
+        self.model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
         self.optim_args = optim
         self.trainable = optim is not None
         self.lora = lora
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._tree: GradTree | None = None  # the tree `_fold_grad` feeds, during an update's backward passes
+        self.group: dist.ProcessGroup | None = None  # set by `join`
 
     def ready(self) -> int:
         return self.rank
@@ -129,14 +131,18 @@ class ShardWorker:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def join(self, address: str) -> None:
-        """Join the group's process group; a trainable rank then lays out its shard."""
+    def join(self, address: str | None) -> None:
+        """Join the group's process group at `address`, or with None (a group of one rank in
+        the caller's process: `WorkerGroup(in_process=True)`) a group of this process alone.
+        A trainable rank then lays out its shard."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
-        self.group = dist.group.WORLD
-        model = self.model_worker.model
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if address is None:
+            self.group = process_group_alone(backend)
+        else:
+            dist.init_process_group(backend, init_method=address, rank=self.rank, world_size=self.world_size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+            self.group = dist.group.WORLD
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.layout = FlatLayout.of(named, self.world_size)
         if not self.trainable:
@@ -170,27 +176,27 @@ class ShardWorker:
 
     def compute_log_probs(self, batch: Batch, *, temperature: float, micro_batch_size: int,
                           max_token_len: int | None = None, with_entropy: bool = False, base: bool = False) -> Any:
-        """(rows, `PolicyWorker.micro_batch_log_probs` of this rank's micro-batches, joined):
+        """(rows, `policy.micro_batch_log_probs` of this rank's micro-batches, joined):
         the outputs' row k is sample rows[k]'s. None: it has none. `base`: with the LoRA
         adapters off (the reference policy)."""
         mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
         if not mine:
             return None
-        parts = self.model_worker.micro_batch_log_probs(
-            (self._micro_on_device(batch, rows) for rows in mine), temperature=temperature, with_entropy=with_entropy,
-            base=base)
+        parts = policy.micro_batch_log_probs(
+            self.model, (self._micro_on_device(batch, rows) for rows in mine), temperature=temperature,
+            with_entropy=with_entropy, base=base)
         if with_entropy:
             return rows_tensor(mine), (torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts]).cpu())
         return rows_tensor(mine), torch.cat(parts).cpu()
 
     def compute_values(self, batch: Batch, *, micro_batch_size: int,
                        max_token_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, `CriticWorker.micro_batch_values` of this rank's micro-batches, joined), as
+        """(rows, `critic.micro_batch_values` of this rank's micro-batches, joined), as
         `compute_log_probs`. None: it has none."""
         mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
         if not mine:
             return None
-        parts = self.model_worker.micro_batch_values(self._micro_on_device(batch, rows) for rows in mine)
+        parts = critic.micro_batch_values(self.model, (self._micro_on_device(batch, rows) for rows in mine))
         return rows_tensor(mine), torch.cat(parts).cpu()
 
     # ---------------------------------------------------------------- training
@@ -201,7 +207,9 @@ class ShardWorker:
         """One training step: per mini-batch (sample order), this rank's micro-batches'
         stats by micro-batch index and the (global) gradient norm; and the step's lr.
         `max_token_len`: micro-batches by token budget (workers/micro_batches.py), else of
-        `micro_batch_size` samples. `loss` goes to the model worker's `micro_batch_loss`."""
+        `micro_batch_size` samples. `loss` goes to the role's `micro_batch_loss` (actor:
+        `loss=PolicyLossArgs`, `temperature`: policy.py; critic: `cliprange_value`,
+        `loss_agg_mode`: critic.py); its stats come back named `<role>/<stat>`."""
         if not self.trainable:
             raise RuntimeError(f"update: the {self.role} group is frozen (built without optim)")
         lr = self.schedule.lr()
@@ -255,7 +263,8 @@ class ShardWorker:
         step_in_chunks(self.optimizer, self.shard)  # optimizer.step()'s bits, without its two whole temporaries
         self.shard.grad = None
         self._publish_master()
-        return {"stats": [(k, {key: v for key, v in r.items() if key != "loss"}) for k, r in zip(order, read)],
+        return {"stats": [(k, {f"{self.role}/{key}": v for key, v in r.items() if key != "loss"})
+                          for k, r in zip(order, read)],
                 "grad_norm": grad_norm}
 
     def _block_gradient(self, mini: Batch, micros: list[Rows], block: list[int | None], first: int,
@@ -273,8 +282,7 @@ class ShardWorker:
             if k is not None:
                 for p in self.params:  # a .grad left by anything else would be added to this leaf's
                     p.grad = None
-                total, stats[k] = self.model_worker.micro_batch_loss(self._micro_on_device(mini, micros[k]), norms,
-                                                                     **loss)
+                total, stats[k] = self._loss(self.model, self._micro_on_device(mini, micros[k]), norms, **loss)
                 losses[k] = total.detach()  # checked once the block is summed: no read of the device per micro-batch
                 self._tree = tree
                 try:
@@ -299,7 +307,7 @@ class ShardWorker:
     def pushed_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights the replicas take after an update: every one, or with LoRA the
         adapters alone (the replicas built the same frozen base)."""
-        named = self.model_worker.model.named_parameters()
+        named = self.model.named_parameters()
         return [(n, p) for n, p in named if p.requires_grad] if self.lora is not None else list(named)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -309,7 +317,7 @@ class ShardWorker:
     def weight_digests(self) -> dict[str, str]:
         """`tensor_digest` of every weight, by HF name, in `named_weights` order: the step's
         fingerprint "params" without shipping the model (the same bits as hashing `named_weights`)."""
-        return tensor_digests(self.model_worker.model.named_parameters())
+        return tensor_digests(self.model.named_parameters())
 
     def gpu_uuid(self) -> str | None:
         """The UUID of this rank's GPU (None on the CPU): replicas on it can take `share_weights`."""
@@ -388,7 +396,7 @@ class ShardWorker:
 
     def determinism_info(self) -> dict[str, Any]:
         """This rank's mode for the determinism report: the model part's keys plus its place."""
-        model = self.model_worker.model
+        model = self.model
         info = model_part_info(backend="torch", batch_invariant=self.batch_invariant,
                                dtype=next(model.parameters()).dtype, kernels=model.kernels.name, device=self.device)
         info.update(rank=self.rank, world_size=self.world_size, device=str(self.device),
@@ -396,5 +404,19 @@ class ShardWorker:
         return info
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the process group (a Ray rank's is its process's default group: all of it)."""
+        if self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+
+
+def process_group_alone(backend: str) -> dist.ProcessGroup:
+    """A new process group of this process alone, for a rank in the caller's process. Each
+    such rank gets its own (an actor and its reference in one test), under one default group
+    of world size 1 made here the first time (on a `HashStore`: no port, no peer)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError("a rank in the caller's process needs a process of its own: this one is in a "
+                           f"process group of {dist.get_world_size()}")
+    return dist.new_group([0], backend=backend)

@@ -185,7 +185,7 @@ def test_sleep_refuses_requests_until_wake_up(pool1):
 
 
 def _trainer_log_probs(worker, ids):
-    """The trainer's log-probs of ids[1:] given their prefixes (T = 1), as `PolicyWorker` computes them."""
+    """The trainer's log-probs of ids[1:] given their prefixes (T = 1), from its worker group."""
     from reprorl.protocol import Batch
 
     ids = torch.tensor([ids])
@@ -196,10 +196,8 @@ def _trainer_log_probs(worker, ids):
     return worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=1)[0]
 
 
-def test_weight_update_reaches_vllm_and_matches_the_trainer(pool2, policy):
-    from reprorl.workers.policy import PolicyWorker
-
-    worker = PolicyWorker(policy, batch_invariant=True)
+def test_weight_update_reaches_vllm_and_matches_the_trainer(pool2, policy, in_process_group):
+    worker = in_process_group("ref", policy, batch_invariant=True)  # one rank in this process
     reqs = requests(step=4)
     before = run(pool2.replicas, reqs)
     sequence = PROMPTS[1] + before[2][0]  # a fixed sequence: a prompt and a sampled response
@@ -212,7 +210,7 @@ def test_weight_update_reaches_vllm_and_matches_the_trainer(pool2, policy):
     original = {name: t.clone() for name, t in worker.named_weights()}
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for p in worker.model.parameters():
+        for p in worker.workers[0].model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
     pool2.update_weights(worker.named_weights(), version=1)
     assert pool2.weight_versions() == {0: 1, 1: 1}

@@ -151,6 +151,8 @@ def test_full_fine_tuning_export_loads_in_transformers(assets, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = token_ids()
     torch.testing.assert_close(hf_logits(hf, ids), ours_logits(ours, ids), rtol=0, atol=1e-6)
+    tok = transformers.AutoTokenizer.from_pretrained(out)  # the base's tokenizer files came along
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template is not None
 
 
 def test_export_errors_name_the_run(tmp_path):

@@ -112,17 +112,18 @@ def test_in_sample_order_undoes_the_micro_batch_order(rollout_batch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_the_gpu_log_probs_and_values_by_budget_are_the_bits_by_count(tiny_policy_dir, rollout_batch):
+def test_on_the_gpu_log_probs_and_values_by_budget_are_the_bits_by_count(tiny_policy_dir, rollout_batch,
+                                                                         in_process_group):
     """bf16 on the GPU's batch-invariant kernels: length-sorted micro-batches of a token
-    budget give every sample the bits it gets in micro-batches of 4, in sample order."""
-    from reprorl.workers.critic import CriticWorker
+    budget give every sample the bits it gets in micro-batches of 4, in sample order (the
+    reference and the critic as the fit loop reaches them: groups, here of one rank in this
+    process, taking the batch from the host)."""
     from reprorl.workers.optim import OptimArgs
-    from reprorl.workers.policy import PolicyWorker
 
-    batch = rollout_batch(24, 12, 16, seed=7).to("cuda")
-    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True, device="cuda", dtype="bfloat16")
-    critic = CriticWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-5), seed=0, batch_invariant=True, device="cuda",
-                          dtype="bfloat16")
+    batch = rollout_batch(24, 12, 16, seed=7)
+    on_gpu = dict(batch_invariant=True, device="cuda", dtype="bfloat16")
+    worker = in_process_group("ref", tiny_policy_dir, **on_gpu)
+    critic = in_process_group("critic", tiny_policy_dir, optim=OptimArgs(lr=1e-5), **on_gpu)
     log_probs = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4)
     values = critic.compute_values(batch, micro_batch_size=4)
     for max_token_len in (28, 64, 200):  # 28: the widest sample (12 + 16)
@@ -149,27 +150,31 @@ def test_on_the_gpu_a_micro_batch_trimmed_on_the_host_never_waits_for_the_gpu(ti
     micro-batch's log-probs, its loss and the loss's backward read nothing from the GPU:
     torch's sync debug mode raises at any read. (Each read lets the GPU's queue run dry
     while the host waits.)"""
-    from reprorl.workers.optim import OptimArgs
-    from reprorl.workers.policy import PolicyLossArgs, PolicyWorker, mini_batch_norms
+    from reprorl.workers.policy import (
+        PolicyLossArgs,
+        load_policy,
+        micro_batch_log_probs,
+        micro_batch_loss,
+        mini_batch_norms,
+    )
 
     batch = rollout_batch(8, 12, 16, seed=3)
-    worker = PolicyWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-5), batch_invariant=True, device="cuda",
-                          dtype="bfloat16")
+    model = load_policy(tiny_policy_dir, trainable=True, batch_invariant=True, device="cuda", dtype="bfloat16")
     loss = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                           entropy_coeff=0.01, use_kl_loss=False, kl_loss_type="k3", kl_loss_coef=0.0)
 
     def on_gpu(b):
         return trim_padding(take(b, range(len(b)))).to("cuda", non_blocking=True)
 
-    warm = worker.micro_batch_log_probs([on_gpu(batch)], temperature=0.7)[0]  # compiles the kernels
+    warm = micro_batch_log_probs(model, [on_gpu(batch)], temperature=0.7)[0]  # compiles the kernels
     batch["old_log_probs"] = warm.cpu()
     norms = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in mini_batch_norms(batch, None).items()}
-    worker.micro_batch_loss(on_gpu(batch), norms, loss=loss, temperature=0.7)[0].backward()
+    micro_batch_loss(model, on_gpu(batch), norms, loss=loss, temperature=0.7)[0].backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        log_probs = worker.micro_batch_log_probs([on_gpu(batch)], temperature=0.7)[0]
-        total, _ = worker.micro_batch_loss(on_gpu(batch), norms, loss=loss, temperature=0.7)
+        log_probs = micro_batch_log_probs(model, [on_gpu(batch)], temperature=0.7)[0]
+        total, _ = micro_batch_loss(model, on_gpu(batch), norms, loss=loss, temperature=0.7)
         total.backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)

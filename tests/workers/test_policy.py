@@ -1,4 +1,6 @@
-"""The policy worker (actor and reference) on a tiny model.
+"""The policy (actor and reference) on a tiny model, through the fit loop's path: a worker
+group of one rank in this process (conftest's `in_process_group`), and the loss function
+it runs (`policy.micro_batch_loss`).
 
 Tolerances: the model runs in float32. Values computed by the same ops in a different
 grouping (a micro-batch loop vs one pass) differ by float rounding only: gradients within
@@ -12,20 +14,41 @@ import torch
 from reprorl.algos import LOSS_AGG_MODES
 from reprorl.protocol import Batch
 from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from reprorl.workers.micro_batches import micro_batch_rows, take
 from reprorl.workers.optim import NonFiniteError, OptimArgs, lr_multiplier
-from reprorl.workers.policy import PolicyLossArgs, PolicyWorker, mask_truncated, trim_padding
+from reprorl.workers.policy import (
+    PolicyLossArgs,
+    load_policy,
+    mask_truncated,
+    micro_batch_log_probs,
+    micro_batch_loss,
+    mini_batch_norms,
+    read_stats,
+    trim_padding,
+)
 
 LOSS = PolicyLossArgs(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, loss_agg_mode="token-mean",
                       entropy_coeff=0.01, use_kl_loss=True, kl_loss_type="k3", kl_loss_coef=0.1)
-STEP = dict(temperature=0.7, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
+STEP = dict(loss=LOSS, temperature=0.7, ppo_epochs=1, mini_batch_size=8, micro_batch_size=4)
 
 
-def _actor(path, *, lr=1e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=0, schedule="constant",
-           batch_invariant=False):
-    # Batch-invariant mode only where a test needs it: its backward is several times slower.
-    return PolicyWorker(path, optim=OptimArgs(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
-                                              warmup_steps=warmup_steps, lr_schedule=schedule, total_steps=10),
-                        batch_invariant=batch_invariant)
+@pytest.fixture
+def actor_group(in_process_group):
+    """`actor_group(path, lr=..., ...)`: the actor, one rank in this process."""
+
+    def make(path, *, lr=1e-3, weight_decay=0.0, grad_clip=1.0, warmup_steps=0, schedule="constant",
+             batch_invariant=False):
+        # Batch-invariant mode only where a test needs it: its backward is several times slower.
+        optim = OptimArgs(lr=lr, weight_decay=weight_decay, grad_clip=grad_clip, warmup_steps=warmup_steps,
+                          lr_schedule=schedule, total_steps=10)
+        return in_process_group("actor", path, optim=optim, batch_invariant=batch_invariant)
+
+    return make
+
+
+def _rank(group):
+    """The group's one rank (`ShardWorker`): its model, optimizer and schedule."""
+    return group.workers[0]
 
 
 def _train_batch(worker, ref, rollout_batch, seed=0, batch_size=8):
@@ -36,15 +59,15 @@ def _train_batch(worker, ref, rollout_batch, seed=0, batch_size=8):
 
 
 def _params(worker):
-    return [p.detach().clone() for p in worker.model.parameters()]
+    return [p.detach().clone() for p in _rank(worker).model.parameters()]
 
 
-def test_log_probs_equal_a_hand_computation(tiny_policy_dir, rollout_batch):
-    worker = PolicyWorker(tiny_policy_dir)
+def test_log_probs_equal_a_hand_computation(tiny_policy_dir, rollout_batch, in_process_group):
+    worker = in_process_group("ref", tiny_policy_dir)
     batch = rollout_batch(5, 6, 4, seed=1)
     log_probs, entropy = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=2, with_entropy=True)
     with torch.no_grad():
-        logits = worker.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+        logits = _rank(worker).model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     P = batch["prompts"].shape[1]
     for b in range(5):
         for j in range(4):
@@ -60,8 +83,8 @@ def test_log_probs_equal_a_hand_computation(tiny_policy_dir, rollout_batch):
     assert torch.equal(greedy, worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=5))
 
 
-def test_log_probs_do_not_depend_on_the_micro_batch_or_threads(tiny_policy_dir, rollout_batch):
-    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+def test_log_probs_do_not_depend_on_the_micro_batch_or_threads(tiny_policy_dir, rollout_batch, in_process_group):
+    worker = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
     batch = rollout_batch(8, 7, 5, seed=2)
     ref = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=1)
     for micro in (3, 4, 8):
@@ -74,10 +97,11 @@ def test_log_probs_do_not_depend_on_the_micro_batch_or_threads(tiny_policy_dir, 
         torch.set_num_threads(threads)
 
 
-def test_log_probs_by_token_budget_are_the_bits_of_those_by_sample_count(tiny_policy_dir, rollout_batch):
+def test_log_probs_by_token_budget_are_the_bits_of_those_by_sample_count(tiny_policy_dir, rollout_batch,
+                                                                         in_process_group):
     """Batch-invariant kernels compute each row alone, so reordering the samples and cutting
     them by a token budget changes no bit, and the outputs come back in sample order."""
-    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    worker = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
     batch = rollout_batch(11, 7, 5, seed=5)
     log_probs, entropy = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=4, with_entropy=True)
     for max_token_len in (12, 20, 45, 1000):  # 12: the widest sample (7 + 5); 1000: one micro-batch
@@ -88,18 +112,19 @@ def test_log_probs_by_token_budget_are_the_bits_of_those_by_sample_count(tiny_po
                                                     max_token_len=max_token_len), log_probs)
 
 
-def test_update_changes_every_parameter_and_not_the_reference(tiny_policy_dir, rollout_batch):
-    actor = _actor(tiny_policy_dir, batch_invariant=True)
-    ref = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+def test_update_changes_every_parameter_and_not_the_reference(tiny_policy_dir, rollout_batch, actor_group,
+                                                               in_process_group):
+    actor = actor_group(tiny_policy_dir, batch_invariant=True)
+    ref = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
     weights_file = sorted(tiny_policy_dir.glob("*.safetensors"))[0]
     file_bytes = weights_file.read_bytes()
     batch = _train_batch(actor, ref, rollout_batch)
     ref_before, actor_before = _params(ref), _params(actor)
-    metrics = actor.update(batch, LOSS, **STEP)
-    for (name, p), before in zip(actor.model.named_parameters(), actor_before):
+    metrics = actor.update(batch, **STEP)
+    for (name, p), before in zip(_rank(actor).model.named_parameters(), actor_before):
         assert not torch.equal(p, before), f"{name} did not change"
-    assert all(torch.equal(p, b) for p, b in zip(ref.model.parameters(), ref_before))
-    assert all(not p.requires_grad for p in ref.model.parameters())
+    assert all(torch.equal(p, b) for p, b in zip(_rank(ref).model.parameters(), ref_before))
+    assert all(not p.requires_grad for p in _rank(ref).model.parameters())
     assert weights_file.read_bytes() == file_bytes
     assert torch.equal(ref.compute_log_probs(batch, temperature=0.7, micro_batch_size=8), batch["ref_log_probs"])
     assert sorted(metrics) == sorted(f"actor/{k}" for k in
@@ -110,34 +135,48 @@ def test_update_changes_every_parameter_and_not_the_reference(tiny_policy_dir, r
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/kl"] == 0.0  # actor == reference before the step
     with pytest.raises(RuntimeError, match="frozen"):
-        ref.update(batch, LOSS, **STEP)
+        ref.update(batch, **STEP)
 
 
-def _grads(worker, mini, loss, micro_batch_size, max_token_len=None):
-    worker.optimizer.zero_grad(set_to_none=True)
-    stats = worker.accumulate_gradients(mini, loss, temperature=0.7, micro_batch_size=micro_batch_size,
-                                        max_token_len=max_token_len)
-    grads = [p.grad.clone() for p in worker.params]
-    worker.optimizer.zero_grad(set_to_none=True)
-    return grads, stats
+def _grads(worker, mini, loss, micro_batch_size, max_token_len=None, max_response_length=None):
+    """The gradient of `mini`'s loss accumulated micro-batch by micro-batch the plain way
+    (autograd into `.grad`), with the rank's cut, model and loss function; and the
+    micro-batches' stats added up, named as the update's metrics."""
+    model = _rank(worker).model
+    norms = mini_batch_norms(mini, max_response_length)
+    model.zero_grad(set_to_none=True)
+    stats = []
+    for rows in micro_batch_rows(mini, micro_batch_size, max_token_len):
+        total, micro_stats = micro_batch_loss(model, take(mini, rows), norms, loss=loss, temperature=0.7)
+        total.backward()
+        stats.append(micro_stats)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {}
+    for micro_stats in read_stats(stats):
+        for key, value in micro_stats.items():
+            totals[f"actor/{key}"] = totals.get(f"actor/{key}", 0.0) + value
+    return grads, totals
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_gradient_accumulation_equals_one_micro_batch(tiny_policy_dir, rollout_batch, assert_grads_close, mode):
-    actor = _actor(tiny_policy_dir)
+def test_gradient_accumulation_equals_one_micro_batch(tiny_policy_dir, rollout_batch, assert_grads_close, mode,
+                                                      actor_group):
+    actor = actor_group(tiny_policy_dir)
     batch = _train_batch(actor, actor, rollout_batch, seed=3)
     # Move the old and reference policies off the current one so that the ratio, clipping
     # and KL terms are not trivial.
     noise = torch.randn(batch["old_log_probs"].shape, generator=torch.Generator().manual_seed(0))
     batch["old_log_probs"] = batch["old_log_probs"] + 0.3 * noise * batch["response_mask"]
     batch["ref_log_probs"] = batch["ref_log_probs"] - 0.2 * noise.abs() * batch["response_mask"]
-    loss = PolicyLossArgs(**{**LOSS.__dict__, "loss_agg_mode": mode, "max_response_length": 7})
-    full_grads, full_stats = _grads(actor, batch, loss, micro_batch_size=8)
+    loss = PolicyLossArgs(**{**LOSS.__dict__, "loss_agg_mode": mode})
+    full_grads, full_stats = _grads(actor, batch, loss, micro_batch_size=8, max_response_length=7)
     assert 0 < full_stats["actor/pg_clipfrac"] < 1 and full_stats["actor/kl"] > 0
     # 3: uneven micro-batches (3, 3, 2); token budgets 11 (the widest sample: 6 + 5) and 24:
     # micro-batches of length-sorted samples, the mini-batch's normalisers all the same.
     for micro, max_token_len in ((1, None), (3, None), (8, 11), (8, 24)):
-        grads, stats = _grads(actor, batch, loss, micro_batch_size=micro, max_token_len=max_token_len)
+        grads, stats = _grads(actor, batch, loss, micro_batch_size=micro, max_token_len=max_token_len,
+                              max_response_length=7)
         for g, f in zip(grads, full_grads):
             assert_grads_close(g, f)
         assert stats.keys() == full_stats.keys()
@@ -155,10 +194,11 @@ def test_mask_truncated_zeroes_the_rows_cut_at_the_length_limit():
         mask_truncated(mask, ["stop"] * 3)
 
 
-def test_masked_truncated_rows_add_nothing_to_the_gradient(tiny_policy_dir, rollout_batch, assert_grads_close):
+def test_masked_truncated_rows_add_nothing_to_the_gradient(tiny_policy_dir, rollout_batch, assert_grads_close,
+                                                           actor_group):
     """token-mean: the gradient with the truncated rows masked out is the gradient of the
     other rows alone (their tokens are not counted either)."""
-    actor = _actor(tiny_policy_dir)
+    actor = actor_group(tiny_policy_dir)
     batch = _train_batch(actor, actor, rollout_batch, seed=5)
     reasons = ["stop", "length", "stop", "stop", "length", "stop", "length", "stop"]
     batch["advantages"] = batch["advantages"] + batch["response_mask"]  # every row pulls: a leak would show
@@ -172,91 +212,85 @@ def test_masked_truncated_rows_add_nothing_to_the_gradient(tiny_policy_dir, roll
     assert masked_stats["actor/pg_loss"] == pytest.approx(kept_stats["actor/pg_loss"], rel=1e-6)
 
 
-def test_non_finite_loss_raises_and_keeps_optimizer_state(tiny_policy_dir, rollout_batch):
-    actor = _actor(tiny_policy_dir)
+def test_non_finite_loss_raises_and_keeps_optimizer_state(tiny_policy_dir, rollout_batch, actor_group):
+    actor = actor_group(tiny_policy_dir)
+    rank = _rank(actor)
     batch = _train_batch(actor, actor, rollout_batch)
-    actor.update(batch, LOSS, **STEP)
+    actor.update(batch, **STEP)
     params = _params(actor)
-    adam = {k: v.clone() for k, v in actor.optimizer.state[actor.params[0]].items()}
+    adam = {k: v.clone() for k, v in rank.optimizer.state[rank.shard].items()}
     bad = batch.index(list(range(len(batch))))  # a copy
     bad["advantages"][5, 0] = float("nan")  # micro-batch 1 of mini-batch 0 (micro size 4)
     with pytest.raises(NonFiniteError, match=r"actor update 2 \(epoch 0, mini-batch 0\), micro-batch 1: loss is nan"):
-        actor.update(bad, LOSS, **STEP)
-    assert all(torch.equal(p, b) for p, b in zip(actor.model.parameters(), params))
-    assert all(torch.equal(actor.optimizer.state[actor.params[0]][k], v) for k, v in adam.items())
-    assert all(p.grad is None for p in actor.params)
-    assert actor.schedule.step == 1  # the failed step is not counted
+        actor.update(bad, **STEP)
+    assert all(torch.equal(p, b) for p, b in zip(rank.model.parameters(), params))
+    assert all(torch.equal(rank.optimizer.state[rank.shard][k], v) for k, v in adam.items())
+    assert all(p.grad is None for p in rank.params)
+    assert rank.schedule.step == 1  # the failed step is not counted
 
 
-def test_grad_norm_is_reported_before_clipping(tiny_policy_dir, rollout_batch):
-    actor = _actor(tiny_policy_dir, grad_clip=1e-4)
+def test_grad_norm_is_reported_before_clipping(tiny_policy_dir, rollout_batch, actor_group):
+    actor = actor_group(tiny_policy_dir, grad_clip=1e-4)
     batch = _train_batch(actor, actor, rollout_batch)
     grads, _ = _grads(actor, batch, LOSS, micro_batch_size=4)
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
     assert expected > 1e-4  # so the clip is active
-    metrics = actor.update(batch, LOSS, **STEP)
+    metrics = actor.update(batch, **STEP)
     assert metrics["actor/grad_norm"] == pytest.approx(expected, rel=1e-6)
 
 
-def test_lr_steps_once_per_update(tiny_policy_dir, rollout_batch):
-    actor = _actor(tiny_policy_dir, warmup_steps=2, schedule="cosine")
+def test_lr_steps_once_per_update(tiny_policy_dir, rollout_batch, actor_group):
+    actor = actor_group(tiny_policy_dir, warmup_steps=2, schedule="cosine")
     batch = _train_batch(actor, actor, rollout_batch)
-    lrs = [actor.update(batch, LOSS, **{**STEP, "mini_batch_size": 4})["actor/lr"] for _ in range(3)]
+    lrs = [actor.update(batch, **{**STEP, "mini_batch_size": 4})["actor/lr"] for _ in range(3)]
     assert lrs == [1e-3 * lr_multiplier(s, warmup_steps=2, total_steps=10, schedule="cosine") for s in range(3)]
 
 
-def test_checkpoint_round_trip_gives_the_same_next_update(tiny_policy_dir, rollout_batch, tmp_path):
-    ref = PolicyWorker(tiny_policy_dir)
-    actor = _actor(tiny_policy_dir, weight_decay=0.01, warmup_steps=3)
+def test_checkpoint_round_trip_gives_the_same_next_update(tiny_policy_dir, rollout_batch, tmp_path, actor_group,
+                                                          in_process_group):
+    """As the fit loop checkpoints: the group's shards and state in the run's checkpoint
+    with the RNG states; a new group loads them and makes the next update's bits."""
+    ref = in_process_group("ref", tiny_policy_dir)
+    actor = actor_group(tiny_policy_dir, weight_decay=0.01, warmup_steps=3)
     batch1 = _train_batch(actor, ref, rollout_batch, seed=4)
-    actor.update(batch1, LOSS, **{**STEP, "ppo_epochs": 2, "mini_batch_size": 4})
+    actor.update(batch1, **{**STEP, "ppo_epochs": 2, "mini_batch_size": 4})
     torch.manual_seed(123)
-    save_checkpoint(tmp_path, 1, {"actor": actor.state_dict(), "rng": capture_rng_state()})
+    ckpt = save_checkpoint(tmp_path, 1, {"actor": actor.state_dict(), "rng": capture_rng_state()},
+                           write_dirs={"actor.shards": actor.save})
 
     def next_step(worker):
         noise = torch.rand(())  # stands in for anything that draws from the global RNG
         batch2 = _train_batch(worker, ref, rollout_batch, seed=5)
-        metrics = worker.update(batch2, LOSS, **{**STEP, "ppo_epochs": 2, "mini_batch_size": 4})
+        metrics = worker.update(batch2, **{**STEP, "ppo_epochs": 2, "mini_batch_size": 4})
         return noise, metrics
 
     noise_a, metrics_a = next_step(actor)
-    resumed = _actor(tiny_policy_dir, weight_decay=0.01, warmup_steps=3)
+    resumed = actor_group(tiny_policy_dir, weight_decay=0.01, warmup_steps=3)
     torch.manual_seed(999)
     step, state = load_checkpoint(tmp_path)
-    resumed.load_state_dict(state["actor"])
+    resumed.load(ckpt / "actor.shards", state["actor"])
     restore_rng_state(state["rng"])
     noise_b, metrics_b = next_step(resumed)
     assert step == 1 and torch.equal(noise_a, noise_b)
     assert metrics_a == metrics_b
-    for (name, a), b in zip(actor.model.named_parameters(), resumed.model.parameters()):
+    for (name, a), b in zip(_rank(actor).model.named_parameters(), _rank(resumed).model.parameters()):
         assert torch.equal(a, b), name
-    for p_a, p_b in zip(actor.params, resumed.params):
-        for key, value in actor.optimizer.state[p_a].items():
-            assert torch.equal(value, resumed.optimizer.state[p_b][key])
+    a, b = _rank(actor), _rank(resumed)
+    for key, value in a.optimizer.state[a.shard].items():
+        assert torch.equal(value, b.optimizer.state[b.shard][key])
 
 
-def test_named_weights_and_save_hf(tiny_policy_dir, rollout_batch, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    actor = _actor(tiny_policy_dir)
-    actor.update(_train_batch(actor, actor, rollout_batch), LOSS, **STEP)
+def test_named_weights_are_every_weight_under_its_hf_name(tiny_policy_dir, rollout_batch, actor_group):
+    """What the replicas take after an update: every weight, by HF name, the model's own bits.
+    (The HF export of a trained run: tests/trainer/test_lora.py, `reprorl export`.)"""
+    actor = actor_group(tiny_policy_dir)
+    actor.update(_train_batch(actor, actor, rollout_batch), **STEP)
     names = [name for name, _ in actor.named_weights()]
     assert "model.embed_tokens.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
-    out = actor.save_hf(tmp_path / "export")
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    hf_state = hf.state_dict()
+    model = dict(_rank(actor).model.named_parameters())
+    assert names == list(model)
     for name, tensor in actor.named_weights():
-        assert torch.equal(hf_state[name], tensor), name
-    batch = rollout_batch(4, 6, 5, seed=6)
-    with torch.no_grad():
-        ours = actor.model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
-        theirs = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                    position_ids=batch["position_ids"]).logits
-    real = batch["attention_mask"].bool()
-    # Two implementations of the same float32 math: rounding differences only.
-    torch.testing.assert_close(ours[real], theirs[real], rtol=0, atol=1e-5)
-    tok = AutoTokenizer.from_pretrained(out)
-    assert tok.eos_token == "<|im_end|>" and tok.chat_template is not None
+        assert torch.equal(model[name], tensor), name
 
 
 def _widen(batch, lead: int, tail: int):
@@ -284,10 +318,10 @@ def test_trim_padding_cuts_the_columns_padded_in_every_row(rollout_batch):
     assert trim_padding(trimmed) is trimmed  # nothing left to cut
 
 
-def test_log_probs_keep_their_bits_when_padding_is_cut(tiny_policy_dir, rollout_batch):
+def test_log_probs_keep_their_bits_when_padding_is_cut(tiny_policy_dir, rollout_batch, in_process_group):
     """The micro-batches are cut to their own rows' width: the same log-probs as one pass on a
     wider batch, and as micro-batches of one row (each cut to itself)."""
-    worker = PolicyWorker(tiny_policy_dir, batch_invariant=True)
+    worker = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
     batch = rollout_batch(8, 6, 5, seed=4)
     whole = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=8)
     wide = worker.compute_log_probs(_widen(batch, 4, 3), temperature=1.0, micro_batch_size=8)
@@ -311,27 +345,26 @@ def test_the_triton_kernels_give_a_micro_batch_the_gradient_of_stock_torch(tiny_
         pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
     kernels, device = backend_and_device("triton")
     from reprorl.kernels import TorchKernels
-    from reprorl.workers.policy import mini_batch_norms
 
-    worker = PolicyWorker(tiny_policy_dir, optim=OptimArgs(lr=1e-3, total_steps=10))
-    worker.model.to(device)
+    model = load_policy(tiny_policy_dir, trainable=True)
     batch = rollout_batch(3, 6, 5, seed=4)
-    batch["old_log_probs"] = worker.compute_log_probs(batch, temperature=0.7, micro_batch_size=3)
+    batch["old_log_probs"] = micro_batch_log_probs(model, [batch], temperature=0.7)[0]
     batch["ref_log_probs"] = batch["old_log_probs"] - 0.1
+    model.to(device)
     batch = batch.to(device)
 
     def loss_and_grads(backend):
-        worker.model.kernels = backend
-        worker.model.zero_grad(set_to_none=True)
-        total, _ = worker.micro_batch_loss(batch, mini_batch_norms(batch, None), loss=LOSS, temperature=0.7)
+        model.kernels = backend
+        model.zero_grad(set_to_none=True)
+        total, _ = micro_batch_loss(model, batch, mini_batch_norms(batch, None), loss=LOSS, temperature=0.7)
         total.backward()
-        return total.detach(), [p.grad.clone() for p in worker.model.parameters()]
+        return total.detach(), [p.grad.clone() for p in model.parameters()]
 
     loss, grads = loss_and_grads(kernels)
     loss_again, grads_again = loss_and_grads(kernels)
     plain_loss, plain = loss_and_grads(TorchKernels)
     assert torch.equal(loss, loss_again) and all(torch.equal(a, b) for a, b in zip(grads, grads_again))
     assert loss.item() == pytest.approx(plain_loss.item(), rel=1e-5)
-    for name, got, expected in zip([n for n, _ in worker.model.named_parameters()], grads, plain):
+    for name, got, expected in zip([n for n, _ in model.named_parameters()], grads, plain):
         assert expected.abs().sum() > 0, name
         assert_grads_close(got.cpu(), expected.cpu())
