@@ -25,6 +25,9 @@
 #            Trainer start to the first step with every part on the GPU (parts start together)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU (its fingerprints.jsonl comes back: compare it with a run here)
+#   cpubits  bench/cpu_bits.py on the host CPU: the warm start step by step and op by op, into
+#            $OUT/cpu_bits.json (compare it with a run here: bench/cpu_bits.py --compare; CPU_BITS_ARGS:
+#            more arguments, e.g. "--steps 300"; CPU_BITS_TIMEOUT: its limit, 420 s)
 #   isa      on the host CPU: the CPU kernels built for x86-64, AVX2 and AVX-512 give the same bits
 #            (tests/kernels/test_cpu_isa.py), and the default run's golden digests
 # engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
@@ -161,6 +164,10 @@ for step in $steps; do
       tail -6 "$LOGS/train_xeon.log" | summary
       cp runs/reprorl/tiny-grpo/determinism.txt runs/reprorl/tiny-grpo/fingerprints.jsonl "$LOGS/" 2>/dev/null
       tail -c 3000 runs/reprorl/tiny-grpo/metrics.jsonl > "$LOGS/metrics_tail.jsonl" 2>/dev/null ;;
+    cpubits)
+      with_ray || { echo "no .whl: skipping cpubits" | summary; continue; }
+      timeout "${CPU_BITS_TIMEOUT:-420}" python3 bench/cpu_bits.py --out "$OUT/cpu_bits.json" ${CPU_BITS_ARGS:-} > "$LOGS/cpu_bits.log" 2>&1
+      echo "cpu_bits: exit $?" | summary; tail -2 "$LOGS/cpu_bits.log" | summary ;;
     isa)
       with_ray || echo "no .whl: the golden-digest test skips" | summary
       run_tests test_cpu_isa tests/kernels/test_cpu_isa.py ;;
