@@ -473,7 +473,8 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self, step: int, positions: list[int]) -> dict[str, float]:
-        """One training step on the prompts at `positions`; returns its metrics."""
+        """One training step on the prompts at `positions` (with `algorithm.filter_groups`, and
+        on as many of the sampler's next batches as it takes to fill the batch); returns its metrics."""
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
         if self.cfg.algorithm.filter_groups.enable:
