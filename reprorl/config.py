@@ -62,7 +62,10 @@ class DataConfig:
     prompt_key: str = _field("prompt", "the row field that holds the chat messages of the prompt")
     max_prompt_length: int = _field(64, "longest prompt in tokens, after the chat template", ge=1)
     max_response_length: int = _field(8, "longest response in tokens; sets the trainer's tensor width", ge=1)
-    train_batch_size: int = _field(16, "prompts per training step (each sampled rollout.n times)", ge=1)
+    train_batch_size: int = _field(
+        16, "prompts per training step (each sampled rollout.n times); with algorithm.filter_groups, the groups "
+        "a step trains on and the prompts of each of its generation batches", ge=1
+    )
     val_batch_size: int | None = _field(None, "prompts per validation batch; null = the whole validation set", ge=1)
     overlong_prompts: Literal["error", "filter", "truncate_left", "truncate_right"] = _field(
         "error", "what to do with a prompt longer than max_prompt_length: fail naming the row, drop it, or cut it"
@@ -244,6 +247,25 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = _field(
+        False, "DAPO's dynamic sampling: drop each group (the rollout.n samples of a prompt) whose metric is the "
+        "same on every sample (with grpo or rloo its advantages are all 0) and generate more batches of "
+        "data.train_batch_size prompts until data.train_batch_size groups are kept; kept groups past that are left "
+        "out, their prompts used (as verl). Needs rollout.n >= 2"
+    )
+    metric: Literal["seq_reward", "score", "acc"] = _field(
+        "seq_reward", "what must differ within a group: seq_reward = the reward trained on (rule and model, "
+        "weighted, with the overlong penalty; before an in-reward KL); score = the rule reward alone; acc = whether "
+        "the rule reward is full credit (>= 1.0, as val/accuracy counts)"
+    )
+    max_num_gen_batches: int = _field(
+        10, "the most generation batches one step may take; a step still short of data.train_batch_size groups "
+        "after them stops the run with an error naming this key; 0 = no limit", ge=0
+    )
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = _field(
         "grpo", "advantage estimator; gae trains a critic"
@@ -258,6 +280,7 @@ class AlgorithmConfig:
         "k1", "KL estimator for the in-reward penalty: k1, k2, k3 (Schulman's), abs; '+' as in actor.kl_loss_type"
     )
     kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "the in-reward KL coefficient")
+    filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig, "DAPO's dynamic sampling (verl's names)")
 
 
 @dataclass
@@ -748,6 +771,7 @@ def _validate(cfg: Config) -> None:
             f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
         )
     _check_sampling_varies(rollout, algo.adv_estimator)
+    _check_filter_groups(cfg)
     _check_lora(cfg)
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
@@ -805,6 +829,19 @@ def _check_reward(cfg: Config) -> None:
     if buffer.enable and not 1 <= buffer.len <= max_tokens:
         raise ConfigError(f"reward.overlong_buffer.len={buffer.len} with reward.overlong_buffer.enable=true: "
                           f"expected 1 <= len <= rollout.max_tokens={max_tokens}")
+
+
+def _check_filter_groups(cfg: Config) -> None:
+    """Dynamic sampling compares the samples of a group, by a metric the run computes."""
+    groups, reward = cfg.algorithm.filter_groups, cfg.reward
+    if not groups.enable:
+        return
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.filter_groups.enable=true with rollout.n={cfg.rollout.n}: a group of one sample "
+                          "never varies, so every group would be dropped; expected rollout.n >= 2")
+    if groups.metric in ("score", "acc") and reward.model_path is not None and reward.rule_weight == 0:
+        raise ConfigError(f"algorithm.filter_groups.metric={groups.metric} reads the rule reward, which does not run "
+                          "with reward.rule_weight=0 (a reward model alone); use metric=seq_reward")
 
 
 def _check_lora(cfg: Config) -> None:

@@ -235,6 +235,18 @@ OVERRIDE_ERRORS = [
      "reward.overlong_buffer.penalty_factor: expected a number >= 0, got -1"),
     (["reward.overlong_buffer.enable=yes"], "reward.overlong_buffer.enable: expected true or false, got 'yes'"),
     (["actor.mask_truncated=1"], "actor.mask_truncated: expected true or false, got 1"),
+    # dynamic sampling
+    (["algorithm.filter_groups.metric=accuracy"],
+     "algorithm.filter_groups.metric: expected one of seq_reward, score, acc, got 'accuracy'"),
+    (["algorithm.filter_groups.max_num_gen_batches=-1"],
+     "algorithm.filter_groups.max_num_gen_batches: expected an integer >= 0, got -1"),
+    (["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=reinforce_pp", "rollout.n=1"],
+     "algorithm.filter_groups.enable=true with rollout.n=1: a group of one sample never varies, so every group "
+     "would be dropped; expected rollout.n >= 2"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc", "reward.model_path=rm",
+      "reward.rule_weight=0"],
+     "algorithm.filter_groups.metric=acc reads the rule reward, which does not run with reward.rule_weight=0 (a "
+     "reward model alone); use metric=seq_reward"),
     # cross-field
     (["actor.ppo_mini_batch_size=3"], "data.train_batch_size=16 must be divisible by actor.ppo_mini_batch_size=3"),
     (
@@ -427,6 +439,10 @@ def test_weighted_rewards_and_dapo_keys(tmp_path):
     batch = load_config(None, ["reward.reward_manager=batch", "reward.fn=m:score_all"])
     assert batch.reward.reward_manager == "batch"
     assert load_config().reward.fns == [] and not load_config().reward.overlong_buffer.enable
+    groups = load_config(None, ["algorithm.filter_groups={enable: true, metric: acc, max_num_gen_batches: 0}"])
+    assert groups.algorithm.filter_groups.enable and groups.algorithm.filter_groups.max_num_gen_batches == 0
+    assert _reload(tmp_path, groups) == groups
+    assert not load_config().algorithm.filter_groups.enable  # off by default: a run's bits as before
 
 
 def test_yaml_has_help_comments():

@@ -3,7 +3,8 @@
 One training step, in the order of docs/design.md:
 
     batch of prompts (uid per prompt) -> repeat n, interleaved (ReMax: + one greedy row
-    per prompt, same call) -> rollout -> reward -> old log-probs -> ref log-probs ->
+    per prompt, same call) -> rollout -> reward (with dynamic sampling: until enough groups
+    vary, dynamic_sampling.py) -> old log-probs -> ref log-probs ->
     values (gae) -> KL (in reward or as a loss) -> advantages -> critic update -> actor
     update -> push weights to the replicas (versioned; device to device to the replicas on
     the actor's GPU: weight_sync.py) -> metrics, validation, checkpoint
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import math
@@ -56,6 +58,7 @@ from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.rollout.supervision import FaultError, PartTimeoutError, Restarts
 from reprorl.trainer import weight_sync
+from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.checkpoint import (
     capture_rng_state,
@@ -88,6 +91,12 @@ TEST_KILL_AT_STEP_ENV = "REPRORL_TEST_KILL_AT_STEP"
 """A test hook, not a setting: with it set to N, `fit` SIGKILLs its own process at the end of
 step N, right after the step's metrics and checkpoint are written, so a crash-and-resume
 test kills the run at a known point (tests/trainer/test_fit.py) instead of racing it."""
+
+TEST_KILL_IN_FILL_ENV = "REPRORL_TEST_KILL_IN_FILL"
+"""A test hook like `TEST_KILL_AT_STEP_ENV`: with it set to "S:K" and
+`algorithm.filter_groups` on, the trainer SIGKILLs its own process when step S, its batch
+not yet full, is about to draw generation batch K (K >= 1), so a test kills a run in the
+middle of filling a batch (tests/trainer/test_dynamic_sampling.py)."""
 
 
 def _optim_args(section: Any, total_steps: int) -> OptimArgs:
@@ -149,6 +158,17 @@ def _test_kill_step() -> int | None:
     if not value.isdigit():
         raise ConfigError(f"{TEST_KILL_AT_STEP_ENV}={value!r}: expected a step number (a test hook; unset it)")
     return int(value)
+
+
+def _test_kill_in_fill() -> tuple[int, int] | None:
+    """The (step, generation batch) `TEST_KILL_IN_FILL_ENV` names, or None when it is unset."""
+    value = os.environ.get(TEST_KILL_IN_FILL_ENV)
+    if value is None:
+        return None
+    step, _, batch = value.partition(":")
+    if not (step.isdigit() and batch.isdigit() and int(batch) >= 1):
+        raise ConfigError(f"{TEST_KILL_IN_FILL_ENV}={value!r}: expected STEP:K, K >= 1 (a test hook; unset it)")
+    return int(step), int(batch)
 
 
 def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
@@ -408,13 +428,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ batches
 
-    def _prompt_batch(self, dataset: PromptDataset, positions: list[int], *, step: int, validate: bool) -> Batch:
-        """One row per prompt, with its identity (`uid`) and what the reward needs."""
+    def _prompt_batch(self, dataset: PromptDataset, positions: list[int], *, step: int, validate: bool,
+                      gen_batch: int = 0) -> Batch:
+        """One row per prompt, with its identity (`uid`; `.g<k>` in generation batch k >= 1
+        of dynamic sampling) and what the reward needs."""
         rows = [dataset[i] for i in positions]
         prefix = "val" if validate else "train"
+        suffix = f".g{gen_batch}" if gen_batch else ""
         return Batch(
             non_tensors={
-                "uid": [f"{prefix}-{row.index}" for row in rows],
+                "uid": [f"{prefix}-{row.index}{suffix}" for row in rows],
                 "prompt_ids": [list(row.prompt_ids) for row in rows],
                 "raw_prompt": [row.messages for row in rows],
                 "data_source": [row.data_source for row in rows],
@@ -450,11 +473,14 @@ class Trainer:
     # ------------------------------------------------------------------ one step
 
     def train_step(self, step: int, positions: list[int]) -> dict[str, float]:
-        """One training step on the prompts at `positions`; returns its metrics."""
+        """One training step on the prompts at `positions` (with `algorithm.filter_groups`, and
+        on as many of the sampler's next batches as it takes to fill the batch); returns its metrics."""
         metrics: dict[str, float] = {}
         t_step = time.perf_counter()
-        batch, baseline = self._generate(step, positions, metrics)
-        scores, reward_baselines = self._score(batch, baseline, metrics)
+        if self.cfg.algorithm.filter_groups.enable:
+            batch, scores, reward_baselines = self._filled_batch(step, positions, metrics)
+        else:
+            batch, scores, _, reward_baselines = self._generation_batch(step, positions, metrics)
         mask = batch["response_mask"].float()
         self._log_probs_and_values(batch, mask, metrics)
         token_rewards = self._token_rewards(batch, scores, mask, metrics)
@@ -473,10 +499,41 @@ class Trainer:
         self._write_fingerprint(step, batch, scores, metrics, weight_digests)
         return metrics
 
-    def _generate(self, step: int, positions: list[int], metrics: dict[str, float]) -> tuple[Batch, Batch | None]:
-        """The step's ONE rollout call: (the sampled rows, ReMax's greedy rows or None)."""
+    def _generation_batch(self, step: int, positions: list[int], metrics: dict[str, float], gen_batch: int = 0
+                          ) -> tuple[Batch, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The prompts at `positions` rolled out and scored: (sampled rows, scores `[B*n]`,
+        rule scores `[B*n]` or None, ReMax's baseline rewards `[B*n]` or None)."""
+        batch, baseline = self._generate(step, positions, metrics, gen_batch)
+        scores, rule, reward_baselines = self._score(batch, baseline, metrics)
+        return batch, scores, rule, reward_baselines
+
+    def _filled_batch(self, step: int, positions: list[int], metrics: dict[str, float]
+                      ) -> tuple[Batch, torch.Tensor, torch.Tensor | None]:
+        """DAPO's dynamic sampling: generation batches, the first at `positions`, the next
+        from the sampler, until `data.train_batch_size` groups vary (dynamic_sampling.py);
+        returns the step's (batch, scores, ReMax baselines) as `_generation_batch` does."""
+        groups_cfg = self.cfg.algorithm.filter_groups
+        groups = GroupFilter(groups_cfg.metric, self.cfg.rollout.n, self.cfg.data.train_batch_size,
+                             groups_cfg.max_num_gen_batches)
+        kill_at = _test_kill_in_fill()
+        for k in itertools.count():
+            if k > 0:
+                if kill_at == (step, k):
+                    os.kill(os.getpid(), signal.SIGKILL)  # TEST_KILL_IN_FILL_ENV: between generation batches
+                positions = next(self.sampler)
+            batch_metrics: dict[str, float] = {}
+            if groups.add(*self._generation_batch(step, positions, batch_metrics, gen_batch=k), batch_metrics):
+                break
+        batch, scores, reward_baselines, fill_metrics = groups.result()
+        metrics.update(fill_metrics)
+        return batch, scores, reward_baselines
+
+    def _generate(self, step: int, positions: list[int], metrics: dict[str, float], gen_batch: int = 0
+                  ) -> tuple[Batch, Batch | None]:
+        """One rollout call (the step's one, without dynamic sampling): (the sampled rows,
+        ReMax's greedy rows or None)."""
         t0 = time.perf_counter()
-        prompts = self._prompt_batch(self.train_set, positions, step=step, validate=False)
+        prompts = self._prompt_batch(self.train_set, positions, step=step, validate=False, gen_batch=gen_batch)
         calls_before = self.agent.num_generate_sequences_calls
         rollout, num_sampled = self._rollout_batch(prompts)
         output = self.agent.generate_sequences(rollout)
@@ -491,10 +548,11 @@ class Trainer:
 
     def _score(
         self, batch: Batch, baseline: Batch | None, metrics: dict[str, float]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(scores `[B*n]`, ReMax's baseline reward of each sample's prompt `[B*n]` or None)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(scores `[B*n]`, rule scores `[B*n]` or None, ReMax's baseline reward of each
+        sample's prompt `[B*n]` or None)."""
         t0 = time.perf_counter()
-        scores, _, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
+        scores, rule, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
         metrics.update(reward_metrics)
         reward_baselines = None
         if baseline is not None:
@@ -504,7 +562,7 @@ class Trainer:
             metrics["reward/baseline_mean"] = baseline_scores.mean().item()
             reward_baselines = baseline_scores.repeat_interleave(self.cfg.rollout.n)  # [B*n]: row i is prompt i // n
         metrics["timing/reward_s"] = time.perf_counter() - t0
-        return scores, reward_baselines
+        return scores, rule, reward_baselines
 
     def _log_probs_and_values(self, batch: Batch, mask: torch.Tensor, metrics: dict[str, float]) -> None:
         """Add `old_log_probs`, and `ref_log_probs` and `values` where those workers exist, to `batch`."""
@@ -834,7 +892,8 @@ class Trainer:
         """Errors that stop a run in a step say which step, and where it can resume from."""
         try:
             yield
-        except (NonFiniteError, RewardTimeoutError, RewardFnError, FaultError, WorkerError, PartTimeoutError) as err:
+        except (NonFiniteError, RewardTimeoutError, RewardFnError, FaultError, WorkerError, PartTimeoutError,
+                FilterGroupsError) as err:
             raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
 
     def close(self) -> None:

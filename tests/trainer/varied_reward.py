@@ -13,3 +13,9 @@ def digit_share(data_source, solution_str, ground_truth, extra_info=None):
 def short_answer(data_source, solution_str, ground_truth, extra_info=None):
     """A second varied reward (the weighted-rewards recipe): higher for shorter responses."""
     return 1.0 / (1 + len(solution_str))
+
+
+def odd_answers_only(data_source, solution_str, ground_truth, extra_info=None):
+    """Dynamic sampling's reward (algorithm.filter_groups): `digit_share` for a prompt whose
+    answer is odd, 0 for the others, whose groups then never vary and are dropped."""
+    return digit_share(data_source, solution_str, ground_truth) if int(ground_truth) % 2 else 0.0
