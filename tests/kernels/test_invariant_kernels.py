@@ -100,6 +100,12 @@ def test_ops_match_reference(backend, dtype):
         heads = rand(g, m, 3, 64, dtype=dtype, device=dev)
         rot = k.apply_rotary(heads, cos, sin)
         assert rel_err(rot, ReferenceKernels.apply_rotary(heads, cos, sin)) < TOL[dtype]
+        # phi3's partial rotary: the first 96 of 128 dimensions, a strided view, a width
+        # that is no power of two.
+        cos, sin = (t.to(dev) for t in rope_tables(96, 10000.0, m))
+        heads = rand(g, m, 3, 128, dtype=dtype, device=dev)[..., :96]
+        rot = k.apply_rotary(heads, cos, sin)
+        assert rel_err(rot, ReferenceKernels.apply_rotary(heads, cos, sin)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -475,12 +481,16 @@ def test_triton_backward_kernels_match_the_float64_gradient(dtype):
     x = rand(g, 37, 48, dtype=dtype, device=dev)
     norm_w = (1 + rand(g, 48, scale=0.1)).to(dtype).to(dev)
     heads = rand(g, 5, 3, 64, dtype=dtype, device=dev)
-    cos, sin = (t[torch.tensor([0, 3, 7, 100, 1000])].to(dev) for t in rope_tables(64, 10000.0, 1024))
+    positions = torch.tensor([0, 3, 7, 100, 1000])
+    cos, sin = (t[positions].to(dev) for t in rope_tables(64, 10000.0, 1024))
+    cos96, sin96 = (t[positions].to(dev) for t in rope_tables(96, 10000.0, 1024))  # phi3's partial rotary
+    wide_heads = rand(g, 5, 3, 128, dtype=dtype, device=dev)
     logits = rand(g, 6, 5000, device=dev, scale=3.0)
     cases = {  # name: (function of (kernels, *inputs), inputs)
         "rms_norm": (lambda kern, a, w: kern.rms_norm(a, w, 1e-6), (x, norm_w)),
         "swiglu": (lambda kern, a, b: kern.swiglu(a, b), (x, x.flip(0))),
         "rotary": (lambda kern, a: kern.apply_rotary(a, cos, sin), (heads,)),
+        "partial_rotary": (lambda kern, a: kern.apply_rotary(a[..., :96], cos96, sin96), (wide_heads,)),
         "log_softmax": (lambda kern, a: kern.log_softmax(a)[torch.arange(6), torch.tensor([1, 7, 4095, 4096, 4999, 0])],
                         (logits,)),
         "entropy": (lambda kern, a: kern.entropy(kern.log_softmax(a)), (logits,)),

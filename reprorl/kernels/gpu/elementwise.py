@@ -69,13 +69,13 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Ten
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, stride_xt, stride_xh, stride_ct, stride_st,
-                   D: tl.constexpr, BLOCK_R: tl.constexpr):
+                   D: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
     # BLOCK_R (token, head) rows a program: out = x * cos + roll(x, D/2) * sin_rot, products
     # in x's dtype. Each entry's arithmetic is its own, so the block moves no bit.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    mask = r < R
+    d = tl.arange(0, D_BLOCK)[None, :]
+    mask = (r < R) & (d < D)
     t, h = r // H, r % H
-    d = tl.arange(0, D)[None, :]
     x_row = x_ptr + t * stride_xt + h * stride_xh
     x = tl.load(x_row + d, mask=mask).to(tl.float32)
     rolled = tl.load(x_row + (d + D // 2) % D, mask=mask).to(tl.float32)
@@ -90,15 +90,16 @@ def apply_rotary(x: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     """x [..., H, D], cos/sin_rot [..., D] (one row per token) -> [..., H, D]; see
     `reprorl.kernels.shared.apply_rotary` for the formula."""
     *lead, h, d = x.shape
-    if cos.shape != (*lead, d) or sin_rot.shape != cos.shape or d & (d - 1):
+    if cos.shape != (*lead, d) or sin_rot.shape != cos.shape or d % 2:
         raise ValueError(f"apply_rotary: x {tuple(x.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin_rot.shape)}; "
-                         "expected one table row per token and a power-of-two head_dim")
+                         "expected one table row per token and an even rotary dimension")
     return _rotary_launch(_rotary_kernel, x, cos, sin_rot)
 
 
 def _rotary_launch(kernel, src: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     """`kernel` (the rotation or its gradient) over src [..., H, D], ROTARY_ROWS (token, head)
-    rows a program, into a new tensor of src's shape and dtype."""
+    rows a program, into a new tensor of src's shape and dtype. D need not be a power of two
+    (phi3 rotates 96 of 128 dimensions): the block is the next one, its tail masked."""
     *_, h, d = src.shape
     rows = src.reshape(-1, h, d)
     if rows.stride(-1) != 1:
@@ -108,19 +109,20 @@ def _rotary_launch(kernel, src: Tensor, cos: Tensor, sin_rot: Tensor) -> Tensor:
     n = rows.shape[0] * h
     if n:
         kernel[(triton.cdiv(n, ROTARY_ROWS),)](rows, c, s, out, n, h, rows.stride(0), rows.stride(1), c.stride(0),
-                                               s.stride(0), D=d, BLOCK_R=ROTARY_ROWS, **PINNED)
+                                               s.stride(0), D=d, D_BLOCK=triton.next_power_of_2(d),
+                                               BLOCK_R=ROTARY_ROWS, **PINNED)
     return out.reshape(src.shape)
 
 
 @triton.jit
 def _rotary_backward_kernel(g_ptr, cos_ptr, sin_ptr, dx_ptr, R, H, stride_gt, stride_gh, stride_ct, stride_st,
-                            D: tl.constexpr, BLOCK_R: tl.constexpr):
+                            D: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr):
     # y[i] = x[i] c[i] + x[i + D/2] s[i] (indices mod D), so
     # dx[j] = g[j] c[j] + g[j + D/2] s[j + D/2]: the forward's pattern with sin read rolled.
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
-    mask = r < R
+    d = tl.arange(0, D_BLOCK)[None, :]
+    mask = (r < R) & (d < D)
     t, h = r // H, r % H
-    d = tl.arange(0, D)[None, :]
     rolled = (d + D // 2) % D
     g_row = g_ptr + t * stride_gt + h * stride_gh
     dt = dx_ptr.dtype.element_ty
