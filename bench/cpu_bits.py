@@ -5,6 +5,9 @@
     python bench/cpu_bits.py --compare amd.json xeon.json
 
 A run records, with full determinism's pinned CPU kernels:
+- the digests of torch's CPU transcendentals (exp, log, sin, ...) over 2^20 arguments, and
+  the C library's version (they are its functions in torch's portable build);
+- every kernel call's output of the first warm-start step's forward, in call order;
 - every module's output, every parameter's gradient and the loss of the first warm-start
   step (digests, in module order, from forward and backward hooks);
 - the loss of every step of the warm start the default run makes (its data, base model,
@@ -55,15 +58,54 @@ def record(steps: int | None) -> dict:
 
         from reprorl.kernels import select_kernels
 
-        model.kernels = select_kernels("cpu", batch_invariant=True)
+        kernel_ops: list[list[str]] = []
+        model.kernels = _Recording(select_kernels("cpu", batch_invariant=True), kernel_ops)
         ops = first_step_ops(model, examples, tokenizer.pad_token_id, collate, sft_loss, tensor_digest)
+        ops[:0] = kernel_ops  # the kernels' calls of the forward first: finer than the modules
         model, _ = load_model(base, kind="causal_lm")  # the warm start from the same base
         total = default_run.WARM_START_STEPS
         losses = sft_train(model, examples, steps=total, batch_size=default_run.WARM_START_BATCH_SIZE,
                            lr=default_run.WARM_START_LR, seed=default_run.MODEL_SEED, pad_token_id=tokenizer.pad_token_id,
                            batch_invariant=True, log_every=0, stop_after=steps)
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu_name(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "ops": ops, "losses": [float(x).hex() for x in losses]}
+            "libc": " ".join(platform.libc_ver()), "threads": torch.get_num_threads(), "ops": ops,
+            "functions": function_digests(tensor_digest), "losses": [float(x).hex() for x in losses]}
+
+
+class _Recording:
+    """A kernel backend whose every call's output is appended to `ops` as [name, digest]."""
+
+    def __init__(self, kernels, ops: list[list[str]]):
+        self._kernels, self._ops = kernels, ops
+
+    def __getattr__(self, name):
+        from reprorl.determinism import tensor_digest
+
+        fn = getattr(self._kernels, name)
+        if not callable(fn):
+            return fn
+
+        def recorded(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            first = out[0] if isinstance(out, tuple) else out
+            self._ops.append([f"kernel {name} {len(self._ops)}", _digest(first, tensor_digest)])
+            return out
+
+        return recorded
+
+
+def function_digests(digest) -> dict[str, str]:
+    """Digests of torch's CPU transcendentals over 2^20 float32 arguments: which library
+    function's bits differ between two machines (exp, log, ... are the C library's in
+    torch's portable build)."""
+    x = torch.linspace(-30.0, 30.0, 1 << 20, dtype=torch.float32)
+    positive = torch.linspace(1e-6, 1e3, 1 << 20, dtype=torch.float32)
+    cases = {"exp": lambda: torch.exp(x), "log": lambda: torch.log(positive), "sin": lambda: torch.sin(x),
+             "cos": lambda: torch.cos(x), "tanh": lambda: torch.tanh(x), "sigmoid": lambda: torch.sigmoid(x),
+             "silu": lambda: torch.nn.functional.silu(x), "softmax": lambda: torch.softmax(x.view(1024, -1), -1),
+             "log_softmax": lambda: torch.log_softmax(x.view(1024, -1), -1),
+             "rsqrt": lambda: torch.rsqrt(positive), "pow": lambda: torch.pow(positive, 0.37)}
+    return {name: digest(fn()) for name, fn in cases.items()}
 
 
 def first_step_ops(model, examples, pad_token_id, collate, sft_loss, digest) -> list[list[str]]:
@@ -103,6 +145,9 @@ def compare(a_path: str, b_path: str) -> int:
     a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     print(f"a: {a['cpu']}, torch {a['torch']}, {a['threads']} threads\nb: {b['cpu']}, torch {b['torch']}, "
           f"{b['threads']} threads")
+    print(f"C library: {a.get('libc')} vs {b.get('libc')}")
+    differ = [name for name in a.get("functions", {}) if a["functions"][name] != b.get("functions", {}).get(name)]
+    print("torch's CPU transcendentals that differ: " + (", ".join(differ) or "none"))
     op = next(((x, y) for x, y in zip(a["ops"], b["ops"]) if x != y), None)
     print("first step, op by op: " + ("all equal" if op is None else f"first difference at {op[0][0]}"))
     step = next((i for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if x != y), None)
