@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from reprorl.kernels.cpu_math import pinned_exp, pinned_log_softmax
+
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # k1/k2/k3 as in Schulman's note, and abs; "kl", "mse" and "low_var_kl" are verl's names
 # for k1/k2/k3. A trailing "+" (k1+, k3+, ...) is the straight-through variant, as in verl.
@@ -352,7 +354,7 @@ def ppo_policy_loss(
     # exp(20) ~ 4.9e8 is finite in float32 (and bfloat16); an unclamped log-ratio of a
     # token whose probability collapsed could reach exp(~88) = inf and turn the loss NaN.
     log_ratio = (log_prob - old_log_prob).clamp(min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
+    ratio = pinned_exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
@@ -405,7 +407,7 @@ def gspo_policy_loss(
     log_ratio = log_prob - old_log_prob
     seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1) / response_mask.sum(dim=-1).clamp(min=1)  # [B]
     log_s = (log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0)
-    s = torch.exp(log_s)
+    s = pinned_exp(log_s)
     loss_unclipped = -advantages * s
     loss_clipped = -advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(loss_unclipped, loss_clipped)
@@ -439,7 +441,7 @@ def cispo_policy_loss(
     """
     _check_same_shape(old_log_prob=old_log_prob, log_prob=log_prob, advantages=advantages, response_mask=response_mask)
     log_ratio = (log_prob - old_log_prob).clamp(min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
+    ratio = pinned_exp(log_ratio)
     weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
     loss_mat = -weight * advantages * log_prob
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, **norms)
@@ -497,7 +499,7 @@ def clip_cov_policy_loss(
     if clip_cov_ratio <= 0:
         raise ValueError(f"clip_cov_ratio must be > 0; got {clip_cov_ratio}")
     log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
+    ratio = pinned_exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     valid = response_mask > 0
@@ -540,7 +542,7 @@ def kl_cov_policy_loss(
     if kl_cov_ratio <= 0:
         raise ValueError(f"kl_cov_ratio must be > 0; got {kl_cov_ratio}")
     log_ratio = log_prob - old_log_prob
-    ratio = torch.exp(log_ratio)
+    ratio = pinned_exp(log_ratio)
     valid = response_mask > 0
     with torch.no_grad():
         cov = (advantages - masked_mean(advantages, response_mask)) * (
@@ -646,8 +648,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     overflow for large logits, and no cancellation between two large numbers. Logits
     must be finite (a -inf logit gives 0 * -inf = NaN).
     """
-    log_p = torch.log_softmax(logits, dim=-1)
-    return -(log_p.exp() * log_p).sum(dim=-1)
+    log_p = pinned_log_softmax(logits)
+    return -(pinned_exp(log_p) * log_p).sum(dim=-1)
 
 
 # ---------------------------------------------------------------- KL
@@ -682,7 +684,7 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         value = log_ratio.abs()
     else:
         d = (-log_ratio).clamp(min=-20.0, max=20.0)
-        value = (torch.exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
+        value = (pinned_exp(d) - d - 1.0).clamp(min=-10.0, max=10.0)
     if not kind.endswith("+"):
         return value
     k2 = 0.5 * log_ratio.square()

@@ -17,12 +17,15 @@ where the row sits, what the other rows hold, or the number of threads. How:
   into the extension (`cpu_attention.cpp`: scores, mask, torch's own softmax kernel, p v,
   per head and chunk of queries, in one parallel region): as a dozen torch ops a query
   block, the ops' fixed costs were 10x the arithmetic at 16 rows.
-- sums over the last dim (RMSNorm over a hidden size, log-softmax over a vocabulary,
-  softmax over keys): torch's fused `rms_norm`, `log_softmax` and `softmax` reduce each row
-  on its own, vector lane by index, in an order set by the width; attention's scores are
-  padded with -inf to whole KEY_BLOCKs, which adds exact zeros to whole lanes.
-- SiLU from exp and IEEE ops: `F.silu` is NOT position-invariant on the CPU (its vector
-  and scalar-tail paths round differently).
+- exp and log (SiLU, softmax, log-softmax, entropy, attention's softmax): `cpu_math`'s,
+  plain IEEE operations, not the C library's, whose bits differ between glibc versions;
+  `F.silu` is not even position-invariant on the CPU (its vector and scalar-tail paths
+  round differently).
+- sums over the last dim: log-softmax over a vocabulary and softmax over keys in
+  `cpu_math`'s fixed order of 16 lane sums; RMSNorm over a hidden size by torch's fused
+  `rms_norm`, which reduces each row on its own, vector lane by index, in an order set by
+  the width (torch's portable build has one width). Attention's scores are padded with
+  -inf to whole KEY_BLOCKs, which adds exact zeros.
 - +, -, *, /, sqrt, max and gathers are exact, so they never depend on the batch.
 
 The matmul and attention kernels are a small C++ extension built on first use for this
@@ -43,6 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from reprorl.kernels import cpu_math
 from reprorl.kernels.autograd import linear_with_matmul_backward, with_torch_backward
 from reprorl.kernels.shared import (
     KEY_BLOCK, Padding, apply_rotary, check_batched_attention, padded_as_sequences, unpadded_attention,
@@ -67,11 +71,13 @@ ENV_MARCH = "REPRORL_CPU_MARCH"
 
 
 @functools.cache
-def _matmuls():
+def extension():
+    """The CPU kernels' C++ extension (matmuls, attention, `cpu_math`'s functions), built on
+    first use."""
     from torch.utils.cpp_extension import load
 
     sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
-                                                                  "cpu_kernels.h")]
+                                                                  "cpu_math.cpp", "cpu_kernels.h", "cpu_math.h")]
     march = os.environ.get(ENV_MARCH, "native")
     # One build per checkout, source version and instruction set: torch rebuilds an extension
     # whose sources moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
@@ -81,7 +87,7 @@ def _matmuls():
     logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about a minute",
                 ", ".join(p.name for p in sources), march)
     try:
-        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:3]],
+        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:4]],
                     verbose=False, extra_cflags=["-O3", f"-march={march}", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
@@ -98,9 +104,9 @@ def matmul_nt(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) ->
     `col_blocks` register blocks of columns; None takes `nt_plan`'s. It changes speed, never
     a bit (tests compare plans; attention's scores take the default)."""
     if plan is None:
-        return _matmuls().mm_nt(a, b)
+        return extension().mm_nt(a, b)
     _check_plan(plan)
-    return _matmuls().mm_nt_plan(a, b, list(plan))
+    return extension().mm_nt_plan(a, b, list(plan))
 
 
 @functools.cache
@@ -124,7 +130,7 @@ def _check_plan(plan: tuple[int, int, int]) -> None:
 def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:
     """The plan `matmul_nt` takes for [g, m, k] @ [g, n, k]^T at torch's thread count, with
     this machine's lanes and register block (rows x columns)."""
-    kc, rows, col_blocks, lanes, block_rows, block_cols = _matmuls().nt_plan(g, m, n, k)
+    kc, rows, col_blocks, lanes, block_rows, block_cols = extension().nt_plan(g, m, n, k)
     return {"kc": kc, "rows": rows, "col_blocks": col_blocks, "lanes": lanes, "block_rows": block_rows,
             "block_cols": block_cols}
 
@@ -163,26 +169,26 @@ def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) 
     never a bit (bench/cpu_plans.py times plans). Up to 8 rows the columns are the lanes
     instead (tiles of b transposed in L1), with no plan to take."""
     if plan is None:
-        return _matmuls().mm_rows(a, b, [])
+        return extension().mm_rows(a, b, [])
     if len(plan) != 3:
         raise ValueError(f"matmul_rows plan: (kc, vecs, cols) expected, got {tuple(plan)}")
     for name, value in zip(("kc", "vecs", "cols"), plan):
         if not (isinstance(value, int) and value > 0):
             raise ValueError(f"matmul_rows plan: {name} = {value!r}; a positive integer expected")
-    return _matmuls().mm_rows(a, b, list(plan))
+    return extension().mm_rows(a, b, list(plan))
 
 
 def rows_plan(m: int, n: int, k: int) -> dict[str, int]:
     """The plan `matmul_rows` takes for [m, k] @ [n, k]^T at torch's thread count, with this
     machine's lanes and the register block it runs (vectors of rows x columns; 0 vectors up
     to 8 rows, where the columns are the lanes)."""
-    kc, vecs, cols, lanes, block_vecs, block_cols = _matmuls().rows_plan(m, n, k)
+    kc, vecs, cols, lanes, block_vecs, block_cols = extension().rows_plan(m, n, k)
     return {"kc": kc, "vecs": vecs, "cols": cols, "lanes": lanes, "block_vecs": block_vecs, "block_cols": block_cols}
 
 
 def matmul_nn(a: Tensor, b: Tensor) -> Tensor:
     """a [G, M, K] @ b [G, K, N] -> float32 [G, M, N], each entry independent of the rest."""
-    return _matmuls().mm_nn(a, b)
+    return extension().mm_nn(a, b)
 
 
 def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -220,17 +226,7 @@ class _Bmm(torch.autograd.Function):
 
 def _math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
     """`math_attention` on these kernels' products: the form the attention's gradient is taken from."""
-    return math_attention(q, k, v, q_start, matmul=_Bmm.apply)
-
-
-def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    g = gate.float()
-    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return (g / (1.0 + torch.exp(-g))).to(gate.dtype) * up
-    # The same ops in place in one temporary: without grad, fresh [rows, I] tensors cost
-    # more than the arithmetic (256 x 1408 rows: median 3.6 ms -> 0.54 ms, 1 thread).
-    e = torch.neg(g).exp_().add_(1.0)
-    return torch.div(g, e, out=e).to(gate.dtype).mul_(up)
+    return math_attention(q, k, v, q_start, matmul=_Bmm.apply, softmax=cpu_math.softmax)
 
 
 def _batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
@@ -239,7 +235,7 @@ def _batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tens
     head's chunk of queries a task of one parallel region. (As a dozen torch ops a query
     block, the ops' own costs were 10x the arithmetic at 16 rows.)"""
     check_batched_attention(q, k, v, q_start)
-    return _matmuls().attention(q, k, v, q_start, q.shape[-1] ** -0.5, QUERY_BLOCK, KEY_BLOCK)
+    return extension().attention(q, k, v, q_start, q.shape[-1] ** -0.5, QUERY_BLOCK, KEY_BLOCK)
 
 
 class CpuInvariantKernels:
@@ -252,11 +248,11 @@ class CpuInvariantKernels:
 
     apply_rotary = staticmethod(apply_rotary)
     rms_norm = staticmethod(TorchKernels.rms_norm)
-    softmax = staticmethod(TorchKernels.softmax)
-    log_softmax = staticmethod(TorchKernels.log_softmax)
-    entropy = staticmethod(TorchKernels.entropy)
+    softmax = staticmethod(cpu_math.softmax)
+    log_softmax = staticmethod(cpu_math.log_softmax)
+    entropy = staticmethod(cpu_math.entropy)
     token_log_probs = classmethod(TorchKernels.token_log_probs.__func__)
-    swiglu = staticmethod(_swiglu)
+    swiglu = staticmethod(cpu_math.swiglu)
     linear = staticmethod(linear_with_matmul_backward(_linear, matmul_rows))
     batched_attention = staticmethod(with_torch_backward(_batched_attention, _math_attention))
 

@@ -1,5 +1,6 @@
 // Causal GQA attention on the CPU kernels (cpu_kernels.h), one OpenMP region a call.
 #include "cpu_kernels.h"
+#include "cpu_math.h"
 
 namespace {
 
@@ -34,8 +35,8 @@ void nn_attention(const T* a, const T* b, float* out, int64_t K, int64_t lda, in
 //   query block qs.. of query_block queries: nk = min(max(q_start) + qs + qn, Tk) keys, the
 //   softmax row padded to nb = nk rounded up to whole key_blocks;
 //   s[j] = mm_nt's sum(q, k_j) * scale + (j > pos ? -inf : 0)   (-inf for j >= nk)
-//   p = torch's softmax over the nb entries (at::_softmax_out, the kernel torch.softmax ran),
-//       rounded to v's dtype by torch's copy (for bfloat16);
+//   p = cpu_math.h's softmax over the nb entries (no libm exp: its bits differ between C
+//       libraries), rounded to v's dtype by torch's copy (for bfloat16);
 //   out = mm_nn's running sum over keys 0..nk-1 in order of p[j] * v_j, rounded by torch's copy.
 // Keys past nk are masked for every row of the block, so their score is -inf whatever the
 // dot product (finite keys, as the kernels' contract says) and their probability exactly
@@ -95,9 +96,8 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
         for (int64_t j = 0; j < nk; ++j) s[j] = s[j] * fscale + (j > pos ? -INFINITY : 0.f);
         for (int64_t j = nk; j < nb; ++j) s[j] = -INFINITY;
       }
-      auto s_t = torch::from_blob(scores.data(), {n, nb}, f32);
+      for (int64_t r = 0; r < n; ++r) reprorl_math::softmax_row(scores.data() + r * nb, probs.data() + r * nb, nb);
       auto p_t = torch::from_blob(probs.data(), {n, nb}, f32);
-      at::_softmax_out(p_t, s_t, -1, false);
       const T* p = nullptr;
       if constexpr (std::is_same<T, float>::value) {
         p = probs.data();

@@ -128,6 +128,15 @@ std::vector<int64_t> nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
 // a [G, M, K], b [G, K, N] -> float32 [G, M, N]
 torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, false); }
 
+// cpu_math.cpp
+torch::Tensor portable_exp(torch::Tensor x);
+torch::Tensor portable_log(torch::Tensor x);
+std::vector<torch::Tensor> portable_sincos(torch::Tensor x);
+torch::Tensor portable_pow(double base, torch::Tensor e);
+torch::Tensor portable_row_sums(torch::Tensor x);
+torch::Tensor portable_softmax(torch::Tensor x);
+torch::Tensor portable_log_softmax(torch::Tensor x);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nt", &mm_nt, "a @ b^T, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_nt_plan", &mm_nt_plan, "mm_nt with its work split given: [kc, rows, col_blocks]");
@@ -135,5 +144,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_rows", &mm_rows, "the linear's a @ b^T with rows as lanes: mm_nn's arithmetic, b in place");
   m.def("rows_plan", &rows_plan, "mm_rows's default split and block: [kc, vecs, cols, LANES, block vecs, block cols]");
-  m.def("attention", &attention, "causal GQA attention from mm_nt, torch's softmax and mm_nn, one parallel region");
+  m.def("attention", &attention, "causal GQA attention from mm_nt, cpu_math.h's softmax and mm_nn, one parallel region");
+  m.def("exp", &portable_exp, "e^x, float32 or float64, the same bits on any x86-64 CPU (cpu_math.h)");
+  m.def("log", &portable_log, "log x, float32, the same bits on any x86-64 CPU (cpu_math.h)");
+  m.def("sincos", &portable_sincos, "(sin x, cos x), float32, the same bits on any x86-64 CPU (cpu_math.h)");
+  m.def("pow", &portable_pow, "base^e for a positive base, float32, the same bits on any x86-64 CPU (cpu_math.h)");
+  m.def("row_sums", &portable_row_sums, "sums over the last dimension in a fixed order (cpu_math.h)");
+  m.def("softmax", &portable_softmax, "softmax over the last dimension from exp and row_sums' order");
+  m.def("log_softmax", &portable_log_softmax, "log-softmax over the last dimension from exp, log and row_sums' order");
 }

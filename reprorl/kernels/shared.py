@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from reprorl.kernels.cpu_math import pinned_pow, pinned_sincos
+
 # The KV cache's capacity is a whole number of these (`models.transformer.KVCache`), and the
 # invariant attention backends read keys in chunks of it; a short sequence pads to less.
 KEY_BLOCK = 128
@@ -16,7 +18,7 @@ KEY_BLOCK = 128
 
 def rope_tables(head_dim: int, theta: float, num_positions: int) -> tuple[Tensor, Tensor]:
     """Plain RoPE's rotary tables (`rotary_tables` of the default inverse frequencies)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / pinned_pow(theta, torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     return rotary_tables(inv_freq, num_positions)
 
 
@@ -26,13 +28,14 @@ def rotary_tables(inv_freq: Tensor, num_positions: int, attention_factor: float 
 
     Angles are computed once per model, in float32 the way transformers computes them (its
     cos and sin times the attention factor), so a position's entries are constants: the same
-    bits whatever batch asks for them. `sin_rot` is sin with its first half negated, the form
+    bits whatever batch asks for them; under full determinism sin and cos are cpu_math's,
+    the same bits on any CPU. `sin_rot` is sin with its first half negated, the form
     `apply_rotary` reads. (Su et al. 2021, RoFormer)
     """
     half = inv_freq.shape[0]
     freqs = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]  # [P, D/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    cos, sin = angles.cos(), angles.sin()
+    sin, cos = pinned_sincos(angles)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
     return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)

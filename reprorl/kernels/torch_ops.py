@@ -7,6 +7,7 @@ attention's tiles); use it with `full_determinism: false`. Same interface as eve
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -17,11 +18,13 @@ from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attentio
 
 
 def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, *,
-                   matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul) -> Tensor:
+                   matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+                   softmax: Callable[[Tensor], Tensor] = functools.partial(torch.softmax, dim=-1)) -> Tensor:
     """`batched_attention` written as plain matmuls and a softmax: the differentiable form
     the invariant backends take their gradient from (its backward is deterministic, where
     SDPA's fused backward kernels may not be). Memory O(Tq * Tk) per head. `matmul`: the
-    two products ([..., M, K] @ [..., K, N], differentiable), stock torch's by default."""
+    two products ([..., M, K] @ [..., K, N], differentiable), stock torch's by default;
+    `softmax`: over the last dim (differentiable), torch's by default."""
     check_batched_attention(q, k, v, q_start)
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
@@ -29,7 +32,7 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, *,
     pos = q_start[:, None] + torch.arange(tq, device=q.device).repeat(hq // hkv)  # [B, G*Tq]
     masked = torch.arange(k.shape[2], device=q.device) > pos[:, None, :, None]
     scores = matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, Tk]
-    probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
+    probs = softmax(scores.masked_fill(masked, float("-inf"))).to(v.dtype)
     return matmul(probs, v).reshape(b, hq, tq, d)
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from reprorl.errors import ConfigError
+from reprorl.kernels.cpu_math import pinned_pow
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 REQUIRED = {
@@ -87,7 +88,7 @@ def inverse_frequencies(scaling: RopeScaling, head_dim: int, theta: float,
                         max_position_embeddings: int) -> tuple[Tensor, float]:
     """(inv_freq [head_dim / 2] float32, attention factor) of `scaling`, as transformers."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
-    base = 1.0 / (theta ** exponents)
+    base = 1.0 / pinned_pow(theta, exponents)
     kind, get = scaling.rope_type, scaling.get
     if kind == "default":
         return base, 1.0
@@ -104,7 +105,7 @@ def inverse_frequencies(scaling: RopeScaling, head_dim: int, theta: float,
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     short = torch.tensor(get("short_factor"), dtype=torch.float32)
-    return 1.0 / (short * theta ** exponents), float(attention)
+    return 1.0 / (short * pinned_pow(theta, exponents)), float(attention)
 
 
 def max_positions(scaling: RopeScaling, max_position_embeddings: int) -> int:
@@ -148,7 +149,7 @@ def _yarn(scaling: RopeScaling, dim: int, base: float, original: int) -> tuple[T
     if low == high:
         high += 0.001  # as transformers: no division by zero
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)
+    pos_freqs = pinned_pow(base, torch.arange(0, dim, 2).to(torch.float) / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - ramp  # the share of each frequency extrapolated (kept as trained)
     return interpolation * (1 - keep) + extrapolation * keep, float(attention)

@@ -52,6 +52,7 @@ import torch
 
 from reprorl.errors import ConfigError
 from reprorl.kernels import TorchKernels
+from reprorl.kernels.cpu_math import pinned_softmax
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def sample_next(
         scaled = logits
     else:
         scaled = logits / params.temperature
-        probs = torch.softmax(scaled.double(), dim=-1)
+        probs = pinned_softmax(scaled.double())
         probs = torch.where(_keep_mask(probs, params.top_k, params.top_p), probs, 0.0)
         token = _inverse_cdf(probs, u)
     log_prob = log_softmax(scaled[None])[0, token].item() if params.logprobs else None
@@ -197,7 +198,7 @@ def sample_batch(
     sampled_rows = (~greedy).nonzero().flatten()
     if len(sampled_rows) > 0:
         rows = sampled_rows
-        probs = torch.softmax(scaled[rows].double(), dim=-1)  # [S, V]
+        probs = pinned_softmax(scaled[rows].double())  # [S, V]
         top_k = [params[i].top_k for i in rows.tolist()]
         top_p = [params[i].top_p for i in rows.tolist()]
         if any(k != -1 for k in top_k) or any(p < 1 for p in top_p):

@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from reprorl.errors import ConfigError
 from reprorl.kernels import select_kernels
+from reprorl.kernels.cpu_math import pinned_log_softmax
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.workers.optim import OptimArgs, guarded_step, lr_multiplier, make_adamw, set_lr
 
@@ -75,7 +76,7 @@ def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Ten
     logits `[B, T, V]` (position t predicts token t + 1), input_ids `[B, T]`, loss_mask
     `[B, T]` (1 on tokens to learn; position 0 is never a target). Returns a scalar.
     """
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
+    log_probs = pinned_log_softmax(logits[:, :-1].float())  # [B, T-1, V]
     token_log_probs = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
     mask = loss_mask[:, 1:].to(token_log_probs.dtype)
     return -(token_log_probs * mask).sum() / mask.sum().clamp(min=1)

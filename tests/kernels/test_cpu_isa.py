@@ -1,6 +1,6 @@
 """The CPU path's bits on any x86-64 CPU: the batch-invariant kernels built for no vector
 unit (x86-64), AVX2 and AVX-512 (where this CPU runs them), at 1 and 2 threads, give a tiny
-model's forward, its backward and two warm-start steps the same bits. Each case runs in its
+model's forward, its backward, two warm-start steps and cpu_math's functions the same bits. Each case runs in its
 own process, as a full-determinism run does: torch's kernels on their portable build
 (ATEN_CPU_CAPABILITY=default) and ours built for the case's -march.
 
@@ -50,7 +50,13 @@ SCRIPT = textwrap.dedent("""
     sft_train(model, examples, steps=2, batch_size=3, lr=1e-3, seed=0, pad_token_id=0, batch_invariant=True,
               log_every=0)
     weights = [stable_digest(name, tensor_digest(p.detach())) for name, p in model.named_parameters()]
-    print(json.dumps({"block": nt_plan(1, 4, 4, 64)["block_rows"], "logits": tensor_digest(logits),
+    from reprorl.kernels import cpu_math
+    x = torch.linspace(-110.0, 90.0, 1 << 16)
+    math_digest = stable_digest(tensor_digest(cpu_math.exp(x)), tensor_digest(cpu_math.log(x.abs())),
+                                *[tensor_digest(t) for t in cpu_math.pinned_sincos(x * 1e4)],
+                                tensor_digest(cpu_math.pinned_pow(10000.0, x.abs() / 110)),
+                                tensor_digest(cpu_math.log_softmax(x.view(64, -1))))
+    print(json.dumps({"math": math_digest, "block": nt_plan(1, 4, 4, 64)["block_rows"], "logits": tensor_digest(logits),
                       "log_probs": tensor_digest(log_probs), "loss": tensor_digest(loss.detach()),
                       "grads": stable_digest(*grads), "warm_start": stable_digest(*weights)}))
 """)

@@ -153,6 +153,14 @@ def test_batch_equals_per_row(V):
     _check_batch_equals_per_row(V)
 
 
+def test_batch_equals_per_row_with_the_pinned_probabilities(monkeypatch):
+    """Under full determinism the probabilities come from cpu_math's softmax, in float64."""
+    from reprorl.kernels import cpu_math
+
+    monkeypatch.setattr(cpu_math, "_pinned", True)
+    _check_batch_equals_per_row(1000)
+
+
 def _check_batch_equals_per_row(V):
     torch.manual_seed(V)
     B = 24

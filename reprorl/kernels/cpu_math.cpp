@@ -1,0 +1,153 @@
+// The portable transcendentals and row reductions of cpu_math.h as tensor ops (bound in
+// cpu_matmul.cpp). Elementwise ops split their entries over threads, row ops their rows:
+// an entry or a row is computed by one thread from start to end, so no split moves a bit.
+#include "cpu_math.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+using namespace reprorl_math;
+
+namespace {
+
+// The arguments as [rows, n] contiguous CPU rows of a float dtype the caller allows.
+torch::Tensor as_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "cpu_math: a CPU tensor expected");
+  TORCH_CHECK(x.dim() >= 1, "cpu_math: a tensor of at least one dimension expected");
+  return x.contiguous().reshape({-1, x.size(-1)});
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t n, F body) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) body(r);
+  });
+}
+
+}  // namespace
+
+// e^x entry by entry: float32 (rounded once from double) or float64.
+torch::Tensor portable_exp(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu(), "portable_exp: a CPU tensor expected");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t n = x.numel();
+  if (x.scalar_type() == torch::kFloat32) {
+    const float* src = x.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) dst[i] = exp_f32(src[i]);
+    });
+  } else if (x.scalar_type() == torch::kFloat64) {
+    const double* src = x.data_ptr<double>();
+    double* dst = out.data_ptr<double>();
+    at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) dst[i] = exp_f64(src[i]);
+    });
+  } else {
+    TORCH_CHECK(false, "portable_exp: float32 or float64 expected");
+  }
+  return out;
+}
+
+// log x entry by entry, float32.
+torch::Tensor portable_log(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "portable_log: a float32 CPU tensor expected");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = log_f32(src[i]);
+  });
+  return out;
+}
+
+// (sin x, cos x) entry by entry, float32.
+std::vector<torch::Tensor> portable_sincos(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
+              "portable_sincos: a float32 CPU tensor expected");
+  x = x.contiguous();
+  auto s = torch::empty_like(x), c = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* ps = s.data_ptr<float>();
+  float* pc = c.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) sincos_f32(src[i], ps[i], pc[i]);
+  });
+  return {s, c};
+}
+
+// base^e entry by entry for a positive base, float32.
+torch::Tensor portable_pow(double base, torch::Tensor e) {
+  TORCH_CHECK(e.device().is_cpu() && e.scalar_type() == torch::kFloat32, "portable_pow: a float32 CPU tensor expected");
+  e = e.contiguous();
+  auto out = torch::empty_like(e);
+  const float b = static_cast<float>(base);
+  const float* src = e.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < e.numel(); ++i) dst[i] = pow_f32(b, src[i]);
+  return out;
+}
+
+// The sum of each row over the last dimension, float32 or float64: [..., n] -> [...].
+torch::Tensor portable_row_sums(torch::Tensor x) {
+  auto rows = as_rows(x);
+  const int64_t r = rows.size(0), n = rows.size(1);
+  auto out = torch::empty({r}, rows.options());
+  if (rows.scalar_type() == torch::kFloat32) {
+    const float* src = rows.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for_rows(r, n, [&](int64_t i) { dst[i] = row_sum(src + i * n, n); });
+  } else if (rows.scalar_type() == torch::kFloat64) {
+    const double* src = rows.data_ptr<double>();
+    double* dst = out.data_ptr<double>();
+    for_rows(r, n, [&](int64_t i) { dst[i] = row_sum(src + i * n, n); });
+  } else {
+    TORCH_CHECK(false, "portable_row_sums: float32 or float64 expected");
+  }
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  return out.reshape(sizes);
+}
+
+// softmax over the last dimension, float32 or float64.
+torch::Tensor portable_softmax(torch::Tensor x) {
+  auto rows = as_rows(x);
+  const int64_t r = rows.size(0), n = rows.size(1);
+  auto out = torch::empty_like(rows);
+  if (rows.scalar_type() == torch::kFloat32) {
+    const float* src = rows.data_ptr<float>();
+    float* dst = out.data_ptr<float>();
+    for_rows(r, n, [&](int64_t i) { softmax_row(src + i * n, dst + i * n, n); });
+  } else if (rows.scalar_type() == torch::kFloat64) {
+    const double* src = rows.data_ptr<double>();
+    double* dst = out.data_ptr<double>();
+    for_rows(r, n, [&](int64_t i) { softmax_row(src + i * n, dst + i * n, n); });
+  } else {
+    TORCH_CHECK(false, "portable_softmax: float32 or float64 expected");
+  }
+  return out.reshape(x.sizes());
+}
+
+// log-softmax over the last dimension, float32: (x - max) - log(sum of e^(x - max)).
+torch::Tensor portable_log_softmax(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "portable_log_softmax: float32 expected");
+  auto rows = as_rows(x);
+  const int64_t r = rows.size(0), n = rows.size(1);
+  auto out = torch::empty_like(rows);
+  const float* src = rows.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for_rows(r, n, [&](int64_t i) {
+    const float* xr = src + i * n;
+    float* yr = dst + i * n;
+    const float m = row_max(xr, n);
+    for (int64_t j = 0; j < n; ++j) yr[j] = exp_f32(xr[j] - m);  // the terms, then the shifted logits
+    const float lse = log_f32(row_sum(yr, n));
+    for (int64_t j = 0; j < n; ++j) yr[j] = (xr[j] - m) - lse;
+  });
+  return out.reshape(x.sizes());
+}
