@@ -35,7 +35,7 @@ os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN_CPU_CAPABILITY)  # before torc
 import torch  # noqa: E402
 
 
-def record(steps: int | None) -> dict:
+def record(steps: int | None, ops_at: int = 1) -> dict:
     from transformers import AutoTokenizer
 
     from reprorl.data.dataset import read_rows
@@ -43,7 +43,7 @@ def record(steps: int | None) -> dict:
     from reprorl.models.hf_io import load_model
     from reprorl.models.tiny import make_tiny
     from reprorl.trainer import default_run
-    from reprorl.trainer.warm_start import collate, sft_example, sft_loss, sft_train
+    from reprorl.trainer.warm_start import collate, sft_example, sft_loss
 
     pin_cpu_kernels()
     with tempfile.TemporaryDirectory() as scratch:
@@ -55,21 +55,33 @@ def record(steps: int | None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(base)
         examples = [sft_example(tokenizer, messages, answer) for messages, answer in pairs]
         model, _ = load_model(base, kind="causal_lm")
+        params: list[list[str]] = []
+        if ops_at > 1:  # the steps before, then the parameters they left
+            warm_start_steps(model, examples, tokenizer.pad_token_id, stop_after=ops_at - 1)
+            params = [[f"param {name}", tensor_digest(p.detach())] for name, p in model.named_parameters()]
 
         from reprorl.kernels import select_kernels
 
         kernel_ops: list[list[str]] = []
         model.kernels = _Recording(select_kernels("cpu", batch_invariant=True), kernel_ops)
-        ops = first_step_ops(model, examples, tokenizer.pad_token_id, collate, sft_loss, tensor_digest)
-        ops[:0] = kernel_ops  # the kernels' calls of the forward first: finer than the modules
+        ops = step_ops(model, examples, tokenizer.pad_token_id, collate, sft_loss, tensor_digest, ops_at)
+        ops[:0] = params + kernel_ops  # the kernels' calls of the forward first: finer than the modules
         model, _ = load_model(base, kind="causal_lm")  # the warm start from the same base
-        total = default_run.WARM_START_STEPS
-        losses = sft_train(model, examples, steps=total, batch_size=default_run.WARM_START_BATCH_SIZE,
-                           lr=default_run.WARM_START_LR, seed=default_run.MODEL_SEED, pad_token_id=tokenizer.pad_token_id,
-                           batch_invariant=True, log_every=0, stop_after=steps)
+        losses = warm_start_steps(model, examples, tokenizer.pad_token_id, stop_after=steps)
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu_name(), "torch": torch.__version__,
-            "libc": " ".join(platform.libc_ver()), "threads": torch.get_num_threads(), "ops": ops,
+            "libc": " ".join(platform.libc_ver()), "threads": torch.get_num_threads(), "ops_at": ops_at, "ops": ops,
             "functions": function_digests(tensor_digest), "losses": [float(x).hex() for x in losses]}
+
+
+def warm_start_steps(model, examples, pad_token_id, stop_after: int | None) -> list:
+    """The default run's warm start (its schedule, batches and settings), stopped after
+    `stop_after` steps; each step's loss."""
+    from reprorl.trainer import default_run
+    from reprorl.trainer.warm_start import sft_train
+
+    return sft_train(model, examples, steps=default_run.WARM_START_STEPS, batch_size=default_run.WARM_START_BATCH_SIZE,
+                     lr=default_run.WARM_START_LR, seed=default_run.MODEL_SEED, pad_token_id=pad_token_id,
+                     batch_invariant=True, log_every=0, stop_after=stop_after)
 
 
 class _Recording:
@@ -104,19 +116,24 @@ def function_digests(digest) -> dict[str, str]:
              "cos": lambda: torch.cos(x), "tanh": lambda: torch.tanh(x), "sigmoid": lambda: torch.sigmoid(x),
              "silu": lambda: torch.nn.functional.silu(x), "softmax": lambda: torch.softmax(x.view(1024, -1), -1),
              "log_softmax": lambda: torch.log_softmax(x.view(1024, -1), -1),
-             "rsqrt": lambda: torch.rsqrt(positive), "pow": lambda: torch.pow(positive, 0.37)}
+             "rsqrt": lambda: torch.rsqrt(positive), "pow": lambda: torch.pow(positive, 0.37),
+             "sqrt": lambda: torch.sqrt(positive), "div": lambda: positive / 1.0009995,
+             "lerp": lambda: positive.lerp(x, 0.1), "addcmul": lambda: positive.addcmul(x, x, value=0.001),
+             "addcdiv": lambda: x.addcdiv(x.flip(0), positive, value=-3e-4), "square": lambda: x.square(),
+             "row_sum": lambda: x.view(256, -1).sum(-1), "cumsum64": lambda: x.double().cumsum(0)}
     return {name: digest(fn()) for name, fn in cases.items()}
 
 
-def first_step_ops(model, examples, pad_token_id, collate, sft_loss, digest) -> list[list[str]]:
-    """[name, digest] of every module's output, the loss and every gradient, for the first batch."""
+def step_ops(model, examples, pad_token_id, collate, sft_loss, digest, step: int) -> list[list[str]]:
+    """[name, digest] of every module's output, the loss and every gradient, for the batch
+    of warm-start step `step` (1-based)."""
     from reprorl.trainer import default_run
     from reprorl.trainer.warm_start import batch_indices
 
     ops: list[list[str]] = []
     hooks = [m.register_forward_hook(lambda m, i, out, name=name: ops.append([f"forward {name}", _digest(out, digest)]))
              for name, m in model.named_modules() if name]
-    indices = batch_indices(len(examples), default_run.WARM_START_BATCH_SIZE, 1, default_run.MODEL_SEED)[0]
+    indices = batch_indices(len(examples), default_run.WARM_START_BATCH_SIZE, step, default_run.MODEL_SEED)[step - 1]
     input_ids, attention_mask, loss_mask = collate([examples[i] for i in indices], pad_token_id)
     loss = sft_loss(model(input_ids, attention_mask), input_ids, loss_mask)
     ops.append(["loss", digest(loss.detach())])
@@ -149,7 +166,7 @@ def compare(a_path: str, b_path: str) -> int:
     differ = [name for name in a.get("functions", {}) if a["functions"][name] != b.get("functions", {}).get(name)]
     print("torch's CPU transcendentals that differ: " + (", ".join(differ) or "none"))
     op = next(((x, y) for x, y in zip(a["ops"], b["ops"]) if x != y), None)
-    print("first step, op by op: " + ("all equal" if op is None else f"first difference at {op[0][0]}"))
+    print(f"step {a.get('ops_at', 1)}, op by op: " + ("all equal" if op is None else f"first difference at {op[0][0]}"))
     step = next((i for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if x != y), None)
     common = min(len(a["losses"]), len(b["losses"]))
     print(f"losses of {common} steps: " + ("all equal" if step is None else
@@ -162,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="JSON file to write")
     p.add_argument("--steps", type=int, default=None, help="record only the first N warm-start steps")
+    p.add_argument("--ops-at", type=int, default=1, help="record op by op at this warm-start step (1-based), "
+                   "after the parameters the steps before it left")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two records")
     args = p.parse_args(argv)
     if args.compare:
         return compare(*args.compare)
     if not args.out:
         p.error("--out or --compare is needed")
-    result = record(args.steps)
+    result = record(args.steps, args.ops_at)
     Path(args.out).write_text(json.dumps(result) + "\n")
     print(f"{result['cpu']}: {len(result['ops'])} ops, {len(result['losses'])} steps -> {args.out}")
     return 0

@@ -29,7 +29,7 @@
 #            $OUT/cpu_bits.json (compare it with a run here: bench/cpu_bits.py --compare; CPU_BITS_ARGS:
 #            more arguments, e.g. "--steps 300"; CPU_BITS_TIMEOUT: its limit, 420 s)
 #   isa      on the host CPU: the CPU kernels built for x86-64, AVX2 and AVX-512 give the same bits
-#            (tests/kernels/test_cpu_isa.py), and the default run's golden digests
+#            (tests/kernels/test_cpu_isa.py), cpu_math's golden digests, and the default run's
 # engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
@@ -170,7 +170,8 @@ for step in $steps; do
       echo "cpu_bits: exit $?" | summary; tail -2 "$LOGS/cpu_bits.log" | summary ;;
     isa)
       with_ray || echo "no .whl: the golden-digest test skips" | summary
-      run_tests test_cpu_isa tests/kernels/test_cpu_isa.py ;;
+      run_tests test_cpu_isa tests/kernels/test_cpu_isa.py tests/kernels/test_cpu_math.py
+      run_tests golden tests/trainer/test_default_run.py -k learns ;;
     *) echo "unknown step $step" | summary ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | summary

@@ -66,6 +66,21 @@ torch::Tensor portable_log(torch::Tensor x) {
   return out;
 }
 
+// sqrt x entry by entry, float32: the IEEE square root (correctly rounded). torch's CPU
+// sqrt is not on every machine (MKL's vector math, picked by the CPU, differs between an
+// AMD EPYC and an Intel Xeon).
+torch::Tensor portable_sqrt(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "portable_sqrt: a float32 CPU tensor expected");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const float* src = x.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = std::sqrt(src[i]);
+  });
+  return out;
+}
+
 // (sin x, cos x) entry by entry, float32.
 std::vector<torch::Tensor> portable_sincos(torch::Tensor x) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32,

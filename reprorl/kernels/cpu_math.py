@@ -6,11 +6,12 @@ The arithmetic is `cpu_math.h`'s (plain IEEE operations; row sums in a fixed ord
 into the CPU kernels' extension. Two ways in:
 - `exp`, `softmax`, `log_softmax`, `entropy`, `swiglu`: always these, with their gradients
   (the CPU batch-invariant kernels are made of them);
-- `pinned_exp`, `pinned_softmax`, `pinned_log_softmax`, `pinned_sincos`, `pinned_pow`:
+- `pinned_exp`, `pinned_softmax`, `pinned_log_softmax`, `pinned_sincos`, `pinned_pow`,
+  `pinned_sqrt` (torch's CPU sqrt is MKL's, not IEEE's, on these machines):
   these on a CPU tensor once `reprorl.determinism.pin_cpu_kernels` has pinned the
   process's CPU math (full determinism), torch's otherwise: for the code outside the
   kernels that runs on the host (the sampler's probabilities, the losses of a CPU run,
-  the warm start's loss, the RoPE tables of every device).
+  the warm start's loss, the RoPE tables of every device, AdamW's denominator).
 """
 
 from __future__ import annotations
@@ -120,6 +121,15 @@ def pinned_log_softmax(x: Tensor) -> Tensor:
     """`log_softmax` on a CPU tensor of a pinned process (float32), torch's otherwise (over
     the last dim)."""
     return log_softmax(x) if _portable_here(x) else torch.log_softmax(x, dim=-1)
+
+
+def pinned_sqrt(x: Tensor) -> Tensor:
+    """The IEEE square root of a float32 tensor on the CPU of a pinned process (torch's CPU
+    sqrt is MKL's vector math there, whose bits differ between an AMD and an Intel CPU),
+    torch.sqrt otherwise. No gradient."""
+    if _portable_here(x) and x.dtype == torch.float32:
+        return _ext().sqrt(x)
+    return torch.sqrt(x)
 
 
 def pinned_sincos(x: Tensor) -> tuple[Tensor, Tensor]:

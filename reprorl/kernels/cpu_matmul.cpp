@@ -131,6 +131,7 @@ torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, fals
 // cpu_math.cpp
 torch::Tensor portable_exp(torch::Tensor x);
 torch::Tensor portable_log(torch::Tensor x);
+torch::Tensor portable_sqrt(torch::Tensor x);
 std::vector<torch::Tensor> portable_sincos(torch::Tensor x);
 torch::Tensor portable_pow(double base, torch::Tensor e);
 torch::Tensor portable_row_sums(torch::Tensor x);
@@ -147,6 +148,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal GQA attention from mm_nt, cpu_math.h's softmax and mm_nn, one parallel region");
   m.def("exp", &portable_exp, "e^x, float32 or float64, the same bits on any x86-64 CPU (cpu_math.h)");
   m.def("log", &portable_log, "log x, float32, the same bits on any x86-64 CPU (cpu_math.h)");
+  m.def("sqrt", &portable_sqrt, "the IEEE square root, float32 (torch's CPU sqrt is MKL's, which differs by CPU)");
   m.def("sincos", &portable_sincos, "(sin x, cos x), float32, the same bits on any x86-64 CPU (cpu_math.h)");
   m.def("pow", &portable_pow, "base^e for a positive base, float32, the same bits on any x86-64 CPU (cpu_math.h)");
   m.def("row_sums", &portable_row_sums, "sums over the last dimension in a fixed order (cpu_math.h)");

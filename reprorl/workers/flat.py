@@ -214,7 +214,7 @@ def global_grad_norm(shard_grad: torch.Tensor, layout: FlatLayout, group: dist.P
     sums = shard_grad.view(-1, CHUNK).float().square().sum(dim=-1)  # [chunks of this shard]
     gathered = [torch.empty_like(sums) for _ in range(layout.world_size)]
     dist.all_gather(gathered, sums, group=group)
-    return float(torch.cat(gathered)[: layout.num_chunks].double().sum().sqrt())
+    return math.sqrt(float(torch.cat(gathered)[: layout.num_chunks].double().sum()))  # IEEE's root
 
 
 def first_failure(failure: tuple[int, float] | None, group: dist.ProcessGroup,

@@ -14,10 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from decimal import Decimal, localcontext
 
 import torch
 
 from reprorl.errors import ReproRLError
+from reprorl.kernels.cpu_math import pinned_sqrt
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -67,7 +69,39 @@ def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: s
     if schedule == "constant":
         return 1.0
     progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 0.5 * (1.0 + exact_cos(math.pi * progress))
+
+
+# The optimizer's and the schedule's scalars by decimal arithmetic, correctly rounded: the
+# C library's pow and cos (what Python's ** and math.cos call, and torch's AdamW takes its
+# bias corrections from) are not correctly rounded everywhere, and their bits may differ
+# between C library versions, which would part two machines' runs.
+_DIGITS = 40
+
+
+def exact_power(base: float, exponent: int) -> float:
+    """base ** exponent for an integer exponent >= 0, correctly rounded (but for a result
+    within 1e-40 of a rounding boundary)."""
+    with localcontext() as ctx:
+        ctx.prec = _DIGITS
+        return float(Decimal(base) ** int(exponent))
+
+
+def exact_cos(x: float) -> float:
+    """cos x for |x| <= 4, correctly rounded (but within 1e-35 of a rounding boundary):
+    its Taylor series in decimal arithmetic."""
+    if abs(x) > 4:
+        raise ValueError(f"exact_cos: |x| <= 4 expected, got {x}")
+    with localcontext() as ctx:
+        ctx.prec = _DIGITS + 5
+        x2 = Decimal(x) ** 2
+        total = term = Decimal(1)
+        n = 0
+        while abs(term) > Decimal(10) ** -(_DIGITS + 2):
+            n += 2
+            term = -term * x2 / (n * (n - 1))
+            total += term
+        return float(total)
 
 
 def make_adamw(params: Iterable[torch.nn.Parameter], args: OptimArgs) -> torch.optim.AdamW:
@@ -86,33 +120,41 @@ STEP_CHUNK = 1 << 24
 
 
 def step_in_chunks(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, chunk: int = STEP_CHUNK) -> None:
-    """`optimizer.step()` for `param` (one of `optimizer`'s parameters, its `.grad` set), a
-    `chunk` of elements at a time: torch's single-tensor AdamW keeps two whole temporaries
-    of the parameter alive (`exp_avg_sq.sqrt() / bias_correction2_sqrt`), two float32
-    vectors of the whole model for a rank's master shard; a chunk's are `chunk` long.
+    """One AdamW step of `param` (one of `optimizer`'s parameters, its `.grad` set), a
+    `chunk` of elements at a time: torch's single-tensor AdamW (`foreach=False`) op for op,
+    on views of the parameter, its gradient and its moments, so its bits but for the
+    scalars. torch keeps two whole temporaries of the parameter alive
+    (`exp_avg_sq.sqrt() / bias_correction2_sqrt`), two float32 vectors of the whole model
+    for a rank's master shard; a chunk's are `chunk` long.
 
-    The same bits as `optimizer.step()`: every operation of the step is elementwise with
-    scalar coefficients from the step count, and torch's own AdamW (the same group settings,
-    `foreach=False`) steps each chunk, as a parameter that views the chunk of `param`, its
-    gradient and its moments, from a copy of the step count. The state stays `optimizer`'s,
-    as it would have made it, so checkpoints do not change."""
+    The scalars: torch computes `beta ** step` and `bias_correction2 ** 0.5` with the C
+    library's pow; here `exact_power` and `math.sqrt` (both correctly rounded, so the same
+    on every machine). The moments' square root: `pinned_sqrt` (IEEE's; torch's CPU sqrt
+    is MKL's vector math, whose bits differ between an AMD and an Intel CPU). The state is what torch's AdamW keeps (`step`, `exp_avg`,
+    `exp_avg_sq`), so checkpoints do not change."""
     group, state = optimizer.param_groups[0], optimizer.state[param]
+    if group["amsgrad"] or group["maximize"]:
+        raise ValueError("step_in_chunks: AdamW without amsgrad and maximize expected (make_adamw's)")
     if not state:  # as AdamW's first step makes it (not capturable, not fused)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    state["step"] += 1
+    step = int(state["step"].item())
+    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    step_size = lr / (1 - exact_power(beta1, step))
+    bias_correction2_sqrt = math.sqrt(1 - exact_power(beta2, step))
     flat, grad = param.detach().view(-1), param.grad.view(-1)
-    moments = {key: state[key].view(-1) for key in ("exp_avg", "exp_avg_sq")}
-    pieces = [slice(a, min(a + chunk, flat.numel())) for a in range(0, flat.numel(), chunk)]
-    views = [torch.nn.Parameter(flat[piece]) for piece in pieces]  # storage shared with `param`
-    stepper = torch.optim.AdamW(views, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                weight_decay=group["weight_decay"], amsgrad=group["amsgrad"],
-                                maximize=group["maximize"], foreach=False)
-    for view, piece in zip(views, pieces):
-        view.grad = grad[piece]
-        stepper.state[view] = {"step": state["step"].clone(), **{k: m[piece] for k, m in moments.items()}}
-    stepper.step()
-    state["step"].copy_(stepper.state[views[0]]["step"])
+    exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+    for start in range(0, flat.numel(), chunk):
+        piece = slice(start, min(start + chunk, flat.numel()))
+        p, g, m, v = flat[piece], grad[piece], exp_avg[piece], exp_avg_sq[piece]
+        if weight_decay != 0:
+            p.mul_(1 - lr * weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = (pinned_sqrt(v) / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -145,7 +187,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> float:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm_value = float(torch.stack([sum_of_squares(g) for g in grads]).cumsum(0)[-1].sqrt())
+    norm_value = math.sqrt(float(torch.stack([sum_of_squares(g) for g in grads]).cumsum(0)[-1]))
     if math.isfinite(norm_value) and norm_value > max_norm:
         scale = max_norm / (norm_value + 1e-6)  # as torch's clip_grad_norm_
         for g in grads:
@@ -166,7 +208,9 @@ def guarded_step(
     if not math.isfinite(grad_norm):
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
-    optimizer.step()
+    for param in params:
+        if param.grad is not None:
+            step_in_chunks(optimizer, param)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
 

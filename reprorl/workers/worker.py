@@ -260,7 +260,7 @@ class ShardWorker:
         if grad_norm > clip:
             grad.mul_(clip / (grad_norm + 1e-6))  # as torch's clip_grad_norm_
         self.shard.grad = grad
-        step_in_chunks(self.optimizer, self.shard)  # optimizer.step()'s bits, without its two whole temporaries
+        step_in_chunks(self.optimizer, self.shard)  # AdamW without its two whole temporaries (optim.py)
         self.shard.grad = None
         self._publish_master()
         return {"stats": [(k, {f"{self.role}/{key}": v for key, v in r.items() if key != "loss"})

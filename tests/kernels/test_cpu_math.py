@@ -144,3 +144,13 @@ def test_pinned_functions_follow_the_pin(monkeypatch):
     assert torch.equal(cpu_math.pinned_exp(x), cpu_math.exp(x))
     assert torch.equal(cpu_math.pinned_log_softmax(x[None]), cpu_math.log_softmax(x[None]))
     assert torch.equal(cpu_math.pinned_softmax(x[None].double()), cpu_math.softmax(x[None].double()))
+
+
+def test_sqrt_is_ieees(monkeypatch):
+    """torch's CPU sqrt is MKL's vector math on these machines, whose bits differ between an
+    AMD and an Intel CPU; pinned_sqrt is the IEEE root (float64's root rounded to float32
+    is the correctly rounded float32 root)."""
+    monkeypatch.setattr(cpu_math, "_pinned", True)
+    x = torch.cat([POSITIVE, torch.tensor([0.0, -0.0, math.inf, 2.0**-149])])
+    assert torch.equal(cpu_math.pinned_sqrt(x), torch.sqrt(x.double()).float())
+    assert cpu_math.pinned_sqrt(torch.tensor([-1.0])).isnan().all()

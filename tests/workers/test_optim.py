@@ -10,6 +10,8 @@ from reprorl.workers.optim import (
     NonFiniteError,
     OptimArgs,
     clip_grads,
+    exact_cos,
+    exact_power,
     guarded_step,
     lr_multiplier,
     make_adamw,
@@ -108,3 +110,44 @@ def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device):
         assert set(a) == set(b) and torch.equal(a["step"], b["step"]) and a["step"].dtype == b["step"].dtype
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
     assert not torch.equal(whole, start)
+
+
+def test_the_scalars_are_correctly_rounded():
+    """exact_power and exact_cos against 100-digit decimal arithmetic: the C library's pow
+    and cos are not correctly rounded everywhere (glibc 2.36: 0.999 ** 2904, cos at the
+    warm start's step 263 of 1500), and may differ between machines."""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 100
+        for base in (0.9, 0.95, 0.98, 0.99, 0.999, 0.9999):
+            for n in (1, 2, 13, 263, 2904, 100_000):
+                assert exact_power(base, n) == float(Decimal(base) ** n), (base, n)
+        pi = Decimal("3.14159265358979323846264338327950288419716939937510582097494459230781640628620899863")
+        for step in range(0, 1501, 7):
+            x = math.pi * step / 1500
+            want = 1 + sum((-1) ** k * Decimal(x) ** (2 * k) / math.factorial(2 * k) for k in range(1, 60))
+            assert exact_cos(x) == float(want), step
+        assert exact_cos(0.0) == 1.0 and float(pi) == math.pi
+    with pytest.raises(ValueError, match="exact_cos"):
+        exact_cos(5.0)
+
+
+def test_a_step_takes_the_exact_scalars():
+    """At step 2904 (0.999 ** 2904 is where glibc's pow is not correctly rounded), the step
+    is torch's formula with exact_power's bias corrections and math.sqrt's root."""
+    g = torch.Generator().manual_seed(4)
+    param = torch.nn.Parameter(torch.randn(5000, generator=g))
+    opt = make_adamw([param], OptimArgs(lr=1e-3, weight_decay=0.1))
+    param.grad = torch.randn(5000, generator=g)
+    state = opt.state[param]
+    state["step"] = torch.tensor(2903.0)
+    state["exp_avg"], state["exp_avg_sq"] = torch.randn(5000, generator=g) * 1e-3, torch.rand(5000, generator=g) * 1e-6
+    p, m, v, grad = param.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(), param.grad
+    step_in_chunks(opt, param, chunk=999)
+    p.mul_(1 - 1e-3 * 0.1)
+    m.lerp_(grad, 1 - 0.9)
+    v.mul_(0.999).addcmul_(grad, grad, value=1 - 0.999)
+    denom = (v.sqrt() / math.sqrt(1 - exact_power(0.999, 2904))).add_(1e-8)
+    p.addcdiv_(m, denom, value=-1e-3 / (1 - exact_power(0.9, 2904)))
+    assert torch.equal(param.detach(), p) and torch.equal(state["exp_avg_sq"], v) and state["step"].item() == 2904.0
