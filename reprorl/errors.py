@@ -19,7 +19,8 @@ class DataError(ReproRLError):
 
 
 class CheckpointError(ReproRLError):
-    """A checkpoint that cannot be read."""
+    """A checkpoint or model directory that cannot be read: missing, incomplete, or not
+    matching its config.json."""
 
 
 class DeterminismError(ReproRLError, RuntimeError):

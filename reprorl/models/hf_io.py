@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from reprorl.errors import ReproRLError
+from reprorl.errors import CheckpointError
 from reprorl.io import atomic_write
 from reprorl.models.arch import ModelArgs
 from reprorl.models.fused import join_fused, split_fused
@@ -27,10 +27,6 @@ from reprorl.models.transformer import CausalLM, SequenceClassifier, ValueModel
 MODEL_CLASSES = {"causal_lm": CausalLM, "reward": SequenceClassifier, "critic": ValueModel}
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ReproRLError):
-    """A model directory that is missing, incomplete or does not match its config.json."""
 
 
 def dtype_from_name(name: str | torch.dtype | None) -> torch.dtype | None:
