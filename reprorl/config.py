@@ -397,8 +397,8 @@ class TrainerConfig:
     )
     val_before_train: bool = _field(True, "validate once before the first step")
     log_generations: int = _field(
-        0, "write this many validation samples (prompt, response, reward) per validation to generations.jsonl in "
-        "the run directory; 0 = none", ge=0)
+        0, "write this many samples (prompt, response, reward) of each training step and each validation to "
+        "generations.jsonl in the run directory, and as a table to TensorBoard and wandb; 0 = none", ge=0)
     project_name: str = _field("reprorl", "project name, for loggers and run_dir")
     experiment_name: str = _field("tiny-grpo", "experiment name, for loggers and run_dir")
 

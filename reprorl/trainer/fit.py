@@ -496,6 +496,8 @@ class Trainer:
         metrics["advantages/mean"] = algos.masked_mean(advantages, mask).item()
         metrics["timing/step_s"] = time.perf_counter() - t_step
         metrics["throughput/tokens_per_s"] = mask.sum().item() / max(metrics["timing/gen_s"], 1e-9)
+        if self.cfg.trainer.log_generations:
+            self._log_generations(step, "train", batch, scores)
         self._write_fingerprint(step, batch, scores, metrics, weight_digests)
         return metrics
 
@@ -722,7 +724,7 @@ class Trainer:
             sources += list(output.non_tensors["data_source"])
             uids += list(output.non_tensors["uid"])
             if start == 0 and cfg.trainer.log_generations:
-                self._log_generations(step, output, rewards.scores, cfg.trainer.log_generations)
+                self._log_generations(step, "val", output, rewards.scores)
         all_scores = torch.cat(scores)
         metrics = {
             "val/reward_mean": all_scores.mean().item(),
@@ -735,23 +737,27 @@ class Trainer:
                                           correct=torch.cat(correct) if correct else None))
         return metrics
 
-    def _log_generations(self, step: int, output: Batch, scores: torch.Tensor, count: int) -> None:
-        """The first `count` validation samples of the step (prompt, response, reward), as
-        lines of generations.jsonl in the run directory (appended, durably)."""
+    def _log_generations(self, step: int, split: str, output: Batch, scores: torch.Tensor) -> None:
+        """The first `trainer.log_generations` samples of the step's training batch or
+        validation (`split`: "train" or "val"), as lines of generations.jsonl in the run
+        directory (appended, durably), and as a table in TensorBoard and wandb."""
         lines = []
-        for i in range(min(count, len(output))):
+        for i in range(min(self.cfg.trainer.log_generations, len(output))):
             model_tokens = output["response_mask"][i].nonzero()
             length = int(model_tokens[-1]) + 1 if len(model_tokens) else 0  # tool turns between included
             response = output["responses"][i][:length].tolist()
-            lines.append(json.dumps({
-                "step": step, "uid": output.non_tensors["uid"][i], "data_source": output.non_tensors["data_source"][i],
+            lines.append({
+                "step": step, "split": split, "uid": output.non_tensors["uid"][i],
+                "data_source": output.non_tensors["data_source"][i],
                 "prompt": self.tokenizer.decode(list(output.non_tensors["prompt_ids"][i])),
                 "response": self.tokenizer.decode(response), "reward": float(scores[i]),
-            }, sort_keys=True))
+            })
         with open(self.run_dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in lines))
+            f.write("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
+        if self.tracker is not None:
+            self.tracker.log_generations(step, split, lines)
 
     # ------------------------------------------------------------------ checkpoints
 

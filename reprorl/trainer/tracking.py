@@ -21,7 +21,8 @@ KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 GENERATIONS_FILE = "generations.jsonl"
-"""Validation samples, `trainer.log_generations` of them a validation (the step's)."""
+"""Samples, `trainer.log_generations` of each training step and each validation."""
+GENERATION_COLUMNS = ("step", "split", "data_source", "uid", "prompt", "response", "reward")
 
 # Which metrics the console line shows, in this order, when present.
 CONSOLE_KEYS = ("reward/mean", "val/accuracy", "actor/pg_loss", "actor/kl", "response_length/mean", "timing/step_s")
@@ -100,6 +101,21 @@ class Tracker:
         if "console" in self.loggers:
             logger.info("step %d: %s", step, format_console(record))
 
+    def log_generations(self, step: int, split: str, rows: list[dict[str, Any]]) -> None:
+        """A step's samples (`GENERATION_COLUMNS` each; generations.jsonl holds them) as a
+        table: TensorBoard text `generations/<split>` (markdown), wandb `generations/<split>`."""
+        if not rows:
+            return
+        if self._tb is not None:
+            self._tb.add_text(f"generations/{split}", generations_markdown(rows), step)
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=list(GENERATION_COLUMNS),
+                                data=[[row[c] for c in GENERATION_COLUMNS] for row in rows])
+            self._wandb.log({f"generations/{split}": table}, step=step)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
@@ -110,6 +126,19 @@ class Tracker:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def generations_markdown(rows: list[dict[str, Any]]) -> str:
+    """Samples as a markdown table (TensorBoard renders it), `|` and newlines escaped."""
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    def line(cells: Iterable[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    rule = "|" + "---|" * len(GENERATION_COLUMNS)
+    return "\n".join([line(GENERATION_COLUMNS), rule, *(line(cell(row[c]) for c in GENERATION_COLUMNS) for row in rows)])
 
 
 def format_console(record: dict[str, Any]) -> str:

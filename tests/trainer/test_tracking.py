@@ -10,6 +10,7 @@ from reprorl.errors import ConfigError
 from reprorl.trainer.tracking import (
     Tracker,
     format_console,
+    generations_markdown,
     plot_curves,
     read_metrics,
     truncate_metrics,
@@ -67,6 +68,22 @@ def test_tensorboard_writes_event_files(tmp_path):
     tracker.close()
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 0
+
+
+def test_generations_go_to_tensorboard_as_a_markdown_table(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    row = {"step": 2, "split": "val", "data_source": "arith", "uid": "val-0", "prompt": "1|2\n3", "response": "3",
+           "reward": 0.25}
+    assert generations_markdown([row]) == ("| step | split | data_source | uid | prompt | response | reward |\n"
+                                           "|---|---|---|---|---|---|---|\n"
+                                           "| 2 | val | arith | val-0 | 1\\|2<br>3 | 3 | 0.25 |")
+    tracker = Tracker(tmp_path, ["tensorboard"])
+    tracker.log_generations(2, "val", [row])
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert "generations/val/text_summary" in events.Tags()["tensors"]
 
 
 def test_console_line_shows_key_figures():

@@ -45,6 +45,9 @@ def test_a_run_logs_metrics_per_source_and_its_generations(assets, tmp_path):
         for source in sources:
             assert m[f"val/{source}/best@2"] >= m[f"val/{source}/mean@2"]
     lines = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
-    assert [g["step"] for g in lines] == [1, 1, 1, 2, 2, 2]
-    assert set(lines[0]) == {"step", "uid", "data_source", "prompt", "response", "reward"}
-    assert lines[0]["uid"] == lines[1]["uid"]  # the n = 2 samples of the first prompt come first
+    # each step's training samples, then its validation's
+    assert [(g["step"], g["split"]) for g in lines] == [(s, split) for s in (1, 2) for split in ("train", "val")
+                                                        for _ in range(3)]
+    assert set(lines[0]) == {"step", "split", "uid", "data_source", "prompt", "response", "reward"}
+    assert lines[3]["uid"] == lines[4]["uid"]  # the n = 2 validation samples of the first prompt come first
+    assert lines[0]["uid"] != lines[3]["uid"] and lines[0]["response"]
