@@ -11,18 +11,16 @@
 #            split its work there
 #   cpublocks bench/cpu_blocks.py on the host CPU, at its 16 threads and at 1: which register blocks
 #            the CPU linear should run there (BLOCKS: the block sets, e.g. "8,12,8,6 8,14,8,6:2")
-#   tilebits whether a linear's bits depend on its Triton tile (bench/tile_bits.py)
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
 #            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
-#   gputrain the one-GPU training and weight-sync tests, bench/weight_sync.py and bench/train_step.py
+#   gputrain the one-GPU training and weight-sync tests, and bench/train_step.py
 #   gputests the one-GPU training tests alone
 #   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl";
 #            TRAIN_STEP_TIMEOUT: its limit, 300 s)
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k 'y or z'", parsed as a shell line)
 # A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
 # FAULT_S: a test running longer dumps its stacks, 120 s).
-#   startup  the reward model on the GPU (its gpu test), and bench/startup.py twice: the time from
-#            Trainer start to the first step with every part on the GPU (parts start together)
+#   reward   the reward model on the GPU (its gpu test)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU (its fingerprints.jsonl comes back: compare it with a run here)
 #   cpubits  bench/cpu_bits.py on the host CPU: the warm start step by step and op by op, into
@@ -30,7 +28,7 @@
 #            more arguments, e.g. "--steps 300"; CPU_BITS_TIMEOUT: its limit, 420 s)
 #   isa      on the host CPU: the CPU kernels built for x86-64, AVX2 and AVX-512 give the same bits
 #            (tests/kernels/test_cpu_isa.py), cpu_math's golden digests, and the default run's
-# engine, gputrain, startup and train need Ray there: run ../shared/tools/device-wheels here first
+# engine, gputrain, reward and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
 # PARALLEL=1 runs the steps side by side, each into $OUT/<step>, and waits for them all.
@@ -96,9 +94,6 @@ for step in $steps; do
       python3 bench/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --out "$LOGS/cpu_blocks_xeon.json" > "$LOGS/cpu_blocks.log" 2>&1
       python3 bench/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --threads 1 --out "$LOGS/cpu_blocks_xeon_1.json" >> "$LOGS/cpu_blocks.log" 2>&1
       grep -v "^wrote" "$LOGS/cpu_blocks.log" | summary ;;
-    tilebits)
-      python3 bench/tile_bits.py --out "$LOGS/tile_bits.json" > "$LOGS/tile_bits.log" 2>&1
-      cat "$LOGS/tile_bits.log" | summary ;;
     xeon)
       # 15 timings each (the 5 of 2026-12-02 gave single linears from 0.12x to 5.95x MKL in one run)
       python3 bench/kernels.py --device cpu --repeats 15 ${XEON_ARGS:-} --out "$LOGS/kernels_xeon.json" \
@@ -119,8 +114,6 @@ for step in $steps; do
       with_ray || { echo "no .whl: skipping gputrain" | summary; continue; }
       run_tests test_weight_sync_gpu tests/trainer/test_weight_sync_gpu.py
       run_tests test_gpu_train tests/trainer/test_gpu_train.py
-      timeout 200 python3 bench/weight_sync.py --out "$LOGS/weight_sync.json" > "$LOGS/bench_weight_sync.log" 2>&1
-      tail -12 "$LOGS/bench_weight_sync.log" | summary
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
     gputests)
@@ -138,17 +131,9 @@ for step in $steps; do
       with_ray || echo "no .whl: tests that need Ray skip" | summary
       eval "args=(${PYTEST_ARGS:?PYTEST_ARGS names the tests})"  # keeps a quoted -k expression whole
       run_tests pytest_args "${args[@]}" ;;
-    startup)
-      with_ray || { echo "no .whl: skipping startup" | summary; continue; }
-      run_tests test_reward_gpu tests/reward/test_reward_model.py -m gpu
-      python3 -m reprorl.cli make-tiny /tmp/startup-policy --kind policy > /dev/null
-      python3 -m reprorl.cli make-tiny /tmp/startup-rm --kind reward > /dev/null
-      for i in 1 2; do  # actor, ref, a reward model and 2 rollout replicas, all on the GPU
-        timeout 280 python3 bench/startup.py resources.device=cuda model.dtype=bfloat16 \
-          model.path=/tmp/startup-policy reward.model_path=/tmp/startup-rm >> "$LOGS/startup.log" 2>&1
-      done
-      grep -E "^\{|started .* in |determinism: |reward replica" "$LOGS/startup.log" | summary
-      cp bench/results/startup.json "$LOGS/" 2>/dev/null ;;
+    reward)
+      with_ray || { echo "no .whl: skipping reward" | summary; continue; }
+      run_tests test_reward_gpu tests/reward/test_reward_model.py -m gpu ;;
     example)
       with_ray || { echo "no .whl: skipping example" | summary; continue; }
       timeout 420 python3 -m reprorl.cli train examples/gpu_arithmetic.yaml > "$LOGS/example.log" 2>&1

@@ -14,11 +14,10 @@ micro-batch (`--micro-batch`; TRL's step below takes 64 completions a micro-batc
 16, the H200 sat idle half of each micro-batch while the host launched its kernels). Between the
 generation and the weight push the engine sleeps (its KV cache leaves the GPU, its weights
 stay), and it takes the new weights device to device from the rank's parameters, as
-`reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py; the
-handle's cost: bench/weight_sync.py).
+`reprorl train` on one GPU does through CUDA IPC (reprorl/trainer/weight_sync.py).
 `--max-token-len T` cuts micro-batches by token budget
 instead of `--micro-batch` samples (reprorl/workers/micro_batches.py); with every response
-at full length that measures its overhead only (bench/micro_batching.py measures its gain).
+at full length that measures its overhead only (its gain on mixed lengths: docs/performance.md).
 
 Each mode runs a warm-up step first, of the timed step's shapes (compilation, autotuning, and
 the allocator's growth: after a warm-up of 16 new tokens, whichever mode ran first in the
@@ -98,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=None, help="samples per forward/backward (64; quick: 2)")
     p.add_argument("--max-token-len", type=int, default=None,
                    help="micro-batches by this token budget instead of --micro-batch samples (every response has "
-                        "full length here, so this measures the budget's overhead; bench/micro_batching.py its gain)")
+                        "full length here, so this measures the budget's overhead; its gain: docs/performance.md)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the Qwen2.5 shape (random weights)")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all linear layers, both sides (0: full)")

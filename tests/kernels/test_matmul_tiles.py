@@ -1,9 +1,10 @@
 """The Triton linear's tile table and its candidates, without a GPU.
 
 The table (`matmul.tile_for`) may only pick a bf16 tile from `CANDIDATE_TILES`: those are
-the tiles bench/tile_bits.py checks for equal bits on the GPU, so a tile added to the
-table without that check fails here. Each candidate's arithmetic (its masks at edges that
-no block divides) is checked under the interpreter against float64."""
+the tiles checked for equal bits on the GPU (bench/tile_bits.py, since removed: its result
+is in docs/performance.md), so a tile added to the table without that check fails here.
+Each candidate's arithmetic (its masks at edges that no block divides) is checked under
+the interpreter against float64."""
 
 import pytest
 import torch

@@ -10,11 +10,12 @@ row reads. So a token's projection is the same bits alone, in a decode step of 2
 sequences or in a 4096-token training micro-batch. cuBLAS picks its kernel and its split-K
 from M, which is why it is not row-invariant at every shape (docs/kernels.md).
 
-That tiles do not change bits is also measured, not only argued: bench/tile_bits.py compares
-the outputs of the candidate tiles on both kernels (its result: docs/performance.md);
-tests/kernels/test_gpu.py compares rows alone with rows inside batches of up to 4096, across all the row buckets below, at
-every linear of four Qwen models; and the start-up check (`reprorl.kernels.check`) puts a
-row in a batch past each bucket.
+That tiles do not change bits is also measured, not only argued: a probe
+(bench/tile_bits.py, since removed) compared the outputs of the candidate tiles on both
+kernels (its result: docs/performance.md); tests/kernels/test_gpu.py compares rows alone
+with rows inside batches of up to 4096, across all the row buckets below, at every linear of
+four Qwen models; and the start-up check (`reprorl.kernels.check`) puts a row in a batch
+past each bucket.
 
 Hence the table reads M as well as (N, K, dtype): small batches take narrow tiles, which
 give the GPU enough programs when there is one row of tiles, and large ones take wide
@@ -63,8 +64,8 @@ CANDIDATE_TILES = tuple(Tile(bm, bn, bk, warps, stages, tma=tma) for bm, bn, bk,
     (64, 32, 64, 4, 4), (64, 16, 64, 4, 4), (64, 32, 128, 4, 3), (64, 16, 128, 4, 3), (64, 32, 256, 4, 3),
     (64, 16, 256, 4, 3)) for tma in (False, True))
 """The tiles `tile_for` may choose from: the ones bench/kernels.py --sweep times and
-bench/tile_bits.py checks for equal bits (tests/kernels/test_matmul_tiles.py holds the table
-to it)."""
+that were checked for equal bits on an H200 (docs/performance.md; the probe, bench/tile_bits.py,
+is in git history); tests/kernels/test_matmul_tiles.py holds the table to them."""
 
 ROW_BUCKETS = (128, 1024)
 """Row counts where the 16-bit tile changes: M <= 128, M <= 1024, larger."""
