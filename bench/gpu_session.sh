@@ -7,9 +7,9 @@
 #            SWEEP_ROWS, e.g. "64"; SKIP_OPS=1 leaves out the single ops; KERNEL_ARGS: more arguments,
 #            e.g. "--profile-tokens 64 256")
 #   xeon     the kernel benchmarks on the host CPU (XEON_ARGS: more arguments, e.g. "--profile-tokens 16 256")
-#   cpuplans bench/cpu_plans.py on the host CPU, at its 16 threads and at 1: how the CPU linear should
+#   cpuplans bench/tune/cpu_plans.py on the host CPU, at its 16 threads and at 1: how the CPU linear should
 #            split its work there
-#   cpublocks bench/cpu_blocks.py on the host CPU, at its 16 threads and at 1: which register blocks
+#   cpublocks bench/tune/cpu_blocks.py on the host CPU, at its 16 threads and at 1: which register blocks
 #            the CPU linear should run there (BLOCKS: the block sets, e.g. "8,12,8,6 8,14,8,6:2")
 #   engine   the GPU engine's tests, bench/rollout.py --device cuda and its --profile of decode steps
 #            (ROLLOUT_ARGS: more bench arguments, e.g. "--gpu-models qwen2.5-0.5b"; NO_PROFILE=1 skips it)
@@ -87,12 +87,12 @@ for step in $steps; do
       python3 bench/kernels.py ${SWEEP:+--sweep} ${SWEEP_ROWS:+--sweep-rows $SWEEP_ROWS} ${SKIP_OPS:+--skip-ops} ${KERNEL_ARGS:-} --out "$LOGS/kernels_cuda.json" > "$LOGS/bench_cuda.log" 2>&1
       grep -v "^  sweep" "$LOGS/bench_cuda.log" | tail -250 | summary ;;
     cpuplans)
-      python3 bench/cpu_plans.py --out "$LOGS/cpu_plans_xeon.json" > "$LOGS/cpu_plans.log" 2>&1
-      python3 bench/cpu_plans.py --threads 1 --out "$LOGS/cpu_plans_xeon_1.json" >> "$LOGS/cpu_plans.log" 2>&1
+      python3 bench/tune/cpu_plans.py --out "$LOGS/cpu_plans_xeon.json" > "$LOGS/cpu_plans.log" 2>&1
+      python3 bench/tune/cpu_plans.py --threads 1 --out "$LOGS/cpu_plans_xeon_1.json" >> "$LOGS/cpu_plans.log" 2>&1
       grep -v "^wrote" "$LOGS/cpu_plans.log" | summary ;;
     cpublocks)
-      python3 bench/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --out "$LOGS/cpu_blocks_xeon.json" > "$LOGS/cpu_blocks.log" 2>&1
-      python3 bench/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --threads 1 --out "$LOGS/cpu_blocks_xeon_1.json" >> "$LOGS/cpu_blocks.log" 2>&1
+      python3 bench/tune/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --out "$LOGS/cpu_blocks_xeon.json" > "$LOGS/cpu_blocks.log" 2>&1
+      python3 bench/tune/cpu_blocks.py ${BLOCKS:+--blocks $BLOCKS} --threads 1 --out "$LOGS/cpu_blocks_xeon_1.json" >> "$LOGS/cpu_blocks.log" 2>&1
       grep -v "^wrote" "$LOGS/cpu_blocks.log" | summary ;;
     xeon)
       # 15 timings each (the 5 of 2026-12-02 gave single linears from 0.12x to 5.95x MKL in one run)

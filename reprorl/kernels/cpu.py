@@ -144,7 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm_rows", &mm_rows); }
 def build_linear_variant(name: str, flags: list[str]):
     """`cpu_linear.cpp` alone, built with other compiler flags (other register blocks with
     `-DRL1=..`, another instruction set with `-march=..`), as a module whose `mm_rows(a, b,
-    plan)` is `matmul_rows`'s kernel: bench/cpu_blocks.py times blocks with it, and a test
+    plan)` is `matmul_rows`'s kernel: bench/tune/cpu_blocks.py times blocks with it, and a test
     checks that AVX2 and scalar builds give the native build's bits."""
     import tempfile
 
@@ -166,7 +166,7 @@ def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) 
 
     plan: how the work is split, (kc, vecs, cols): K in blocks of kc, tasks of up to `vecs`
     vectors of rows x about `cols` columns; None takes `rows_plan`'s. It changes speed,
-    never a bit (bench/cpu_plans.py times plans). Up to 8 rows the columns are the lanes
+    never a bit (bench/tune/cpu_plans.py times plans). Up to 8 rows the columns are the lanes
     instead (tiles of b transposed in L1), with no plan to take."""
     if plan is None:
         return extension().mm_rows(a, b, [])

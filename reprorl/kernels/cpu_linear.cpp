@@ -30,9 +30,9 @@ namespace {
 // Register blocks: RV vectors of rows x NC columns (RV * NC accumulators, RV vectors of a and
 // a broadcast of b: 32 zmm with AVX-512, 16 ymm with AVX2). The widest RV that the rows fill
 // sets the columns of a block; fewer row vectors at a task's end take the same columns.
-// AVX-512: 1 x 8 and 2 x 12, the fastest in bench/cpu_blocks.py on a Xeon, summed over the
+// AVX-512: 1 x 8 and 2 x 12, the fastest in bench/tune/cpu_blocks.py on a Xeon, summed over the
 // bench linears (wider blocks, such as 1 x 24, spill their weight pointers; the timings:
-// docs/performance.md). (-D RL1=.. RL4=.., RL_MAX=..: the blocks bench/cpu_blocks.py builds.)
+// docs/performance.md). (-D RL1=.. RL4=.., RL_MAX=..: the blocks bench/tune/cpu_blocks.py builds.)
 #if defined(__AVX512F__)
 #ifndef RL1
 #define RL1 8
@@ -205,7 +205,7 @@ void run_rows_nc(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& 
 // The default plan, for `threads` threads: tasks of up to TASK_VECS row vectors x up to
 // TASK_COLS columns, more column tasks when that leaves a thread idle, the tasks a whole
 // number a thread when there are more than threads; K whole up to 512, else in blocks of 512.
-// Chosen from bench/cpu_plans.py on a Xeon (the bench linears at 16, 64 and 256 rows): near
+// Chosen from bench/tune/cpu_plans.py on a Xeon (the bench linears at 16, 64 and 256 rows): near
 // the best plan of its grid at 1 and 16 threads, closer than tasks of 16 vectors x an even
 // share of the columns (the figures: docs/performance.md).
 RowsPlan default_rows_plan(int64_t M, int64_t N, int64_t K, int64_t nc, int64_t threads) {

@@ -13,7 +13,7 @@ struct NtPlan {
 
 // The default plan: K in `k_block`s; tasks of up to 64 rows; columns per task: up to 16
 // register blocks, fewer when that leaves under 4 tasks a thread (a decode step's few rows
-// on 16 threads). Chosen when mm_nt was the linear too, from bench/cpu_plans.py (it now
+// on 16 threads). Chosen when mm_nt was the linear too, from bench/tune/cpu_plans.py (it now
 // times the linear's own kernel, cpu_linear.cpp) over the bench linears at 16, 64 and 256
 // rows, on a Xeon and an AMD EPYC: closer to each machine's best plan than the old rule
 // (8 blocks and 8 tasks a thread); 16-row tasks were best on the Xeon at 16 threads but

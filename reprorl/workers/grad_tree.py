@@ -20,7 +20,7 @@ vector at 7B). `GradTree` computes the same sum with less:
   device halves the PCIe traffic, and the device holds k whole vectors when M is a power
   of two (`gpu_vectors_held` counts them for any M: a small sum is taken by the next
   leaves and its storage reused for their running sum). 0: every sum on the device
-  (`max_pending`); `bench/grad_memory.py` measures them.
+  (`max_pending`); `bench/tune/grad_memory.py` measures them.
 
 Why the bits are those of `tree_reduce`: every operation is elementwise, so element j of
 the sum depends only on element j of the leaves and on the order in which they are added;

@@ -200,7 +200,7 @@ def test_cpu_matmuls_row_invariant_at_their_edges(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_matmul_plans_change_no_bit(dtype):
     """How matmul_nt splits its work (k blocks, rows and columns a task) is a speed choice
-    that bench/cpu_plans.py may tune per machine: every plan gives the default's bits, at
+    that bench/tune/cpu_plans.py may tune per machine: every plan gives the default's bits, at
     THREADS threads, at the edges (a K tail, N off the register block, odd M, G > 1)."""
     from reprorl.kernels import cpu
 
@@ -229,7 +229,7 @@ def test_cpu_matmul_plans_change_no_bit(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_linear_plans_change_no_bit(dtype):
     """How matmul_rows (the linear) splits its work (k blocks, row vectors and columns a
-    task) is a speed choice that bench/cpu_plans.py may tune per machine: every plan gives
+    task) is a speed choice that bench/tune/cpu_plans.py may tune per machine: every plan gives
     the default's bits, at THREADS threads, at the edges (a K tail, N off the register
     block, rows off the vectors, one k block or many)."""
     from reprorl.kernels import cpu

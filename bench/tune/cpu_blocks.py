@@ -7,7 +7,7 @@ entry is one running sum over k in order). This builds the extension once per bl
 CPU bench linears (bench/kernels.py: the width-512 model's and Qwen2.5-0.5B's) at each row
 count, float32, at the machine's threads: the time summed over the linears, against MKL's.
 
-    python bench/cpu_blocks.py [--threads N] [--blocks 8,12,8,6 24,12,8,6 ...] [--out FILE]
+    python bench/tune/cpu_blocks.py [--threads N] [--blocks 8,12,8,6 24,12,8,6 ...] [--out FILE]
 
 Prints a table and writes every figure as JSON.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,10 +24,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.kernels import cpu_linear_shapes, cpu_times_ms  # noqa: E402
-from reprorl.kernels import cpu  # noqa: E402
+from bench_kernels import cpu_linear_shapes, cpu_times_ms  # bench/kernels.py's (bench_kernels.py beside this file)
+from reprorl.kernels import cpu
 
 
 def build(blocks: str):
@@ -48,7 +45,7 @@ def main() -> None:
                              "vectors a block")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--repeats", type=int, default=9, help="timings per linear (the median is kept)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_blocks.json"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cpu_blocks.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

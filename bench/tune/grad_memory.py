@@ -1,7 +1,7 @@
 """Peak extra memory of summing a rank's micro-batch gradients: before and after issue 33.
 
-    python3 bench/grad_memory.py --params 100e6 --micro-batches 8 --out bench/results/grad_memory.json
-    python3 bench/grad_memory.py --device cuda --params 1e9 --micro-batches 8 --out /tmp/grad_memory_gpu.json
+    python3 bench/tune/grad_memory.py --params 100e6 --micro-batches 8 --out bench/results/grad_memory.json
+    python3 bench/tune/grad_memory.py --device cuda --params 1e9 --micro-batches 8 --out /tmp/grad_memory_gpu.json
 
 A stack of `--layers` square linear layers holding `--params` parameters in `--dtype`, and
 M micro-batches of one row each (activations are negligible: the figures are the
@@ -44,9 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import torch  # noqa: E402
+import torch
 
 GIB = 2**30
 

@@ -8,7 +8,7 @@ model's and Qwen2.5-0.5B's) at 16, 64 and 256 rows, float32, at the machine's th
 prints the default plan's time, the best plan's and MKL's (F.linear). A machine whose best
 plans beat the default by much is where the default's rule needs to change.
 
-    python bench/cpu_plans.py [--threads N] [--rows 16 64 256] [--out bench/results/cpu_plans.json]
+    python bench/tune/cpu_plans.py [--threads N] [--rows 16 64 256] [--out bench/results/cpu_plans.json]
 
 Prints a table and writes every figure as JSON.
 """
@@ -19,17 +19,14 @@ import argparse
 import itertools
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.kernels import cpu_linear_shapes, cpu_times_ms  # noqa: E402
-from reprorl.kernels import cpu  # noqa: E402
+from bench_kernels import cpu_linear_shapes, cpu_times_ms  # bench/kernels.py's (bench_kernels.py beside this file)
+from reprorl.kernels import cpu
 
 
 def plans(k: int, n: int, threads: int) -> list[tuple[int, int, int]]:
@@ -46,7 +43,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=7, help="timings per plan (the median is kept)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cpu_plans.json"))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "cpu_plans.json"))
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
