@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,16 +36,14 @@ from pathlib import Path
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from reprorl.models.arch import ModelArgs  # noqa: E402
-from reprorl.models.hf_io import save_model  # noqa: E402
-from reprorl.models.tiny import init_weights  # noqa: E402
-from reprorl.models.transformer import CausalLM  # noqa: E402
-from reprorl.protocol import Batch  # noqa: E402
-from reprorl.workers.group import WorkerGroup  # noqa: E402
-from reprorl.workers.optim import OptimArgs  # noqa: E402
-from reprorl.workers.policy import PolicyLossArgs  # noqa: E402
+from reprorl.models.arch import ModelArgs
+from reprorl.models.hf_io import save_model
+from reprorl.models.tiny import init_weights
+from reprorl.models.transformer import CausalLM
+from reprorl.protocol import Batch
+from reprorl.workers.group import WorkerGroup
+from reprorl.workers.optim import OptimArgs
+from reprorl.workers.policy import PolicyLossArgs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data_parallel.json"
 SAMPLES, PROMPT, RESPONSE, MICRO = 32, 32, 32, 4

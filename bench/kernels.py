@@ -27,18 +27,15 @@ import functools
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from reprorl.kernels import TorchKernels, rope_tables, select_kernels  # noqa: E402
-from reprorl.models.arch import ModelArgs  # noqa: E402
-from reprorl.models.transformer import CausalLM  # noqa: E402
+from reprorl.kernels import TorchKernels, rope_tables, select_kernels
+from reprorl.models.arch import ModelArgs
+from reprorl.models.transformer import CausalLM
 
 QWEN = {  # hidden, intermediate, layers, heads, kv heads, head_dim, vocab, tied
     "qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151936, True),

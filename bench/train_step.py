@@ -55,13 +55,11 @@ import json
 import math
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from reprorl.determinism import ATEN_CPU_CAPABILITY, CUBLAS_WORKSPACE_CONFIG, determinism_env  # noqa: E402
+from reprorl.determinism import ATEN_CPU_CAPABILITY, CUBLAS_WORKSPACE_CONFIG, determinism_env
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
 os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN_CPU_CAPABILITY)  # full determinism pins it before torch starts

@@ -24,14 +24,12 @@ import asyncio
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import make_wide, prompts  # noqa: E402  (bench/rollout.py)
+from rollout import make_wide, prompts  # bench/rollout.py (the script's folder is on sys.path)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "vllm_vs_native.json")
 SEED = 0
