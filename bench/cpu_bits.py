@@ -11,7 +11,8 @@ A run records, with full determinism's pinned CPU kernels:
 - every module's output, every parameter's gradient and the loss of the first warm-start
   step (digests, in module order, from forward and backward hooks);
 - the loss of every step of the warm start the default run makes (its data, base model,
-  schedule and batch order), as exact hex floats.
+  schedule and batch order), as exact hex floats, and a digest of the parameters after
+  each step.
 `--compare` names the first step whose loss differs and, if the first step already does,
 the first op whose output differs: where to look when the default run's bits differ
 between machines. `--steps N` stops the per-step record after N steps (the schedule stays
@@ -67,21 +68,35 @@ def record(steps: int | None, ops_at: int = 1) -> dict:
         ops = step_ops(model, examples, tokenizer.pad_token_id, collate, sft_loss, tensor_digest, ops_at)
         ops[:0] = params + kernel_ops  # the kernels' calls of the forward first: finer than the modules
         model, _ = load_model(base, kind="causal_lm")  # the warm start from the same base
-        losses = warm_start_steps(model, examples, tokenizer.pad_token_id, stop_after=steps)
+        step_params: list[str] = []
+        losses = warm_start_steps(model, examples, tokenizer.pad_token_id, stop_after=steps, params_out=step_params)
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu_name(), "torch": torch.__version__,
             "libc": " ".join(platform.libc_ver()), "threads": torch.get_num_threads(), "ops_at": ops_at, "ops": ops,
-            "functions": function_digests(tensor_digest), "losses": [float(x).hex() for x in losses]}
+            "functions": function_digests(tensor_digest), "losses": [float(x).hex() for x in losses],
+            "params": step_params}
 
 
-def warm_start_steps(model, examples, pad_token_id, stop_after: int | None) -> list:
+def warm_start_steps(model, examples, pad_token_id, stop_after: int | None, params_out: list | None = None) -> list:
     """The default run's warm start (its schedule, batches and settings), stopped after
-    `stop_after` steps; each step's loss."""
-    from reprorl.trainer import default_run
-    from reprorl.trainer.warm_start import sft_train
+    `stop_after` steps; each step's loss. `params_out` gets one digest of all parameters
+    after each step (the optimizer step wrapped), to find the first step they part."""
+    from unittest import mock
 
-    return sft_train(model, examples, steps=default_run.WARM_START_STEPS, batch_size=default_run.WARM_START_BATCH_SIZE,
-                     lr=default_run.WARM_START_LR, seed=default_run.MODEL_SEED, pad_token_id=pad_token_id,
-                     batch_invariant=True, log_every=0, stop_after=stop_after)
+    from reprorl.determinism import stable_digest, tensor_digest
+    from reprorl.trainer import default_run, warm_start
+
+    def step_and_record(optimizer, params, *args, **kwargs):
+        norm = original(optimizer, params, *args, **kwargs)
+        if params_out is not None:
+            params_out.append(stable_digest(*(tensor_digest(p.detach()) for p in params)))
+        return norm
+
+    original = warm_start.guarded_step
+    with mock.patch.object(warm_start, "guarded_step", step_and_record):
+        return warm_start.sft_train(model, examples, steps=default_run.WARM_START_STEPS,
+                                    batch_size=default_run.WARM_START_BATCH_SIZE, lr=default_run.WARM_START_LR,
+                                    seed=default_run.MODEL_SEED, pad_token_id=pad_token_id, batch_invariant=True,
+                                    log_every=0, stop_after=stop_after)
 
 
 class _Recording:
@@ -167,12 +182,16 @@ def compare(a_path: str, b_path: str) -> int:
     print("torch's CPU transcendentals that differ: " + (", ".join(differ) or "none"))
     op = next(((x, y) for x, y in zip(a["ops"], b["ops"]) if x != y), None)
     print(f"step {a.get('ops_at', 1)}, op by op: " + ("all equal" if op is None else f"first difference at {op[0][0]}"))
+    parted = next((i for i, (x, y) in enumerate(zip(a.get("params", []), b.get("params", []))) if x != y), None)
+    if "params" in a and "params" in b:
+        print("parameters after each step: " + ("all equal" if parted is None else
+                                                 f"first differ after step {parted + 1}"))
     step = next((i for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if x != y), None)
     common = min(len(a["losses"]), len(b["losses"]))
     print(f"losses of {common} steps: " + ("all equal" if step is None else
                                             f"first difference at step {step + 1}: {a['losses'][step]} vs "
                                             f"{b['losses'][step]}"))
-    return 0 if op is None and step is None else 1
+    return 0 if op is None and step is None and parted is None else 1
 
 
 def main(argv: list[str] | None = None) -> int:
