@@ -118,9 +118,11 @@ def pinned_softmax(x: Tensor) -> Tensor:
 
 
 def pinned_log_softmax(x: Tensor) -> Tensor:
-    """`log_softmax` on a CPU tensor of a pinned process (float32), torch's otherwise (over
-    the last dim)."""
-    return log_softmax(x) if _portable_here(x) else torch.log_softmax(x, dim=-1)
+    """`log_softmax` (float32) on a CPU tensor of a pinned process, torch's otherwise (over
+    the last dim); float64 stays torch's, in float64 (no portable float64 log here)."""
+    if _portable_here(x) and x.dtype != torch.float64:
+        return log_softmax(x)
+    return torch.log_softmax(x, dim=-1)
 
 
 def pinned_sqrt(x: Tensor) -> Tensor:

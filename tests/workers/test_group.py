@@ -2,16 +2,18 @@
 as a plain one-process reference (the loss function and AdamW on the whole flat vector,
 written out here); sharded checkpoints across worker counts; failures."""
 
+import math
 import os
 import signal
 
 import pytest
 import torch
 
+from reprorl.kernels import cpu_math
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_sum
 from reprorl.workers.group import WorkerError, WorkerGroup
 from reprorl.workers.micro_batches import token_budget_micro_batches
-from reprorl.workers.optim import NonFiniteError, OptimArgs, make_adamw
+from reprorl.workers.optim import NonFiniteError, OptimArgs, make_adamw, step_in_chunks
 from reprorl.workers.policy import (
     PolicyLossArgs,
     load_policy,
@@ -101,9 +103,12 @@ def test_a_token_budget_gives_the_same_bits_at_every_worker_count(budget_runs, n
         assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
 
 
-def test_log_probs_by_token_budget_are_those_by_sample_count(budget_runs, tiny_policy_dir, batch, in_process_group):
+def test_log_probs_by_token_budget_are_those_by_sample_count(budget_runs, tiny_policy_dir, batch, in_process_group,
+                                                             monkeypatch):
     # Batch-invariant kernels: the rows' bits whatever micro-batch they sit in, back in sample order
-    # (here: the Ray group's by budget against one rank's in this process by sample count).
+    # (here: the Ray group's by budget against one rank's in this process by sample count; the
+    # Ray ranks run full determinism, so this process takes its CPU math, RoPE tables included).
+    monkeypatch.setattr(cpu_math, "_pinned", True)
     worker = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
     assert torch.equal(budget_runs[1][0], worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=2))
 
@@ -114,11 +119,15 @@ def test_the_update_moved_every_weight(runs, tiny_policy_dir):
     assert [k for k in weights if torch.equal(weights[k], start[k].detach())] == []
 
 
-def test_one_update_equals_a_plain_unsharded_reference(runs, tiny_policy_dir, batch, assert_grads_close):
+def test_one_update_equals_a_plain_unsharded_reference(runs, tiny_policy_dir, batch, assert_grads_close,
+                                                       monkeypatch):
     """In this process, one thread: each micro-batch's gradient alone, the tree over them,
     the norm over fixed chunks, clipping and AdamW on the whole flat vector; the group's
     weights after its first update must be these bits. The tree's gradient also equals the
-    usual accumulation (autograd adding each micro-batch's gradient into `.grad`) up to rounding."""
+    usual accumulation (autograd adding each micro-batch's gradient into `.grad`) up to rounding.
+    The group's ranks run full determinism, so this process takes its CPU math too
+    (`cpu_math`), and AdamW's step is theirs (`step_in_chunks`, tested against torch's)."""
+    monkeypatch.setattr(cpu_math, "_pinned", True)
     torch.set_num_threads(1)
     model = load_policy(tiny_policy_dir, trainable=True, batch_invariant=True)
     named = [(n, p) for n, p in model.named_parameters()]
@@ -141,10 +150,10 @@ def test_one_update_equals_a_plain_unsharded_reference(runs, tiny_policy_dir, ba
         for micro in mini.split(STEP["micro_batch_size"]):
             micro_batch_loss(model, micro, norms, loss=LOSS, temperature=1.0)[0].backward()
         assert_grads_close(grad[: layout.numel], flatten([p.grad for p in params], layout)[: layout.numel])
-        norm = float(grad.view(-1, CHUNK).float().square().sum(-1).double().sum().sqrt())
+        norm = math.sqrt(float(grad.view(-1, CHUNK).float().square().sum(-1).double().sum()))
         grad.mul_(OPTIM.grad_clip / (norm + 1e-6))
         flat.grad = grad
-        optimizer.step()
+        step_in_chunks(optimizer, flat)
         with torch.no_grad():
             for p, offset in zip(params, layout.offsets()):
                 p.copy_(flat[offset:offset + p.numel()].view(p.shape))

@@ -89,9 +89,13 @@ def test_guarded_step_refuses_non_finite_gradients():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device):
+def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device, monkeypatch):
     """Three steps (state made by the first) with weight decay, chunks that do not divide the
-    parameter: parameter, moments and step count equal AdamW's own, bit for bit."""
+    parameter: parameter, moments and step count equal AdamW's own, bit for bit (with
+    torch's square root: not under full determinism's CPU math, whose root is IEEE's)."""
+    from reprorl.kernels import cpu_math
+
+    monkeypatch.setattr(cpu_math, "_pinned", False)
     g = torch.Generator().manual_seed(0)
     start = (torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-6, 3, (10_007,), generator=g)).to(device)
     grads = [(torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-8, 2, (10_007,), generator=g)).to(device)
@@ -133,9 +137,14 @@ def test_the_scalars_are_correctly_rounded():
         exact_cos(5.0)
 
 
-def test_a_step_takes_the_exact_scalars():
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_step_takes_the_exact_scalars(pinned, monkeypatch):
     """At step 2904 (0.999 ** 2904 is where glibc's pow is not correctly rounded), the step
-    is torch's formula with exact_power's bias corrections and math.sqrt's root."""
+    is torch's formula with exact_power's bias corrections and math.sqrt's root; the moments'
+    root is `pinned_sqrt` (IEEE's under full determinism, torch's otherwise)."""
+    from reprorl.kernels import cpu_math
+
+    monkeypatch.setattr(cpu_math, "_pinned", pinned)
     g = torch.Generator().manual_seed(4)
     param = torch.nn.Parameter(torch.randn(5000, generator=g))
     opt = make_adamw([param], OptimArgs(lr=1e-3, weight_decay=0.1))
@@ -148,6 +157,6 @@ def test_a_step_takes_the_exact_scalars():
     p.mul_(1 - 1e-3 * 0.1)
     m.lerp_(grad, 1 - 0.9)
     v.mul_(0.999).addcmul_(grad, grad, value=1 - 0.999)
-    denom = (v.sqrt() / math.sqrt(1 - exact_power(0.999, 2904))).add_(1e-8)
+    denom = (cpu_math.pinned_sqrt(v) / math.sqrt(1 - exact_power(0.999, 2904))).add_(1e-8)
     p.addcdiv_(m, denom, value=-1e-3 / (1 - exact_power(0.9, 2904)))
     assert torch.equal(param.detach(), p) and torch.equal(state["exp_avg_sq"], v) and state["step"].item() == 2904.0
