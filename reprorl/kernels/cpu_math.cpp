@@ -27,64 +27,66 @@ void for_rows(int64_t rows, int64_t n, F body) {
   });
 }
 
+// body(T{}) with T the C++ type of x's dtype, float32 or float64 (a literal error
+// otherwise: cpu_kernels.h says why).
+template <typename F>
+void with_float_type(const torch::Tensor& x, F body) {
+  if (x.scalar_type() == torch::kFloat32) {
+    body(float{});
+  } else if (x.scalar_type() == torch::kFloat64) {
+    body(double{});
+  } else {
+    TORCH_CHECK(false, "cpu_math: float32 or float64 expected");
+  }
+}
+
+// f of each entry of x (a CPU tensor of C++ type T), entries split over threads.
+template <typename T, typename F>
+torch::Tensor map_entries(torch::Tensor x, F f) {
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const T* src = x.data_ptr<T>();
+  T* dst = out.data_ptr<T>();
+  at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) dst[i] = f(src[i]);
+  });
+  return out;
+}
+
+void check_cpu_float32(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "cpu_math: a float32 CPU tensor expected");
+}
+
 }  // namespace
 
 // e^x entry by entry: float32 (rounded once from double) or float64.
 torch::Tensor portable_exp(torch::Tensor x) {
   TORCH_CHECK(x.device().is_cpu(), "portable_exp: a CPU tensor expected");
-  x = x.contiguous();
-  auto out = torch::empty_like(x);
-  const int64_t n = x.numel();
-  if (x.scalar_type() == torch::kFloat32) {
-    const float* src = x.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
-    at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dst[i] = exp_f32(src[i]);
-    });
-  } else if (x.scalar_type() == torch::kFloat64) {
-    const double* src = x.data_ptr<double>();
-    double* dst = out.data_ptr<double>();
-    at::parallel_for(0, n, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) dst[i] = exp_f64(src[i]);
-    });
-  } else {
-    TORCH_CHECK(false, "portable_exp: float32 or float64 expected");
-  }
+  torch::Tensor out;
+  with_float_type(x, [&](auto zero) {
+    using T = decltype(zero);
+    out = map_entries<T>(x, [](T v) { return exp_of(v); });
+  });
   return out;
 }
 
 // log x entry by entry, float32.
 torch::Tensor portable_log(torch::Tensor x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "portable_log: a float32 CPU tensor expected");
-  x = x.contiguous();
-  auto out = torch::empty_like(x);
-  const float* src = x.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = log_f32(src[i]);
-  });
-  return out;
+  check_cpu_float32(x);
+  return map_entries<float>(x, log_f32);
 }
 
 // sqrt x entry by entry, float32: the IEEE square root (correctly rounded). torch's CPU
 // sqrt is not on every machine (MKL's vector math, picked by the CPU, differs between an
 // AMD EPYC and an Intel Xeon).
 torch::Tensor portable_sqrt(torch::Tensor x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "portable_sqrt: a float32 CPU tensor expected");
-  x = x.contiguous();
-  auto out = torch::empty_like(x);
-  const float* src = x.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) dst[i] = std::sqrt(src[i]);
-  });
-  return out;
+  check_cpu_float32(x);
+  return map_entries<float>(x, [](float v) { return std::sqrt(v); });
 }
 
 // (sin x, cos x) entry by entry, float32.
 std::vector<torch::Tensor> portable_sincos(torch::Tensor x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32,
-              "portable_sincos: a float32 CPU tensor expected");
+  check_cpu_float32(x);
   x = x.contiguous();
   auto s = torch::empty_like(x), c = torch::empty_like(x);
   const float* src = x.data_ptr<float>();
@@ -98,14 +100,9 @@ std::vector<torch::Tensor> portable_sincos(torch::Tensor x) {
 
 // base^e entry by entry for a positive base, float32.
 torch::Tensor portable_pow(double base, torch::Tensor e) {
-  TORCH_CHECK(e.device().is_cpu() && e.scalar_type() == torch::kFloat32, "portable_pow: a float32 CPU tensor expected");
-  e = e.contiguous();
-  auto out = torch::empty_like(e);
+  check_cpu_float32(e);
   const float b = static_cast<float>(base);
-  const float* src = e.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t i = 0; i < e.numel(); ++i) dst[i] = pow_f32(b, src[i]);
-  return out;
+  return map_entries<float>(e, [b](float v) { return pow_f32(b, v); });
 }
 
 // The sum of each row over the last dimension, float32 or float64: [..., n] -> [...].
@@ -113,17 +110,12 @@ torch::Tensor portable_row_sums(torch::Tensor x) {
   auto rows = as_rows(x);
   const int64_t r = rows.size(0), n = rows.size(1);
   auto out = torch::empty({r}, rows.options());
-  if (rows.scalar_type() == torch::kFloat32) {
-    const float* src = rows.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
+  with_float_type(rows, [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = rows.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
     for_rows(r, n, [&](int64_t i) { dst[i] = row_sum(src + i * n, n); });
-  } else if (rows.scalar_type() == torch::kFloat64) {
-    const double* src = rows.data_ptr<double>();
-    double* dst = out.data_ptr<double>();
-    for_rows(r, n, [&](int64_t i) { dst[i] = row_sum(src + i * n, n); });
-  } else {
-    TORCH_CHECK(false, "portable_row_sums: float32 or float64 expected");
-  }
+  });
   auto sizes = x.sizes().vec();
   sizes.pop_back();
   return out.reshape(sizes);
@@ -134,17 +126,12 @@ torch::Tensor portable_softmax(torch::Tensor x) {
   auto rows = as_rows(x);
   const int64_t r = rows.size(0), n = rows.size(1);
   auto out = torch::empty_like(rows);
-  if (rows.scalar_type() == torch::kFloat32) {
-    const float* src = rows.data_ptr<float>();
-    float* dst = out.data_ptr<float>();
+  with_float_type(rows, [&](auto zero) {
+    using T = decltype(zero);
+    const T* src = rows.data_ptr<T>();
+    T* dst = out.data_ptr<T>();
     for_rows(r, n, [&](int64_t i) { softmax_row(src + i * n, dst + i * n, n); });
-  } else if (rows.scalar_type() == torch::kFloat64) {
-    const double* src = rows.data_ptr<double>();
-    double* dst = out.data_ptr<double>();
-    for_rows(r, n, [&](int64_t i) { softmax_row(src + i * n, dst + i * n, n); });
-  } else {
-    TORCH_CHECK(false, "portable_softmax: float32 or float64 expected");
-  }
+  });
   return out.reshape(x.sizes());
 }
 

@@ -51,6 +51,15 @@ inline int64_t double_to_bits(double d) {
   return b;
 }
 
+// c[0] x^(N-1) + c[1] x^(N-2) + ... + c[N-1] by Horner's rule: N - 1 multiplies and adds,
+// in that order (a subtraction of 1/k! is the addition of -1/k!, the same bits).
+template <int N>
+inline double horner(const double (&c)[N], double x) {
+  double p = c[0];
+  for (int i = 1; i < N; ++i) p = p * x + c[i];
+  return p;
+}
+
 // e^x in double for x in [-1020 ln 2, 1020 ln 2] (the callers clamp): the core of exp.
 inline double exp_core(double x) {
   constexpr double LOG2E = 0x1.71547652b82fep0;
@@ -61,19 +70,9 @@ inline double exp_core(double x) {
   const double k = t - SHIFTER;
   const int64_t ki = double_to_bits(t) - double_to_bits(SHIFTER);  // k as an integer
   const double r = (x - k * LN2_HI) - k * LN2_LO;
-  double p = 1.0 / 39916800.0;  // 1/11!
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  return p * bits_to_double((ki + 1023) << 52);
+  constexpr double TAYLOR[] = {1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,  // 1/11!, ..
+                               1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0};
+  return horner(TAYLOR, r) * bits_to_double((ki + 1023) << 52);
 }
 
 // e^x rounded to float. -inf and arguments below -110 give +0, above 89 +inf, NaN NaN.
@@ -103,17 +102,9 @@ inline double log_core(double d) {
   e = high ? e + 1 : e;
   const double s = (m - 1.0) / (m + 1.0);
   const double s2 = s * s;
-  double p = 1.0 / 19.0;
-  p = p * s2 + 1.0 / 17.0;
-  p = p * s2 + 1.0 / 15.0;
-  p = p * s2 + 1.0 / 13.0;
-  p = p * s2 + 1.0 / 11.0;
-  p = p * s2 + 1.0 / 9.0;
-  p = p * s2 + 1.0 / 7.0;
-  p = p * s2 + 1.0 / 5.0;
-  p = p * s2 + 1.0 / 3.0;
-  p = p * s2 + 1.0;
-  return static_cast<double>(e) * LN2 + 2.0 * s * p;
+  constexpr double ATANH[] = {1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0,  // 1/(2k+1)
+                              1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0};
+  return static_cast<double>(e) * LN2 + 2.0 * s * horner(ATANH, s2);
 }
 
 // log(x) rounded to float: +0 and -0 give -inf, negatives NaN, +inf +inf. (Float
@@ -144,34 +135,23 @@ inline void sincos_f32(float x, float& sin_out, float& cos_out) {
   constexpr double PIO2_2 = 6.07710050630396597660e-11;
   constexpr double PIO2_3 = 2.02226624871116645580e-21;
   constexpr double SHIFTER = 0x1.8p52;
-  const double a = x == x && x != INFINITY && x != -INFINITY ? static_cast<double>(x) : 0.0;
+  const bool finite = x == x && x != INFINITY && x != -INFINITY;
+  const double a = finite ? static_cast<double>(x) : 0.0;
   const double t = a * TWO_OVER_PI + SHIFTER;
   const double k = t - SHIFTER;
   const int64_t quadrant = (double_to_bits(t) - double_to_bits(SHIFTER)) & 3;
   const double r = ((a - k * PIO2_1) - k * PIO2_2) - k * PIO2_3;
   const double r2 = r * r;
-  double sp = 1.0 / 355687428096000.0;  // sin r = r + r^3 sp(r^2): 1/17!, -1/15!, ..., -1/3!
-  sp = sp * r2 - 1.0 / 1307674368000.0;
-  sp = sp * r2 + 1.0 / 6227020800.0;
-  sp = sp * r2 - 1.0 / 39916800.0;
-  sp = sp * r2 + 1.0 / 362880.0;
-  sp = sp * r2 - 1.0 / 5040.0;
-  sp = sp * r2 + 1.0 / 120.0;
-  sp = sp * r2 - 1.0 / 6.0;
-  const double s = r + r * r2 * sp;
-  double cp = -1.0 / 6402373705728000.0;  // cos r = 1 + r^2 cp(r^2): -1/18!, 1/16!, ..., -1/2
-  cp = cp * r2 + 1.0 / 20922789888000.0;
-  cp = cp * r2 - 1.0 / 87178291200.0;
-  cp = cp * r2 + 1.0 / 479001600.0;
-  cp = cp * r2 - 1.0 / 3628800.0;
-  cp = cp * r2 + 1.0 / 40320.0;
-  cp = cp * r2 - 1.0 / 720.0;
-  cp = cp * r2 + 1.0 / 24.0;
-  cp = cp * r2 - 0.5;
-  const double c = 1.0 + r2 * cp;
+  // sin r = r + r^3 sp(r^2), cos r = 1 + r^2 cp(r^2): 1/17!, -1/15!, ..., -1/3! and
+  // -1/18!, 1/16!, ..., -1/2.
+  constexpr double SIN[] = {1.0 / 355687428096000.0, -1.0 / 1307674368000.0, 1.0 / 6227020800.0,
+                            -1.0 / 39916800.0, 1.0 / 362880.0, -1.0 / 5040.0, 1.0 / 120.0, -1.0 / 6.0};
+  constexpr double COS[] = {-1.0 / 6402373705728000.0, 1.0 / 20922789888000.0, -1.0 / 87178291200.0,
+                            1.0 / 479001600.0, -1.0 / 3628800.0, 1.0 / 40320.0, -1.0 / 720.0, 1.0 / 24.0, -0.5};
+  const double s = r + r * r2 * horner(SIN, r2);
+  const double c = 1.0 + r2 * horner(COS, r2);
   const double sin_a = quadrant == 0 ? s : (quadrant == 1 ? c : (quadrant == 2 ? -s : -c));
   const double cos_a = quadrant == 0 ? c : (quadrant == 1 ? -s : (quadrant == 2 ? -c : s));
-  const bool finite = x == x && x != INFINITY && x != -INFINITY;
   sin_out = finite ? static_cast<float>(sin_a) : NAN;
   cos_out = finite ? static_cast<float>(cos_a) : NAN;
 }

@@ -138,8 +138,7 @@ def pinned_sincos(x: Tensor) -> tuple[Tensor, Tensor]:
     """(sin x, cos x) of a float32 tensor: cpu_math's on the CPU of a pinned process
     (accurate for |x| < 1.6e6), torch's otherwise."""
     if _portable_here(x) and x.dtype == torch.float32:
-        sin, cos = _ext().sincos(x)
-        return sin, cos
+        return tuple(_ext().sincos(x))
     return x.sin(), x.cos()
 
 

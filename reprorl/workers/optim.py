@@ -130,8 +130,9 @@ def step_in_chunks(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, chun
     The scalars: torch computes `beta ** step` and `bias_correction2 ** 0.5` with the C
     library's pow; here `exact_power` and `math.sqrt` (both correctly rounded, so the same
     on every machine). The moments' square root: `pinned_sqrt` (IEEE's; torch's CPU sqrt
-    is MKL's vector math, whose bits differ between an AMD and an Intel CPU). The state is what torch's AdamW keeps (`step`, `exp_avg`,
-    `exp_avg_sq`), so checkpoints do not change."""
+    is MKL's vector math, whose bits differ between an AMD and an Intel CPU). The state is
+    what torch's AdamW keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints do not
+    change."""
     group, state = optimizer.param_groups[0], optimizer.state[param]
     if group["amsgrad"] or group["maximize"]:
         raise ValueError("step_in_chunks: AdamW without amsgrad and maximize expected (make_adamw's)")
