@@ -285,9 +285,10 @@ def determinism_env(seed: int, full_determinism: bool) -> dict[str, str]:
 
 def pin_cpu_kernels() -> None:
     """Pin torch's CPU kernels to their portable build (`ATEN_CPU_CAPABILITY`), and the
-    host-side exp, softmax and log-softmax to `reprorl.kernels.cpu_math`'s (the C library's
-    differ between its versions), in this process; raise if torch already runs another
-    build here (it chose at its first CPU kernel, and never changes)."""
+    host-side exp, softmax, log-softmax, sin, cos, pow and sqrt to
+    `reprorl.kernels.cpu_math`'s (torch's differ between an AMD and an Intel machine), in
+    this process; raise if torch already runs another build here (it chose at its first
+    CPU kernel, and never changes)."""
     import torch
 
     from reprorl.kernels import cpu_math

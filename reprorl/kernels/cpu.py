@@ -18,7 +18,8 @@ where the row sits, what the other rows hold, or the number of threads. How:
   per head and chunk of queries, in one parallel region): as a dozen torch ops a query
   block, the ops' fixed costs were 10x the arithmetic at 16 rows.
 - exp and log (SiLU, softmax, log-softmax, entropy, attention's softmax): `cpu_math`'s,
-  plain IEEE operations, not the C library's, whose bits differ between glibc versions;
+  plain IEEE operations, not torch's (MKL's vector math or the C library's), whose bits
+  differ between an AMD and an Intel machine;
   `F.silu` is not even position-invariant on the CPU (its vector and scalar-tail paths
   round differently).
 - sums over the last dim: log-softmax over a vocabulary and softmax over keys in

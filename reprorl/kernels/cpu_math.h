@@ -2,10 +2,10 @@
 // written out in plain IEEE operations: the same bits on any x86-64 CPU, any instruction
 // set and thread count.
 //
-// Why not the C library's: torch's portable CPU build (ATEN_CPU_CAPABILITY=default) takes
-// exp and log from libm, and glibc 2.36 (Debian 12) and 2.39 (Ubuntu 24.04) give different
-// bits for expf and logf on some arguments (bench/cpu_bits.py on an AMD EPYC and an Intel
-// Xeon): the warm start's SiLU, then everything after it, parted there.
+// Why not torch's: its CPU exp, log, tanh and sqrt come from MKL's vector math (picked by
+// the CPU) or the C library, and an AMD EPYC (glibc 2.36) and an Intel Xeon (glibc 2.39)
+// with the same torch build give different bits for them on some arguments
+// (bench/cpu_bits.py): the warm start's SiLU, then everything after it, parted there.
 //
 // The method: the float argument is widened to double, where the polynomial's few ulps of
 // double error sit far below float's last bit, and the result is rounded to float once.
@@ -15,8 +15,8 @@
 //   log(x) = e ln 2 + log(m), x = m 2^e with m in [sqrt(1/2), sqrt(2)),
 //            log(m) = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.172, its series to s^19;
 //   pow(b, e) = e^(e log b) (b > 0: RoPE's frequencies); sin and cos: see sincos_f32.
-// (glibc takes other code for expf, logf, powf, sinf and cosf on a CPU without FMA, and
-// the RoPE tables are sines and cosines: so they are these too.)
+// (glibc also takes other code for expf, logf, powf, sinf and cosf on a CPU without FMA,
+// and the RoPE tables are sines and cosines: so they are these too.)
 // Not correctly rounded (a result within 2e-13 of a float rounding boundary may round the
 // other way than the true value would), but a function of its argument alone: every step
 // is +, -, *, / or a bit operation, the module is built without fast-math or contraction,

@@ -1,6 +1,7 @@
-"""exp, log, pow, sin, cos, softmax, log-softmax and entropy on the CPU with the same bits
-on any x86-64 CPU: the C library's are not (glibc 2.36 and 2.39 differ in exp and log on
-some arguments, and glibc takes other code on a CPU without FMA).
+"""exp, log, pow, sin, cos, sqrt, softmax, log-softmax and entropy on the CPU with the same
+bits on any x86-64 CPU: torch's are not (its exp, log, tanh and sqrt, from MKL's vector math
+or the C library, differ between an AMD EPYC and an Intel Xeon with the same torch build;
+glibc also takes other code on a CPU without FMA).
 
 The arithmetic is `cpu_math.h`'s (plain IEEE operations; row sums in a fixed order), built
 into the CPU kernels' extension. Two ways in:
