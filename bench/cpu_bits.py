@@ -12,7 +12,9 @@ A run records, with full determinism's pinned CPU kernels:
   step (digests, in module order, from forward and backward hooks);
 - the loss of every step of the warm start the default run makes (its data, base model,
   schedule and batch order), as exact hex floats, and a digest of the parameters after
-  each step.
+  each step;
+- every kernel call of the CPU engine sampling a few prompts from the model the warm start
+  left, and the responses' tokens and log-probs.
 `--compare` names the first step whose loss differs and, if the first step already does,
 the first op whose output differs: where to look when the default run's bits differ
 between machines. `--steps N` stops the per-step record after N steps (the schedule stays
@@ -70,10 +72,11 @@ def record(steps: int | None, ops_at: int = 1) -> dict:
         model, _ = load_model(base, kind="causal_lm")  # the warm start from the same base
         step_params: list[str] = []
         losses = warm_start_steps(model, examples, tokenizer.pad_token_id, stop_after=steps, params_out=step_params)
+        rollout = rollout_ops(model, examples, tokenizer, tensor_digest)
     return {"machine": platform.processor() or platform.machine(), "cpu": _cpu_name(), "torch": torch.__version__,
             "libc": " ".join(platform.libc_ver()), "threads": torch.get_num_threads(), "ops_at": ops_at, "ops": ops,
             "functions": function_digests(tensor_digest), "losses": [float(x).hex() for x in losses],
-            "params": step_params}
+            "params": step_params, "rollout": rollout}
 
 
 def warm_start_steps(model, examples, pad_token_id, stop_after: int | None, params_out: list | None = None) -> list:
@@ -97,6 +100,35 @@ def warm_start_steps(model, examples, pad_token_id, stop_after: int | None, para
                                     batch_size=default_run.WARM_START_BATCH_SIZE, lr=default_run.WARM_START_LR,
                                     seed=default_run.MODEL_SEED, pad_token_id=pad_token_id, batch_invariant=True,
                                     log_every=0, stop_after=stop_after)
+
+
+def rollout_ops(model, examples, tokenizer, digest, prompts: int = 8, max_tokens: int = 12) -> list[list[str]]:
+    """Every kernel call of the CPU engine (batch-invariant, as the default run's replicas)
+    sampling `prompts` of the warm start's prompts from the model the warm start left, in
+    call order, then each response's tokens and log-probs: where the default run's first
+    rollout parts when the warm-started weights are equal."""
+    import asyncio
+
+    from reprorl.rollout.engine import Engine
+    from reprorl.rollout.sampling import SamplingParams
+
+    ops: list[list[str]] = []
+    engine = Engine(model, batch_invariant=True, eos_token_id=tokenizer.eos_token_id, max_num_seqs=prompts)
+    engine.kernels = model.kernels = _Recording(engine.kernels, ops)
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens)
+    asks = [ids[: mask.index(1)] for ids, mask in examples[:prompts]]
+
+    async def sample() -> list:
+        return await asyncio.gather(*(engine.generate(f"r{i}", ids, params, seed=i) for i, ids in enumerate(asks)))
+
+    try:
+        outs = asyncio.run(sample())
+    finally:
+        engine.shutdown()
+    for i, out in enumerate(outs):
+        ops.append([f"response {i} tokens", digest(torch.tensor(out.token_ids))])
+        ops.append([f"response {i} log-probs", digest(torch.tensor(out.log_probs, dtype=torch.float64))])
+    return ops
 
 
 class _Recording:
@@ -186,12 +218,16 @@ def compare(a_path: str, b_path: str) -> int:
     if "params" in a and "params" in b:
         print("parameters after each step: " + ("all equal" if parted is None else
                                                  f"first differ after step {parted + 1}"))
+    rollout = next(((x, y) for x, y in zip(a.get("rollout", []), b.get("rollout", [])) if x != y), None)
+    if "rollout" in a and "rollout" in b:
+        print("the engine's rollout from the warm-started model: " + ("all equal" if rollout is None else
+                                                                      f"first difference at {rollout[0][0]}"))
     step = next((i for i, (x, y) in enumerate(zip(a["losses"], b["losses"])) if x != y), None)
     common = min(len(a["losses"]), len(b["losses"]))
     print(f"losses of {common} steps: " + ("all equal" if step is None else
                                             f"first difference at step {step + 1}: {a['losses'][step]} vs "
                                             f"{b['losses'][step]}"))
-    return 0 if op is None and step is None and parted is None else 1
+    return 0 if op is None and step is None and parted is None and rollout is None else 1
 
 
 def main(argv: list[str] | None = None) -> int:
