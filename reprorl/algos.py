@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from reprorl.kernels.cpu_math import pinned_exp, pinned_log_softmax
+from reprorl.kernels.cpu_math import pinned_exp, pinned_log_softmax, thread_free_sum
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # k1/k2/k3 as in Schulman's note, and abs; "kl", "mse" and "low_var_kl" are verl's names
@@ -43,9 +43,11 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None)
 
     Masked entries contribute exactly nothing, even NaN or inf (`torch.where`, not
     `values * mask`, where 0 * nan = nan); the result has the dtype `values * mask` has.
+    The sum over all entries is the same bits at any CPU thread count (`thread_free_sum`:
+    a whitened batch's tokens can be more than one thread's share of a torch sum).
     """
     kept = torch.where(mask > 0, values, 0.0).to(torch.promote_types(values.dtype, mask.dtype))
-    return kept.sum() if dim is None else kept.sum(dim)
+    return thread_free_sum(kept) if dim is None else kept.sum(dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:

@@ -108,6 +108,27 @@ def _portable_here(x: Tensor) -> bool:
     return _pinned and x.device.type == "cpu"
 
 
+TORCH_SERIAL_SUM = 32768
+"""The most elements torch sums on one thread (its grain size): a longer CPU sum to one
+value is split over the threads, each part summed on its own, so its bits follow the
+thread count."""
+
+
+def thread_free_sum(x: Tensor) -> Tensor:
+    """`x.sum()` whose bits do not follow the CPU thread count, with its gradient.
+
+    torch's own where one thread does it (any GPU tensor, and up to `TORCH_SERIAL_SUM`
+    elements on the CPU: their bits stay as they were); a longer CPU tensor is summed in
+    rows of `TORCH_SERIAL_SUM` (torch splits a reduction to several values over its
+    outputs, so each row is summed whole on one thread), then the rows' sums the same way.
+    The last row is padded with zeros."""
+    if x.device.type != "cpu" or x.numel() <= TORCH_SERIAL_SUM:
+        return x.sum()
+    flat = x.reshape(-1)
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % TORCH_SERIAL_SUM))
+    return thread_free_sum(rows.view(-1, TORCH_SERIAL_SUM).sum(dim=-1))
+
+
 def pinned_exp(x: Tensor) -> Tensor:
     """`exp` on a CPU tensor of a pinned process, torch.exp otherwise."""
     return exp(x) if _portable_here(x) else torch.exp(x)

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reprorl.kernels.cpu_math import thread_free_sum
 
 CHUNK = 4096
 """Elements per chunk: the unit of sharding and of the gradient norm's partial sums. Part
@@ -208,13 +209,15 @@ def global_grad_norm(shard_grad: torch.Tensor, layout: FlatLayout, group: dist.P
     """The L2 norm of the whole (reduced) gradient, the same bits on every rank and for every N.
 
     Each chunk's sum of squares (float32, one row each of a `[chunks, CHUNK]` view), every
-    rank's gathered by rank index, then the first `num_chunks` added in chunk order in
-    float64. A non-finite gradient gives a non-finite norm.
+    rank's gathered by rank index, then the first `num_chunks` added in float64 in an order
+    fixed by their count (`thread_free_sum`: past 32768 chunks, about 134M parameters,
+    torch's own CPU sum would follow the thread count). A non-finite gradient gives a
+    non-finite norm.
     """
     sums = shard_grad.view(-1, CHUNK).float().square().sum(dim=-1)  # [chunks of this shard]
     gathered = [torch.empty_like(sums) for _ in range(layout.world_size)]
     dist.all_gather(gathered, sums, group=group)
-    return math.sqrt(float(torch.cat(gathered)[: layout.num_chunks].double().sum()))  # IEEE's root
+    return math.sqrt(float(thread_free_sum(torch.cat(gathered)[: layout.num_chunks].double())))  # IEEE's root
 
 
 def first_failure(failure: tuple[int, float] | None, group: dist.ProcessGroup,

@@ -97,6 +97,32 @@ def test_the_bits_do_not_depend_on_the_thread_count():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
+@pytest.mark.parametrize("n", [cpu_math.TORCH_SERIAL_SUM + 1, 1_000_003])
+def test_a_long_sum_is_the_same_bits_at_any_thread_count(n):
+    # torch's own x.sum() of these, in its portable build (as under full determinism and in
+    # these tests), gives two or three different floats over 1..8 threads.
+    g = torch.Generator().manual_seed(2)
+    x = (torch.rand(n, dtype=torch.float64, generator=g) * torch.rand(n, dtype=torch.float64, generator=g) ** 8)
+    x.requires_grad_(True)
+    threads = torch.get_num_threads()
+    try:
+        sums = set()
+        for t in (1, 2, 3, 8):
+            torch.set_num_threads(t)
+            sums.add(cpu_math.thread_free_sum(x).item())
+    finally:
+        torch.set_num_threads(threads)
+    assert len(sums) == 1
+    assert sums.pop() == pytest.approx(math.fsum(x.tolist()), rel=1e-14)
+    cpu_math.thread_free_sum(x).backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_a_short_sum_is_torchs():
+    x = torch.randn(cpu_math.TORCH_SERIAL_SUM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(cpu_math.thread_free_sum(x), x.sum())
+
+
 def test_golden_digests():
     digests = {name: tensor_digest(_ours_and_float64(name)[0]) for name in GOLDEN}
     assert digests == GOLDEN, f"cpu_math's bits moved: {digests}"
