@@ -6,6 +6,11 @@
 1.0 or 0.0 (no partial format credit, so the mean reward is the accuracy), except
 `math_dapo_score`, which keeps verl's DAPO rewards: 1.0 or -1.0.
 `compute_score` picks the function from the row's `data_source` through `REWARD_FNS`.
+
+Each source also has an answer extractor (`ANSWER_FNS`): the final answer its scorer
+reads from a response, normalised as the scorer compares it, or None. `score_and_answer`
+(the rule reward a run uses when `reward.fn` is null) gives both, as verl's
+`{"score": ..., "pred": ...}`, so validation can take the majority answer (maj@n).
 """
 
 from __future__ import annotations
@@ -40,8 +45,14 @@ def arithmetic_score(data_source: str, solution_str: str, ground_truth: str, ext
     >>> arithmetic_score("reprorl/arithmetic", "019", "19")
     0.0
     """
+    answer = arithmetic_answer(solution_str)
+    return 1.0 if answer is not None and answer == ground_truth.strip() else 0.0
+
+
+def arithmetic_answer(solution_str: str) -> str | None:
+    """The integer an arithmetic response is, as written, or None (`arithmetic_score`)."""
     match = _ARITHMETIC_ANSWER.fullmatch(solution_str)
-    return 1.0 if match is not None and match.group(1) == ground_truth.strip() else 0.0
+    return None if match is None else match.group(1)
 
 
 # GSM8K: the number after the last "#### ", as in the dataset's own solutions: digits with
@@ -104,6 +115,16 @@ def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_in
     return 1.0 if answer is not None and answer == truth else 0.0
 
 
+def gsm8k_answer(solution_str: str) -> str | None:
+    """The number after a GSM8K response's last `####`, as a plain decimal (`1,000.50` ->
+    `1000.5`: numbers `gsm8k_score` takes as equal are one answer), or None."""
+    number = _gsm8k_number(solution_str)
+    if number is None:
+        return None
+    text = format(number.normalize(), "f")
+    return "0" if text == "-0" else text
+
+
 # math-verify bounds each parse and comparison with signal.alarm: a sympy expression
 # such as 9^{9^{9}} otherwise never finishes. The alarm is wall-clock time, so a
 # response that takes about this long to parse could score differently on a loaded
@@ -151,6 +172,14 @@ def math_score(data_source: str, solution_str: str, ground_truth: str, extra_inf
         return 1.0 if gold and answer and verify(gold, answer, timeout_seconds=MATH_VERIFY_TIMEOUT_S) else 0.0
     except Exception:  # an unparsable response is a wrong answer, not a crashed run
         return 0.0
+
+
+def math_answer(solution_str: str) -> str | None:
+    r"""The content of a math response's last `\boxed{}`, spaces removed, or None. A vote
+    on strings: `0.5` and `\frac{1}{2}` count as two answers, though `math_score` takes
+    both as right (math-verify's parse is too slow to run on every sample twice)."""
+    boxed = _last_boxed(solution_str)
+    return None if boxed is None else "".join(boxed.split())
 
 
 # DAPO's scorer (verl's `reward_score/math_dapo.py`, after lm-evaluation-harness's Minerva
@@ -235,15 +264,17 @@ def math_dapo_score(data_source: str, solution_str: str, ground_truth: str, extr
     >>> math_dapo_score("math_dapo", "I think 4", "4")
     -1.0
     """
+    answer = math_dapo_answer(solution_str)
+    return 1.0 if answer is not None and answer == dapo_normalize(ground_truth) else -1.0
+
+
+def math_dapo_answer(solution_str: str) -> str | None:
+    r"""The answer `math_dapo_score` reads (after the last `Answer:` of the last 300
+    characters, else the last `\boxed{}` of the last 100), normalised, or None."""
     tail = solution_str[-_DAPO_TAIL_CHARS:]
     found = _DAPO_ANSWER.findall(tail)
-    if found:
-        answer = found[-1]
-    else:
-        answer = _last_boxed(tail[-_DAPO_BOX_TAIL_CHARS:])
-        if answer is None:
-            return -1.0
-    return 1.0 if dapo_normalize(answer) == dapo_normalize(ground_truth) else -1.0
+    answer = found[-1] if found else _last_boxed(tail[-_DAPO_BOX_TAIL_CHARS:])
+    return None if answer is None else dapo_normalize(answer)
 
 
 # data_source -> reward function, by the names verl's preprocessing gives the public
@@ -258,6 +289,10 @@ REWARD_FNS = {
     "math": math_score,
     "math_dapo": math_dapo_score,  # DAPO-Math-17k's data_source in verl's recipe
 }
+_ANSWER_BY_SCORER = {arithmetic_score: arithmetic_answer, gsm8k_score: gsm8k_answer, math_score: math_answer,
+                     math_dapo_score: math_dapo_answer}
+ANSWER_FNS = {source: _ANSWER_BY_SCORER[fn] for source, fn in REWARD_FNS.items()}
+"""data_source -> the final answer its scorer reads from a response (or None)."""
 
 
 def check_ground_truth(data_source: str, ground_truth: str) -> None:
@@ -288,3 +323,15 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     if fn is None:
         raise DataError(f"data_source {data_source!r} has no rule reward; known: {', '.join(REWARD_FNS)}")
     return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def score_and_answer(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+                     ) -> dict[str, float | str | None]:
+    """`compute_score`'s score and the response's final answer (`ANSWER_FNS`), as verl's
+    `{"score": ..., "pred": ...}`: the rule reward of a run whose `reward.fn` is null.
+
+    >>> score_and_answer("openai/gsm8k", "#### 1,000", "1000")
+    {'score': 1.0, 'pred': '1000'}
+    """
+    return {"score": compute_score(data_source, solution_str, ground_truth, extra_info),
+            "pred": ANSWER_FNS[data_source](solution_str)}

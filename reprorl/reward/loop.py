@@ -1,6 +1,6 @@
 """The reward loop: one score per sample, from a rule function and/or a reward model.
 
-    RewardLoop.compute(batch, tokenizer) -> Rewards(scores [B] float32, rule [B] | None, metrics)
+    RewardLoop.compute(batch, tokenizer) -> Rewards(scores [B] float32, rule [B] | None, metrics, answers)
       1. decode each response (model tokens only, no eos/pad) -> solution_str
       2. rule reward per sample, in sample order, in a main thread (math-verify's
          timeout needs signals): a child process's under a per-call time limit
@@ -11,6 +11,8 @@
          once with lists instead of once per sample
       3. reward-model scores of (prompt messages, response text), if a model is given
       4. score = rule_weight * rule + model_weight * model (+ DAPO's `overlong_penalty`)
+      5. each sample's final answer, when a rule function reports one (verl's "pred" in
+         its result dict; the built-in rewards do): validation's majority vote (maj@n)
 
 The batch is the rollout's output (`reprorl.agent_loop.manager`): tensors `responses`
 [B, R] and `response_mask` [B, R] (1 on model-generated tokens); non-tensor columns
@@ -70,6 +72,9 @@ class Rewards(NamedTuple):
     """[B] float32 rule scores alone, weighted sum of several functions (validation's accuracy); None when no rule
     function ran."""
     metrics: dict[str, float]
+    answers: list[str | None] | None = None
+    """Each sample's final answer as the first rule function that reports answers gave it
+    (None where it gave none); None when no function reports any."""
 
 
 def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any) -> list[str]:
@@ -134,7 +139,8 @@ class RewardLoop:
     Args:
         reward_fn: the rule function (`resolve_reward_fn(cfg.reward.fn)`), called as
             `reward_fn(data_source=, solution_str=, ground_truth=, extra_info=)`; it
-            returns a float (or verl's `{"score": float, ...}`). Or several, a list of
+            returns a float (or verl's `{"score": float, "pred": answer, ...}`; the
+            "pred" is the sample's final answer, for validation's maj@n). Or several, a list of
             `WeightedFn`: the rule reward is their `weighted_sum`, and each function's
             mean is the metric `reward/<name>/mean`; each one's failures are counted
             (and checked against `max_error_rate`) on their own.
@@ -223,23 +229,27 @@ class RewardLoop:
             if worker is not None:
                 worker.close()
 
-    def _rule_scores(self, batch: Batch, solutions: Sequence[str]) -> tuple[torch.Tensor, int, int, dict[str, float]]:
+    def _rule_scores(self, batch: Batch, solutions: Sequence[str]
+                     ) -> tuple[torch.Tensor, int, int, dict[str, float], list[str | None] | None]:
         """([B] float32 rule scores, samples on which a function raised, samples on which one
-        timed out, {"reward/<name>/mean": ...} of several functions), in sample order. The
-        scores are the one function's, or the weighted sum of several."""
+        timed out, {"reward/<name>/mean": ...} of several functions, the answers of the first
+        function that reports any), in sample order. The scores are the one function's, or
+        the weighted sum of several."""
         calls = self._rule_calls(batch, solutions)
         data_sources = batch.non_tensors["data_source"]
-        per_fn, errors, timeouts, fn_means = [], 0, 0, {}
+        per_fn, errors, timeouts, fn_means, answers = [], 0, 0, {}, None
         for k, (name, _, _) in enumerate(self.fns):
-            scores, fn_errors, fn_timeouts = self._fn_scores(k, calls, data_sources)
+            scores, preds, fn_errors, fn_timeouts = self._fn_scores(k, calls, data_sources)
             per_fn.append(scores)
+            if answers is None and any(pred is not None for pred in preds):
+                answers = preds
             errors, timeouts = errors + fn_errors, timeouts + fn_timeouts
             if self.named:
                 fn_means[f"reward/{name}/mean"] = math.fsum(scores) / len(scores) if scores else 0.0
         self.fn_errors_total += errors
         self.fn_timeouts_total += timeouts
         rule = weighted_sum(per_fn, [w for _, _, w in self.fns]) if self.named else per_fn[0]
-        return torch.tensor(rule, dtype=torch.float32), errors, timeouts, fn_means
+        return torch.tensor(rule, dtype=torch.float32), errors, timeouts, fn_means, answers
 
     def _rule_calls(self, batch: Batch, solutions: Sequence[str]) -> list[dict[str, Any]]:
         """The keyword arguments of each sample's call, in sample order; with `batch`, ONE
@@ -261,8 +271,9 @@ class RewardLoop:
         ]
 
     def _fn_scores(self, k: int, calls: Sequence[dict[str, Any]], data_sources: Sequence[str]
-                   ) -> tuple[list[float], int, int]:
-        """(function k's scores, samples on which it raised, samples on which it timed out), in sample order."""
+                   ) -> tuple[list[float], list[str | None], int, int]:
+        """(function k's scores, the answers it reported, samples on which it raised,
+        samples on which it timed out), in sample order; a failed call has no answer."""
         worker = self._workers[k]
         if worker is None:
             outcomes = [self._call_here(self.fns[k].fn, call) for call in calls]
@@ -271,10 +282,10 @@ class RewardLoop:
         if self.batch:  # the one call's outcome is every sample's
             (outcome,) = outcomes
             if outcome.kind == "ok":
-                return list(outcome.score), 0, 0
+                return list(outcome.score), list(outcome.pred), 0, 0
             outcomes = [Outcome(outcome.kind, error=outcome.error)] * len(data_sources)
         label = "reward function" + (f" {self.fns[k].name!r}" if self.named else "")
-        scores, errors, timeouts = [], 0, 0
+        scores, preds, errors, timeouts = [], [], 0, 0
         for i, outcome in enumerate(outcomes):
             if outcome.kind == "timeout":
                 if self.timeout_is_error:
@@ -297,8 +308,9 @@ class RewardLoop:
                         "Later errors are only counted (metric reward/fn_errors).\n%s", label, i, data_sources[i],
                         outcome.error)
             scores.append(outcome.score)
+            preds.append(outcome.pred)
         self._check_failures(self.fns[k].fn, outcomes, data_sources)
-        return scores, errors, timeouts
+        return scores, preds, errors, timeouts
 
     def _check_failures(self, fn: Callable[..., Any], outcomes: Sequence[Outcome], data_sources: Sequence[str]) -> None:
         """Raise `RewardFnError` if more than `max_error_rate` of `outcomes` failed."""
@@ -319,7 +331,8 @@ class RewardLoop:
 
     def _call_here(self, fn: Callable[..., Any], call: dict[str, Any]) -> Outcome:
         try:
-            return Outcome("ok", score=(call_batch_fn if self.batch else call_rule_fn)(fn, call))
+            score, pred = (call_batch_fn if self.batch else call_rule_fn)(fn, call)
+            return Outcome("ok", score=score, pred=pred)
         except Exception:  # any failure of user code: 0 for this sample, the run goes on
             return Outcome("error", error=traceback.format_exc())
 
@@ -339,9 +352,9 @@ class RewardLoop:
         B = len(solutions)
         total = torch.zeros(B, dtype=torch.float32)
         metrics: dict[str, float] = {"reward/fn_errors": 0.0}
-        rule = None
+        rule, answers = None, None
         if self.reward_model is None or self.rule_weight != 0.0:
-            rule, errors, timeouts, fn_means = self._rule_scores(batch, solutions)
+            rule, errors, timeouts, fn_means, answers = self._rule_scores(batch, solutions)
             total = total + self.rule_weight * rule
             metrics["reward/rule_mean"] = _mean(rule)
             metrics["reward/fn_errors"] = float(errors)
@@ -367,7 +380,7 @@ class RewardLoop:
             total = total + penalty
             metrics["reward/overlong_penalty_mean"] = _mean(penalty)
         metrics["reward/mean"] = _mean(total)
-        return Rewards(total, rule, metrics)
+        return Rewards(total, rule, metrics, answers)
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:

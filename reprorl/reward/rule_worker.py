@@ -38,21 +38,23 @@ import cloudpickle
 from reprorl.errors import ReproRLError
 
 
-def call_rule_fn(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> float:
-    """`fn(**kwargs)` as a finite float; verl's `{"score": ...}` dicts give their score.
+def call_rule_fn(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[float, str | None]:
+    """`fn(**kwargs)` as (a finite float score, the answer it reports or None). A verl-style
+    dict gives its "score" and, when it has one, its "pred" (the response's final answer,
+    for validation's majority vote), as a string.
 
     Raises whatever `fn` raises, and ValueError for NaN or an infinity.
     """
-    result = fn(**kwargs)
-    score = float(result["score"] if isinstance(result, dict) else result)
+    score, pred = _score_and_pred(fn(**kwargs))
     if not math.isfinite(score):
         raise ValueError(f"reward function returned {score}; expected a finite number")
-    return score
+    return score, pred
 
 
-def call_batch_fn(fn: Callable[..., Any], kwargs: Mapping[str, Sequence[Any]]) -> list[float]:
-    """`fn(**kwargs)` of a batch reward function (lists in, one score per sample out) as
-    finite floats; verl's `{"score": ...}` dicts give their score.
+def call_batch_fn(fn: Callable[..., Any], kwargs: Mapping[str, Sequence[Any]]
+                  ) -> tuple[list[float], list[str | None]]:
+    """`fn(**kwargs)` of a batch reward function (lists in, one result per sample out) as
+    (finite float scores, reported answers or None), each read as `call_rule_fn` reads one.
 
     Raises whatever `fn` raises, and ValueError for a result that is not a list of one
     score per sample, or holds NaN or an infinity.
@@ -62,22 +64,31 @@ def call_batch_fn(fn: Callable[..., Any], kwargs: Mapping[str, Sequence[Any]]) -
     if not isinstance(result, (list, tuple)) or len(result) != expected:
         got = f"{len(result)} scores" if isinstance(result, (list, tuple)) else f"a {type(result).__name__}"
         raise ValueError(f"batch reward function returned {got}; expected a list of {expected} scores")
-    scores = [float(r["score"] if isinstance(r, dict) else r) for r in result]
+    scores, preds = zip(*(_score_and_pred(r) for r in result)) if result else ((), ())
     bad = [i for i, score in enumerate(scores) if not math.isfinite(score)]
     if bad:
         raise ValueError(f"batch reward function returned {scores[bad[0]]} for sample {bad[0]}; expected finite "
                          "numbers")
-    return scores
+    return list(scores), list(preds)
+
+
+def _score_and_pred(result: Any) -> tuple[float, str | None]:
+    if not isinstance(result, dict):
+        return float(result), None
+    pred = result.get("pred")
+    return float(result["score"]), None if pred is None else str(pred)
 
 
 @dataclass(frozen=True)
 class Outcome:
     """One call's result: `kind` "ok" (with `score`: a float, a list of them for a batch
-    function), "error" (with the traceback) or "timeout"."""
+    function, and `pred`: the answer(s) the function reported, None where it reported
+    none), "error" (with the traceback) or "timeout"."""
 
     kind: str
     score: float | list[float] = 0.0
     error: str = ""
+    pred: str | None | list[str | None] = None
 
 
 START_TIMEOUT_S = 600.0  # trainer.part_timeout_s's default (not imported: this module stays light)
@@ -125,7 +136,10 @@ class RuleWorker:
                     code = self.close()
                     outcomes.append(Outcome("error", error=f"the rule-reward process died (exit code {code})"))
                     break
-                outcomes.append(Outcome("ok", score=value) if kind == "ok" else Outcome("error", error=value))
+                if kind == "ok":  # (score, pred), as call_rule_fn / call_batch_fn give them
+                    outcomes.append(Outcome("ok", score=value[0], pred=value[1]))
+                else:
+                    outcomes.append(Outcome("error", error=value))
         return outcomes
 
     @property

@@ -11,7 +11,8 @@ it takes verl's batch names instead, lists of one entry per sample:
 
 The config's `reward.fn` (or each `fn` of `reward.fns`) names it:
 
-    None                          reprorl.data.rewards.compute_score (by each row's data_source)
+    None                          reprorl.data.rewards.score_and_answer (compute_score by each
+                                  row's data_source, and the answer it read: validation's maj@n)
     "package.module:function"     imported
     "path/to/file.py:function"    loaded from that file
 """
@@ -42,9 +43,9 @@ def resolve_reward_fn(spec: str | None, batch: bool = False) -> Callable[..., fl
     take the four keywords) is a `ReproRLError` naming the spec and what failed.
     """
     if spec is None:
-        from reprorl.data.rewards import compute_score
+        from reprorl.data.rewards import score_and_answer
 
-        return compute_score
+        return score_and_answer
     if not isinstance(spec, str) or ":" not in spec:
         raise ReproRLError(f"reward.fn={spec!r}: expected 'package.module:function' or 'path/to/file.py:function'")
     where, _, name = spec.rpartition(":")

@@ -554,8 +554,9 @@ class Trainer:
         """(scores `[B*n]`, rule scores `[B*n]` or None, ReMax's baseline reward of each
         sample's prompt `[B*n]` or None)."""
         t0 = time.perf_counter()
-        scores, rule, reward_metrics = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
-        metrics.update(reward_metrics)
+        rewards = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
+        scores, rule = rewards.scores, rewards.rule
+        metrics.update(rewards.metrics)
         reward_baselines = None
         if baseline is not None:
             # ReMax's baseline is the greedy response's reward only, without the KL penalty
@@ -711,7 +712,7 @@ class Trainer:
             return {}
         positions = list(range(len(self.val_set)))
         size = cfg.data.val_batch_size or len(positions)
-        scores, correct, lengths, sources, uids = [], [], [], [], []
+        scores, correct, lengths, sources, uids, answers = [], [], [], [], [], []
         t0 = time.perf_counter()
         for start in range(0, len(positions), size):
             prompts = self._prompt_batch(self.val_set, positions[start : start + size], step=step, validate=True)
@@ -720,6 +721,7 @@ class Trainer:
             scores.append(rewards.scores)
             if rewards.rule is not None:
                 correct.append((rewards.rule >= 1.0).float())
+            answers += rewards.answers or [None] * len(rewards.scores)
             lengths.append(output["response_mask"].float().sum(-1))
             sources += list(output.non_tensors["data_source"])
             uids += list(output.non_tensors["uid"])
@@ -734,7 +736,8 @@ class Trainer:
         if correct:
             metrics["val/accuracy"] = torch.cat(correct).mean().item()
         metrics.update(per_source_metrics(sources, uids, all_scores, cfg.rollout.val.n,
-                                          correct=torch.cat(correct) if correct else None))
+                                          correct=torch.cat(correct) if correct else None,
+                                          answers=answers if any(a is not None for a in answers) else None))
         return metrics
 
     def _log_generations(self, step: int, split: str, output: Batch, scores: torch.Tensor) -> None:

@@ -4,7 +4,7 @@ import textwrap
 
 import pytest
 
-from reprorl.data.rewards import compute_score
+from reprorl.data.rewards import score_and_answer
 from reprorl.errors import ReproRLError
 from reprorl.reward.user_fn import resolve_reward_fn
 
@@ -14,8 +14,8 @@ def _write(path, source):
     return path
 
 
-def test_none_is_the_data_source_dispatch():
-    assert resolve_reward_fn(None) is compute_score
+def test_none_is_the_data_source_dispatch_with_its_answer():
+    assert resolve_reward_fn(None) is score_and_answer
 
 
 def test_module_function():

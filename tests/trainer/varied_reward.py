@@ -19,3 +19,9 @@ def odd_answers_only(data_source, solution_str, ground_truth, extra_info=None):
     """Dynamic sampling's reward (algorithm.filter_groups): `digit_share` for a prompt whose
     answer is odd, 0 for the others, whose groups then never vary and are dropped."""
     return digit_share(data_source, solution_str, ground_truth) if int(ground_truth) % 2 else 0.0
+
+
+def digit_share_and_answer(data_source, solution_str, ground_truth, extra_info=None):
+    """`digit_share`, and the response's first character as its answer (verl's "pred"):
+    few values, so a prompt's samples share answers and validation has a majority to take."""
+    return {"score": digit_share(data_source, solution_str, ground_truth), "pred": solution_str[:1] or None}
