@@ -5,8 +5,8 @@ row's token (and, on request, the entropy of each row's distribution) without ev
 a [rows, V] tensor: a row's logits are read as they come out of the LM head (bf16 or
 float32) and divided by T in the kernel (IEEE division, as torch's tensor division).
 
-Bits: the row statistics are `softmax.row_stats` over the same blocks as the log-softmax
-kernel and the engine's sampler (`sampling._scaled_block`: the same loads, the same
+Bits: the row statistics are `row_softmax.row_stats` over the same blocks as the log-softmax
+kernel and the engine's sampler (`row_softmax.scaled_block`: the same loads, the same
 division), so a log-prob is x[token] / T - log_z, the same bits as the log-softmax kernel's
 output at that token, and as the engine's sampler gave when it drew the token (the
 contract's point that the rollout's log-probs equal the trainer's). The entropy is
@@ -32,8 +32,14 @@ import triton.language as tl
 from torch import Tensor
 
 from reprorl.kernels.gpu.launch import PINNED
-from reprorl.kernels.gpu.sampling import _scaled_block
-from reprorl.kernels.gpu.softmax import _rows, _tree_sum, lane_update, row_launch, row_stats
+from reprorl.kernels.gpu.row_softmax import (
+    contiguous_rows,
+    lane_update,
+    row_launch,
+    row_stats,
+    scaled_block,
+    tree_sum,
+)
 
 
 @triton.jit
@@ -44,7 +50,7 @@ def _token_log_probs_kernel(x_ptr, tokens_ptr, out_ptr, log_z_ptr, entropy_ptr, 
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, V, BLOCK):
-        m, s = lane_update(m, s, _scaled_block(row_ptr, start + tl.arange(0, BLOCK), V, temperature))
+        m, s = lane_update(m, s, scaled_block(row_ptr, start + tl.arange(0, BLOCK), V, temperature))
     m_row, s_row = row_stats(m, s, LOG2_BLOCK)
     log_z = m_row + tl.log(s_row)
     token = tl.load(tokens_ptr + row)
@@ -54,9 +60,9 @@ def _token_log_probs_kernel(x_ptr, tokens_ptr, out_ptr, log_z_ptr, entropy_ptr, 
     if WITH_ENTROPY:
         acc = tl.zeros((BLOCK,), tl.float32)
         for start in range(0, V, BLOCK):
-            y = _scaled_block(row_ptr, start + tl.arange(0, BLOCK), V, temperature) - log_z  # -inf past V
+            y = scaled_block(row_ptr, start + tl.arange(0, BLOCK), V, temperature) - log_z  # -inf past V
             acc += tl.where(y > float("-inf"), tl.exp(y) * y, 0.0)
-        tl.store(entropy_ptr + row, -_tree_sum(acc, LOG2_BLOCK))
+        tl.store(entropy_ptr + row, -tree_sum(acc, LOG2_BLOCK))
 
 
 @triton.jit
@@ -74,7 +80,7 @@ def _token_log_probs_backward_kernel(x_ptr, tokens_ptr, log_z_ptr, entropy_ptr, 
     h = tl.load(entropy_ptr + row) if HAS_H else 0.0
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        y = _scaled_block(row_ptr, cols, V, temperature) - log_z
+        y = scaled_block(row_ptr, cols, V, temperature) - log_z
         p = tl.exp(y)
         d = tl.where(cols == token, g_lp, 0.0) - g_lp * p
         if HAS_H:
@@ -88,7 +94,7 @@ def _forward(logits: Tensor, tokens: Tensor, temperature: float, with_entropy: b
     """(log-probs, log_z, entropy, rows, tokens): the first three [n] float32 (entropy
     empty without `with_entropy`), rows the [n, V] logits the kernels read, tokens [n]."""
     v = logits.shape[-1]
-    rows = _rows(logits)
+    rows = contiguous_rows(logits)
     toks = tokens.reshape(-1).to(device=rows.device, dtype=torch.int64).contiguous()
     if toks.shape[0] != rows.shape[0]:
         raise ValueError(f"token_log_probs: logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)}; "

@@ -5,7 +5,7 @@ row (so a row's token and log-prob are a function of that row and its parameters
 batch-invariant by construction). It reads the logits as they come out of the LM head
 (bf16 or float32), divides by the row's temperature itself (IEEE division, as torch's
 tensor division) and never writes a [B, V] tensor. Per row:
-  1. one pass: the softmax statistics of the scaled row (`softmax.row_stats`: the same
+  1. one pass: the softmax statistics of the scaled row (`row_softmax.row_stats`: the same
      lanes, block width and fixed pairwise tree as the log-softmax kernel, so
      log_z = max + log(sum) is its bits), and the lowest index of the max (greedy);
   2. a second pass (sampled rows): p = exp(x - max) / sum per block (the softmax kernel's
@@ -35,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reprorl.kernels.gpu.launch import PINNED
-from reprorl.kernels.gpu.softmax import lane_update, row_launch, row_stats
+from reprorl.kernels.gpu.row_softmax import lane_update, row_launch, row_stats, scaled_block
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -69,16 +69,9 @@ def row_cumsum(x: Tensor) -> Tensor:
 
 
 @triton.jit
-def _scaled_block(row_ptr, cols, V, temperature):
-    """A block of the row's logits / T in float32 (-inf past V, as the softmax kernel pads)."""
-    x = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    return tl.math.div_rn(x, temperature)
-
-
-@triton.jit
 def _block_cdf(row_ptr, cols, V, temperature, m_row, s_row, before):
     """The running sums of the softmax over one block, starting from `before`: -> (p, cdf)."""
-    p = tl.exp(_scaled_block(row_ptr, cols, V, temperature) - m_row) / s_row  # 0 past V
+    p = tl.exp(scaled_block(row_ptr, cols, V, temperature) - m_row) / s_row  # 0 past V
     return p, tl.cumsum(p, axis=0) + before
 
 
@@ -99,7 +92,7 @@ def _sample_kernel(logits_ptr, params_ptr, tokens_ptr, log_probs_ptr, log_z_ptr,
     first = tl.zeros((BLOCK,), tl.int32) + V  # each lane's first index of its running max
     for start in range(0, V, BLOCK):
         cols = start + offs
-        x = _scaled_block(row_ptr, cols, V, temperature)
+        x = scaled_block(row_ptr, cols, V, temperature)
         first = tl.where(x > m, cols, first)
         m, s = lane_update(m, s, x)
     m_row, s_row = row_stats(m, s, LOG2_BLOCK)

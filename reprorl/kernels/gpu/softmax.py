@@ -3,12 +3,12 @@
 
 The row is read in blocks of `stats_block(V)` (a width fixed by V alone); each lane keeps
 its running max and its sum of exps (rescaled when the max grows), and the lanes are
-combined once at the end by a fixed pairwise tree (`_tree_sum`). The order of every sum is
-a function of V alone: never of the batch, nor of how the compiler lays a block out over
-threads (which sets `tl.sum`'s order), so another kernel that loads the same row values
-another way (the engine's sampler reads bf16 logits and divides by the temperature
-itself, `sampling.py`) gets the same row statistics (`row_stats`), bit for bit. Results are
-float32.
+combined once at the end by a fixed pairwise tree (`tree_sum`; all in `row_softmax.py`).
+The order of every sum is a function of V alone: never of the batch, nor of how the
+compiler lays a block out over threads (which sets `tl.sum`'s order), so another kernel
+that loads the same row values another way (the engine's sampler reads bf16 logits and
+divides by the temperature itself, `sampling.py`) gets the same row statistics
+(`row_stats`), bit for bit. Results are float32.
 
 The log-softmax's backward (`log_softmax_backward`) reads the forward's output instead of
 recomputing it: dx = g - exp(y) * sum(g), the row sum in the same fixed lanes-then-tree
@@ -23,53 +23,7 @@ import triton.language as tl
 from torch import Tensor
 
 from reprorl.kernels.gpu.launch import PINNED
-
-
-def stats_block(v: int) -> int:
-    """The block width of a row of v entries (every kernel that needs `row_stats` uses it)."""
-    return min(4096, triton.next_power_of_2(v))
-
-
-def stats_warps(block: int) -> int:
-    return 8 if block >= 2048 else 4
-
-
-def row_launch(v: int) -> dict[str, int]:
-    """The launch constants of a kernel that walks rows of v entries with `row_stats` or
-    `_tree_sum`: BLOCK, LOG2_BLOCK and num_warps, all fixed by v alone."""
-    block = stats_block(v)
-    return {"BLOCK": block, "LOG2_BLOCK": block.bit_length() - 1, "num_warps": stats_warps(block)}
-
-
-@triton.jit
-def _tree_sum(x, LOG2_N: tl.constexpr):
-    """Sum of x [2**LOG2_N] as a fixed pairwise tree: at each level entry 2i plus entry 2i+1
-    (a sum of two is one addition, the same bits either way round), whatever x's layout.
-
-    Each level is a `tl.sum` over an axis of 2, not `tl.split` and `+`: the same additions,
-    but triton 3.6 lowers the split's layouts at a 4096-wide block into 4,097 float adds (its
-    PTX) and takes 2 minutes to compile each kernel that calls it (under a second this way,
-    100 adds)."""
-    for _ in tl.static_range(LOG2_N):
-        x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
-    return tl.sum(tl.reshape(x, (1,)), axis=0)  # the one entry left, as a scalar
-
-
-@triton.jit
-def lane_update(m, s, x):
-    """One block into the lanes' running max m and sum of exps s (all [BLOCK] float32)."""
-    m_new = tl.maximum(m, x)
-    seen = m_new > float("-inf")  # a lane that has met only -inf keeps s = 0 (no inf - inf)
-    s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
-    return m_new, s
-
-
-@triton.jit
-def row_stats(m, s, LOG2_BLOCK: tl.constexpr):
-    """The lanes combined: (row max, row sum of exp(x - max)), the sum by `_tree_sum`."""
-    m_row = tl.max(m, axis=0)
-    s_row = _tree_sum(tl.where(m > float("-inf"), s * tl.exp(m - m_row), 0.0), LOG2_BLOCK)
-    return m_row, s_row
+from reprorl.kernels.gpu.row_softmax import contiguous_rows, lane_update, row_launch, row_stats, tree_sum
 
 
 @triton.jit
@@ -104,7 +58,7 @@ def _log_softmax_backward_kernel(y_ptr, g_ptr, dx_ptr, stride_y, stride_g, strid
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         acc += tl.load(g_ptr + row * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32)
-    total = _tree_sum(acc, LOG2_BLOCK)
+    total = tree_sum(acc, LOG2_BLOCK)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         g = tl.load(g_ptr + row * stride_g + cols, mask=cols < V, other=0.0).to(tl.float32)
@@ -120,13 +74,13 @@ def _entropy_kernel(y_ptr, out_ptr, stride_y, V, BLOCK: tl.constexpr, LOG2_BLOCK
         cols = start + tl.arange(0, BLOCK)
         y = tl.load(y_ptr + row * stride_y + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         acc += tl.where(y > float("-inf"), tl.exp(y) * y, 0.0)  # a zero probability adds nothing
-    tl.store(out_ptr + row, -_tree_sum(acc, LOG2_BLOCK))
+    tl.store(out_ptr + row, -tree_sum(acc, LOG2_BLOCK))
 
 
 def entropy(log_probs: Tensor) -> Tensor:
     """-sum exp(y) y over the last dim of log-probabilities y [..., V] -> [...] float32, in
     one read of y (the torch formula makes two full-size temporaries)."""
-    y = _rows(log_probs)
+    y = contiguous_rows(log_probs)
     out = torch.empty(y.shape[0], dtype=torch.float32, device=y.device)
     v = y.shape[-1]
     if y.shape[0] and v:
@@ -136,15 +90,10 @@ def entropy(log_probs: Tensor) -> Tensor:
     return out.reshape(log_probs.shape[:-1])
 
 
-def _rows(t: Tensor) -> Tensor:
-    rows = t.reshape(-1, t.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def log_softmax_backward(grad: Tensor, out: Tensor, x: Tensor) -> Tensor:
     """d x [..., V] (in x's dtype) of `log_softmax(x)` = `out` [..., V] float32, given the
     output's gradient `grad`."""
-    y, g = _rows(out), _rows(grad)
+    y, g = contiguous_rows(out), contiguous_rows(grad)
     dx = torch.empty(y.shape, dtype=x.dtype, device=x.device)
     v = y.shape[-1]
     if y.shape[0] and v:
@@ -155,7 +104,7 @@ def log_softmax_backward(grad: Tensor, out: Tensor, x: Tensor) -> Tensor:
 
 def _launch(x: Tensor, log: bool) -> Tensor:
     v = x.shape[-1]
-    rows = _rows(x)
+    rows = contiguous_rows(x)
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0] and v:
         _softmax_kernel[(rows.shape[0],)](rows, out, rows.stride(0), out.stride(0), v, LOG=log, **row_launch(v),
