@@ -1,6 +1,6 @@
-"""The policy losses users bring from verl (actor.policy_loss: gspo, cispo, clip_cov, kl_cov) end to end on
-the tiny model: each trains, its engine log-probs stay the trainer's, and a run killed
-after step 2 and resumed is the same bits as one that ran straight through."""
+"""The policy losses users bring from verl (actor.policy_loss: gspo, cispo, clip_cov, kl_cov), and the tool
+loop with a user's tool file, end to end on the tiny model: each trains, its engine log-probs stay the
+trainer's, and a run killed after step 2 and resumed is the same bits as one that ran straight through."""
 
 import json
 from pathlib import Path
@@ -21,6 +21,10 @@ RECIPES = {
     "clip_cov": ("actor.policy_loss=clip_cov", "actor.clip_cov_ratio=0.2", "actor.clip_cov_lb=-100",
                  "actor.clip_cov_ub=100"),
     "kl_cov": ("actor.policy_loss=kl_cov", "actor.kl_cov_ratio=0.2", "actor.ppo_kl_coef=1.0"),
+    # the random policy writes <tool_call> by chance: calls with garbage arguments, answered
+    # with error messages in tool turns (the turns are checked in test_manager.py)
+    "user_tool": ("rollout.agent_loop=tool", f"rollout.tools=[{Path(__file__).with_name('user_tools.py')}]",
+                  "data.max_response_length=96", "rollout.n=4"),  # room and samples for turns that call
 }
 
 
@@ -42,3 +46,5 @@ def test_recipe_trains_and_resumes_bitwise(assets, tmp_path, recipe):
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
     if recipe.endswith("_cov"):  # tokens were chosen (dropped, or penalised) in every update
         assert all(m["actor/pg_clipfrac"] > 0 for m in metrics)
+    if recipe == "user_tool":  # tool turns ran
+        assert any(m["rollout/turns_mean"] > 1 for m in metrics)
