@@ -38,7 +38,7 @@ def test_defaults_resolve():
     cfg = load_config()
     assert cfg.seed == 42 and cfg.full_determinism is True
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.rollout.n == 8
-    # derived values (the `_derive` step)
+    # derived values (the `derive` step, config/checks.py)
     assert cfg.model.ref_path == cfg.model.path == cfg.model.critic_path == "models/tiny-policy"
     assert cfg.rollout.max_tokens == cfg.data.max_response_length == 8
     assert (cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size, cfg.critic.ppo_micro_batch_size) == (1, 16, 32)

@@ -42,7 +42,7 @@ def metric_values(metric: str, scores: torch.Tensor, rule: torch.Tensor | None) 
     """`[B*n]` the value of `metric` per sample (see `FilterGroupsConfig.metric`).
 
     scores: `[B*n]` the reward trained on; rule: `[B*n]` the rule reward, None when no rule
-    function ran (config.py refuses `score` and `acc` then).
+    function ran (config/checks.py refuses `score` and `acc` then).
     """
     if metric == "seq_reward":
         return scores

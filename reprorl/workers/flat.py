@@ -8,7 +8,7 @@ parameters and the AdamW moments of those elements. Every rank also holds the wh
 parameter vector for its forward passes, rebuilt after each optimizer step by an
 all-gather (exact: it only moves bytes, each shard to its place by rank index).
 
-What keeps the bits independent of N (the rule `config.py` checks for `trainer.num_workers`):
+What keeps the bits independent of N (the rule `config/checks.py` checks for `trainer.num_workers`):
 - Micro-batches are cut from the mini-batch by sample order (or by a token budget),
   whatever N is; rank r takes the contiguous block `[r * M / N, (r + 1) * M / N)` of the
   M micro-batches, and each micro-batch's gradient is computed alone, so it has the same

@@ -1,0 +1,226 @@
+"""Derived values and cross-field checks: `derive` fills in every value that defaults to
+another one, `validate` checks what bounds can't express and the values that must agree.
+Both run after every key is set and type-checked (loader.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+from reprorl.agent_loop.tools import select_tools
+from reprorl.config.schema import Config, RolloutConfig, config_keys
+from reprorl.errors import ConfigError
+
+
+def derive(cfg: Config) -> None:
+    """DERIVED VALUES: every value that defaults to another one is filled in here, and only here."""
+    if cfg.model.ref_path is None:
+        cfg.model.ref_path = cfg.model.path
+    if cfg.model.critic_path is None:
+        cfg.model.critic_path = cfg.model.path
+    if cfg.rollout.max_tokens is None:
+        cfg.rollout.max_tokens = cfg.data.max_response_length
+    if cfg.critic.ppo_epochs is None:
+        cfg.critic.ppo_epochs = cfg.actor.ppo_epochs
+    if cfg.critic.ppo_mini_batch_size is None:
+        cfg.critic.ppo_mini_batch_size = cfg.actor.ppo_mini_batch_size
+    if cfg.critic.ppo_micro_batch_size is None:
+        cfg.critic.ppo_micro_batch_size = cfg.actor.ppo_micro_batch_size
+    if cfg.critic.ppo_max_token_len_per_micro_batch is None:
+        cfg.critic.ppo_max_token_len_per_micro_batch = cfg.actor.ppo_max_token_len_per_micro_batch
+    if cfg.trainer.run_dir is None:
+        cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
+    # resources.device stays "auto" here, so a config file is portable between machines:
+    # the trainer resolves it when the run starts (reprorl/trainer/placement.py).
+
+
+def validate(cfg: Config) -> None:
+    """Checks of single values that bounds can't express, then of values that must agree."""
+    for key, top_k in (("rollout.top_k", cfg.rollout.top_k), ("rollout.val.top_k", cfg.rollout.val.top_k)):
+        if top_k == 0:  # the bound already refuses < -1
+            raise ConfigError(f"{key}: expected -1 (off) or an integer >= 1, got {top_k}")
+    _check_reward(cfg)
+    if cfg.trainer.resume == "":
+        raise ConfigError("trainer.resume: expected 'never', 'auto' or a checkpoint path, got ''")
+    keys = config_keys()
+    leaf_keys = [key for key in keys if not any(other.startswith(key + ".") for other in keys)]  # not sections
+    for i, key in enumerate(cfg.trainer.allow_changed_keys):
+        if key not in leaf_keys:
+            close = difflib.get_close_matches(key, leaf_keys, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else " (`reprorl config` prints every key)"
+            raise ConfigError(f"trainer.allow_changed_keys[{i}]: {key!r} is not a config key{hint}")
+
+    data, rollout, actor, critic, algo = cfg.data, cfg.rollout, cfg.actor, cfg.critic, cfg.algorithm
+    if rollout.max_num_batched_tokens < rollout.max_num_seqs:
+        raise ConfigError(
+            f"rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} must be >= "
+            f"rollout.max_num_seqs={rollout.max_num_seqs}: each running sequence decodes one token per forward pass"
+        )
+    try:
+        select_tools(rollout.tools)
+    except ValueError as err:
+        raise ConfigError(f"rollout.tools: {err}") from None
+    if rollout.tools == [] and rollout.agent_loop == "tool":
+        raise ConfigError(
+            "rollout.tools=[] with rollout.agent_loop=tool: the tool loop needs at least one tool; "
+            "name some, or null for all of them"
+        )
+    if rollout.max_tokens > data.max_response_length:
+        raise ConfigError(
+            f"rollout.max_tokens={rollout.max_tokens} must be <= data.max_response_length={data.max_response_length}"
+        )
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: "
+            f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
+        )
+    _check_sampling_varies(rollout, algo.adv_estimator)
+    _check_filter_groups(cfg)
+    _check_lora(cfg)
+    if algo.use_kl_in_reward and actor.use_kl_loss:
+        raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
+    batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,
+                actor.ppo_max_token_len_per_micro_batch)]
+    if algo.adv_estimator == "gae":
+        batches.append(("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size,
+                        critic.ppo_max_token_len_per_micro_batch))
+    for name, mini, micro, max_token_len in batches:
+        if data.train_batch_size % mini:
+            raise ConfigError(
+                f"data.train_batch_size={data.train_batch_size} must be divisible by {name}.ppo_mini_batch_size={mini}"
+            )
+        if max_token_len is not None:
+            _check_token_budget(cfg, name, max_token_len)
+            continue
+        if (mini * rollout.n) % micro:
+            raise ConfigError(
+                f"{name}.ppo_mini_batch_size * rollout.n = {mini} * {rollout.n} = {mini * rollout.n} samples "
+                f"must be divisible by {name}.ppo_micro_batch_size={micro}"
+            )
+        _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
+                           f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
+                           f"{mini} * {rollout.n} / {micro}")
+
+
+def reward_fn_name(spec: str | None) -> str:
+    """The name a rule function's metrics go under: the part of `spec` after its last colon,
+    `compute_score` for null (the built-in rewards by data_source)."""
+    return "compute_score" if spec is None else spec.rpartition(":")[2]
+
+
+def _check_reward(cfg: Config) -> None:
+    """reward.fn or reward.fns (not both), the way they are called, the overlong buffer."""
+    reward = cfg.reward
+    specs = [("reward.fn", reward.fn)] + [(f"reward.fns[{i}].fn", entry.fn) for i, entry in enumerate(reward.fns)]
+    for key, fn in specs:
+        if fn is not None and not re.fullmatch(r"[^:]+:[A-Za-z_][A-Za-z0-9_]*", fn):
+            raise ConfigError(f"{key}: expected 'module:function' or 'path.py:function' or null, got {fn!r}")
+    if reward.fn is not None and reward.fns:
+        raise ConfigError("reward.fn and reward.fns are both set: pick one (reward.fns=[{fn: ..., weight: 1.0}] is "
+                          "reward.fn alone)")
+    names = [reward_fn_name(entry.fn) for entry in reward.fns]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigError(f"reward.fns[{i}].fn={reward.fns[i].fn!r}: a function named {name!r} is already in "
+                              f"reward.fns[{names.index(name)}]; each logs its metric reward/<name>/mean under its "
+                              "name")
+    called = specs[1:] if reward.fns else specs[:1]
+    missing = [key for key, fn in called if fn is None]
+    if reward.reward_manager == "batch" and missing:
+        raise ConfigError(f"{missing[0]}=null with reward.reward_manager=batch: the built-in compute_score scores one "
+                          "sample at a time; name a function that takes lists")
+    buffer, max_tokens = reward.overlong_buffer, cfg.rollout.max_tokens
+    if buffer.enable and not 1 <= buffer.len <= max_tokens:
+        raise ConfigError(f"reward.overlong_buffer.len={buffer.len} with reward.overlong_buffer.enable=true: "
+                          f"expected 1 <= len <= rollout.max_tokens={max_tokens}")
+
+
+def _check_filter_groups(cfg: Config) -> None:
+    """Dynamic sampling compares the samples of a group, by a metric the run computes."""
+    groups, reward = cfg.algorithm.filter_groups, cfg.reward
+    if not groups.enable:
+        return
+    if cfg.rollout.n < 2:
+        raise ConfigError(f"algorithm.filter_groups.enable=true with rollout.n={cfg.rollout.n}: a group of one sample "
+                          "never varies, so every group would be dropped; expected rollout.n >= 2")
+    if groups.metric in ("score", "acc") and reward.model_path is not None and reward.rule_weight == 0:
+        raise ConfigError(f"algorithm.filter_groups.metric={groups.metric} reads the rule reward, which does not run "
+                          "with reward.rule_weight=0 (a reward model alone); use metric=seq_reward")
+
+
+def _check_lora(cfg: Config) -> None:
+    """LoRA's keys, and what it cannot be combined with (yet)."""
+    model = cfg.model
+    if model.lora_rank == 0:
+        return
+    from reprorl.models.lora import resolve_targets  # here: it needs torch, which a plain config does not
+
+    try:
+        resolve_targets(model.target_modules)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if cfg.rollout.backend == "vllm":
+        raise ConfigError(
+            f"model.lora_rank={model.lora_rank} with rollout.backend=vllm: the vLLM backend takes no adapters here; "
+            "use rollout.backend=native"
+        )
+    if model.ref_path != model.path:
+        raise ConfigError(
+            f"model.ref_path={model.ref_path!r} with model.lora_rank={model.lora_rank}: the reference policy is the "
+            "base model with the adapters off; leave model.ref_path null"
+        )
+
+
+def _check_sampling_varies(rollout: RolloutConfig, adv_estimator: str) -> None:
+    """Estimators that compare a sample with others of its prompt (a group, or ReMax's greedy
+    baseline) need samples that differ: greedy ones are all alike, so every advantage is 0
+    and the run trains on nothing without a word."""
+    greedy = [key for key, on in (("rollout.temperature=0", rollout.temperature == 0),
+                                  ("rollout.top_k=1", rollout.top_k == 1)) if on]
+    if not greedy:
+        return
+    if adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+        alike = f"the rollout.n={rollout.n} samples of a prompt are one same response"
+    elif adv_estimator == "remax":
+        alike = "every sample is the greedy response ReMax takes as its baseline"
+    else:
+        return
+    raise ConfigError(
+        f"algorithm.adv_estimator={adv_estimator} with {' and '.join(greedy)} (greedy sampling): {alike}, so every "
+        "advantage is 0 and nothing is learned; expected rollout.temperature > 0 and rollout.top_k != 1"
+    )
+
+
+def _check_token_budget(cfg: Config, name: str, max_token_len: int) -> None:
+    """A token budget must hold the widest sample the data allows, and the micro-batches it
+    cuts fit any power-of-two worker count (reprorl/workers/flat.py, `budget_leaves`)."""
+    data = cfg.data
+    widest = data.max_prompt_length + data.max_response_length
+    if max_token_len < widest:
+        # The actor is checked first: a critic that inherits its budget fails under the actor's key.
+        raise ConfigError(
+            f"{name}.ppo_max_token_len_per_micro_batch={max_token_len} must be >= data.max_prompt_length + "
+            f"data.max_response_length = {data.max_prompt_length} + {data.max_response_length} = {widest}: the "
+            "longest sample must fit in one micro-batch"
+        )
+    num_workers = cfg.trainer.num_workers
+    if num_workers & (num_workers - 1):
+        raise ConfigError(
+            f"trainer.num_workers={num_workers}: expected a power of two, so that every allowed count gives the same "
+            "bits (reprorl/workers/flat.py)"
+        )
+
+
+def _check_num_workers(num_workers: int, micro_batches: int, how: str) -> None:
+    """Each worker sums a contiguous block of a mini-batch's micro-batches; the blocks are
+    subtrees of the one fixed tree over micro-batch index (reprorl/workers/flat.py) only
+    when their count is a power of two that divides the micro-batches' (`how` counts them)."""
+    if num_workers & (num_workers - 1) == 0 and micro_batches % num_workers == 0:
+        return
+    allowed = [n for n in (1 << i for i in range(micro_batches.bit_length())) if micro_batches % n == 0]
+    raise ConfigError(
+        f"trainer.num_workers={num_workers}: expected a power of two that divides the {micro_batches} "
+        f"micro-batches of a mini-batch ({how}), so that every allowed count gives the same bits: one of {allowed}"
+    )
+
