@@ -107,7 +107,8 @@ def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resume
     run_dir = root / "grpo-killed"
     trainer = Trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))
     saved = {}
-    real_save, real_update = trainer.save, trainer.actor.update
+    actor = trainer.parts.actor
+    real_save, real_update = trainer.save, actor.update
 
     def save_and_digest(step):
         path = real_save(step)
@@ -116,12 +117,12 @@ def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resume
 
     def kill_worker_1_at_step_2(batch, **kwargs):
         if trainer.step == 2:
-            os.kill(trainer.actor.pids[1], signal.SIGKILL)
+            os.kill(actor.pids[1], signal.SIGKILL)
         return real_update(batch, **kwargs)
 
     monkeypatch.setattr(trainer, "save", save_and_digest)
-    monkeypatch.setattr(trainer.actor, "update", kill_worker_1_at_step_2)
-    pid = trainer.actor.pids[1]
+    monkeypatch.setattr(actor, "update", kill_worker_1_at_step_2)
+    pid = actor.pids[1]
     try:
         with pytest.raises(WorkerError) as info:
             trainer.fit()
