@@ -16,7 +16,7 @@ comes from a seed named by its origin, so a run is a pure function of its config
 
 Start-up: the Trainer starts the processes of all those parts at once and then waits for
 each (`parts.start_parts`, which builds every part from the config); if one fails, it
-stops the others before the error propagates.
+stops the others before the error propagates. Checkpoints and resuming: saving.py.
 """
 
 from __future__ import annotations
@@ -44,23 +44,16 @@ from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.determinism import determinism_env, enable_full_determinism
 from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError, DeterminismError
-from reprorl.fingerprint import FingerprintWriter, truncate_fingerprints
+from reprorl.fingerprint import FingerprintWriter
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.models.lora import spec_from_config
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardTimeoutError
 from reprorl.rollout.pool import init_ray
 from reprorl.rollout.supervision import FaultError, PartTimeoutError, Restarts
-from reprorl.trainer import weight_sync
+from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
-from reprorl.trainer.checkpoint import (
-    capture_rng_state,
-    find_checkpoint,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
 from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
 from reprorl.trainer.parts import (
     chat_template_kwargs,
@@ -71,19 +64,11 @@ from reprorl.trainer.parts import (
     start_parts,
     uses_kl,
 )
-from reprorl.trainer.resume_guard import flat_config, plan_resume
-from reprorl.trainer.run_dir import append_history, lock_run_dir
-from reprorl.trainer.tracking import (
-    CURVES_FILE,
-    GENERATIONS_FILE,
-    METRICS_FILE,
-    Tracker,
-    plot_curves,
-    read_metrics,
-    truncate_metrics,
-)
+from reprorl.trainer.resume_guard import plan_resume
+from reprorl.trainer.run_dir import lock_run_dir
+from reprorl.trainer.tracking import CURVES_FILE, GENERATIONS_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics
 from reprorl.trainer.val_metrics import per_source_metrics
-from reprorl.workers.group import WorkerError, WorkerGroup
+from reprorl.workers.group import WorkerError
 from reprorl.workers.optim import NonFiniteError
 from reprorl.workers.policy import mask_truncated
 
@@ -184,7 +169,7 @@ class Trainer:
         cfg = self.cfg
         self.resume_plan = plan_resume(cfg, self.run_dir)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(cfg), encoding="utf-8")
-        self._record_start()
+        saving.record_start(self.run_dir, self.resume_plan, cfg.trainer.allow_changed_keys)
         if cfg.full_determinism:
             enable_full_determinism(cfg.seed)
         else:
@@ -201,7 +186,7 @@ class Trainer:
         self.loss_args = policy_loss_args(cfg.actor)
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.restarts = Restarts(cfg.trainer.max_restarts)  # shared by both pools and the agent loop
-        # The run's records are opened in `fit`, after `resume` has cut them to its step.
+        # The run's records are opened in `fit`, after `saving.resume` has cut them to its step.
         self.tracker: Tracker | None = None
         self.fingerprints: FingerprintWriter | None = None
         self.step = 0
@@ -551,70 +536,6 @@ class Trainer:
         if self.tracker is not None:
             self.tracker.log_generations(step, split, lines)
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def _trained_groups(self) -> dict[str, WorkerGroup]:
-        parts = self.parts
-        return {name: group for name, group in (("actor", parts.actor), ("critic", parts.critic)) if group is not None}
-
-    def save(self, step: int) -> Path:
-        """A checkpoint of the step: the driver's state, and each trained group's shards
-        (`<name>.shards/`, one file a worker) written into the same atomic directory."""
-        state: dict[str, Any] = {
-            "trainer": {"step": step},
-            "sampler": self.sampler.state_dict(),
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-            "rng": capture_rng_state(),
-        }
-        groups = self._trained_groups()
-        state.update({name: group.state_dict() for name, group in groups.items()})
-        path = save_checkpoint(self.run_dir, step, state, max_to_keep=self.cfg.trainer.max_ckpt_to_keep,
-                               write_dirs={f"{name}.shards": group.save for name, group in groups.items()},
-                               meta={"config": flat_config(self.cfg)})  # what a resume checks its config against
-        logger.info("saved checkpoint %s", path)
-        return path
-
-    def _checkpoint_note(self) -> str:
-        """Where a stopped run can continue from: the newest checkpoint on disk, untouched."""
-        ckpt = find_checkpoint(self.run_dir)
-        if ckpt is None:
-            return "No checkpoint was saved before it."
-        return f"The newest checkpoint, {str(ckpt)!r}, is unchanged; trainer.resume=auto continues from it."
-
-    def _record_start(self) -> None:
-        """A line of history.jsonl: from which checkpoint the run starts, and its config changes."""
-        plan, allowed = self.resume_plan, self.cfg.trainer.allow_changed_keys
-        append_history(self.run_dir, {
-            "event": "resume" if plan.checkpoint is not None else "start", "step": plan.step,
-            "checkpoint": None if plan.checkpoint is None else str(plan.checkpoint),
-            "changed": plan.changes, "accepted": [key for key in plan.changes if key in allowed],
-        })
-
-    def resume(self) -> int:
-        """Restore the checkpoint `plan_resume` chose at start; returns its step (0 = fresh)."""
-        ckpt = self.resume_plan.checkpoint
-        if ckpt is None:
-            # From the start: drop the records of an attempt that trained no step (plan_resume
-            # refuses to start over where steps were trained), such as a validation at step 0.
-            truncate_metrics(self.run_dir / METRICS_FILE, 0)
-            truncate_metrics(self.run_dir / GENERATIONS_FILE, 0)
-            truncate_fingerprints(self.run_dir, 0)
-            return 0
-        step, state = load_checkpoint(ckpt, verify=False)  # verified by plan_resume
-        for name, group in self._trained_groups().items():
-            group.load(ckpt / f"{name}.shards", state[name])  # shards of any number of workers
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        restore_rng_state(state["rng"])
-        # Replicas start from model.path: give them the checkpoint's weights as its version.
-        weight_sync.push_weights(self.parts.actor, self.parts.pool, step,
-                                 weight_sync.device_replicas(self.parts.actor, self.parts.pool))
-        truncate_metrics(self.run_dir / METRICS_FILE, step)
-        truncate_metrics(self.run_dir / GENERATIONS_FILE, step)  # the same steps are validated again
-        truncate_fingerprints(self.run_dir, step)
-        logger.info("resumed from step %d (%s)", step, ckpt)
-        return step
-
     # ------------------------------------------------------------------ determinism report
 
     def report_determinism(self, step: int) -> dict[str, Any]:
@@ -651,7 +572,9 @@ class Trainer:
 
         cfg = self.cfg.trainer
         kill_at = _test_kill_step()
-        start = self.resume()
+        parts = self.parts
+        start = saving.resume(self.run_dir, self.resume_plan.checkpoint, actor=parts.actor, critic=parts.critic,
+                              pool=parts.pool, sampler=self.sampler, kl_ctrl=self.kl_ctrl)
         self.tracker = Tracker(
             self.run_dir, cfg.loggers, project_name=cfg.project_name,
             experiment_name=cfg.experiment_name, config=dataclasses.asdict(self.cfg),
@@ -683,7 +606,8 @@ class Trainer:
                  if k in metrics}
             )
             if cfg.save_freq > 0 and (step % cfg.save_freq == 0 or last):
-                self.save(step)
+                saving.save(self.run_dir, step, self.cfg, actor=parts.actor, critic=parts.critic,
+                            sampler=self.sampler, kl_ctrl=self.kl_ctrl)
             if step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # TEST_KILL_AT_STEP_ENV: no close(), no flush
         return self.run_dir
@@ -695,7 +619,7 @@ class Trainer:
             yield
         except (NonFiniteError, RewardTimeoutError, RewardFnError, FaultError, WorkerError, PartTimeoutError,
                 FilterGroupsError) as err:
-            raise type(err)(f"step {step}: {err}; the run stopped. {self._checkpoint_note()}") from err
+            raise type(err)(f"step {step}: {err}; the run stopped. {saving.checkpoint_note(self.run_dir)}") from err
 
     def close(self) -> None:
         """Stop the replicas and workers, then close the loggers and draw the curves: the parts

@@ -38,6 +38,7 @@ from reprorl.models.transformer import CausalLM
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
 from reprorl.trainer.checkpoint import load_checkpoint
+from reprorl.trainer import saving
 from reprorl.trainer.checks import check_models
 from reprorl.trainer.fit import Trainer
 from reprorl.workers.optim import NonFiniteError
@@ -318,14 +319,14 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     run_dir = tmp_path / "run"
     common = ("trainer.total_steps=3", "trainer.save_freq=1")
     saved = {}
-    real_save = Trainer.save
+    real_save = saving.save
 
     trainer = Trainer(config(inputs, run_dir, *common))
     actor = trainer.parts.actor
     weights_at_save = {}
 
-    def save_and_digest(self, step):
-        path = real_save(self, step)
+    def save_and_digest(where, step, *args, **kwargs):
+        path = real_save(where, step, *args, **kwargs)
         saved[step] = _file_digests(path)
         weights_at_save[step] = dict(actor.named_weights())
         return path
@@ -341,7 +342,7 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
         return real_update(batch, **kwargs)
 
     monkeypatch.setattr(actor, "update", nan_in_micro_batch_1_of_step_2)
-    monkeypatch.setattr(Trainer, "save", save_and_digest)
+    monkeypatch.setattr(saving, "save", save_and_digest)
     try:
         with pytest.raises(NonFiniteError) as info:
             trainer.fit()

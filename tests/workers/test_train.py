@@ -18,6 +18,7 @@ import pytest
 from reprorl import cli
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
+from reprorl.trainer import saving
 from reprorl.trainer.fit import Trainer
 from reprorl.workers.group import WorkerError
 from small_run import run_trainer, small_run_overrides
@@ -108,10 +109,10 @@ def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resume
     trainer = Trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))
     saved = {}
     actor = trainer.parts.actor
-    real_save, real_update = trainer.save, actor.update
+    real_save, real_update = saving.save, actor.update
 
-    def save_and_digest(step):
-        path = real_save(step)
+    def save_and_digest(where, step, *args, **kwargs):
+        path = real_save(where, step, *args, **kwargs)
         saved[step] = _digests(path)
         return path
 
@@ -120,7 +121,7 @@ def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resume
             os.kill(actor.pids[1], signal.SIGKILL)
         return real_update(batch, **kwargs)
 
-    monkeypatch.setattr(trainer, "save", save_and_digest)
+    monkeypatch.setattr(saving, "save", save_and_digest)
     monkeypatch.setattr(actor, "update", kill_worker_1_at_step_2)
     pid = actor.pids[1]
     try:
