@@ -6,7 +6,7 @@ are both `ReplicaPoolBase`s:
 - The constructor connects to Ray (`init_ray`), merges the run's determinism variables
   into the user's `runtime_env`, and starts every replica actor at once with the same
   arguments but its id. With `wait=False` it returns then, so a trainer starts its pools
-  and worker groups together (reprorl/trainer/fit.py); `wait_ready()` waits.
+  and worker groups together (reprorl/trainer/parts.py); `wait_ready()` waits.
 - `wait_ready()` waits with a timeout (`wait_for_actors`): Ray keeps an actor pending
   forever when its CPUs are never free, so it fails naming the pool and the CPUs asked
   for and free instead of hanging; a replica whose constructor failed raises its own
@@ -67,7 +67,7 @@ def replica_cpus(num_replicas: int, free: float | None = None) -> float:
     second pool (reward model, another run's) is still schedulable next to the first.
     `free`: the CPUs to count as free (None: what Ray says is free now). Ray counts an
     actor's CPUs only once it is placed, so pools started together pass what the pools
-    before them left (reprorl/trainer/fit.py).
+    before them left (reprorl/trainer/parts.py).
     """
     if free is None:
         free = ray.available_resources().get("CPU", 0.0)

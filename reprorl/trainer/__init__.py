@@ -1,7 +1,8 @@
 """The driver of a run: the fit loop and what surrounds it, above the training ranks.
 
-- `fit.Trainer`: builds the parts (worker groups, rollout pool, reward loop), runs the
-  step loop, validates, checkpoints and resumes.
+- `fit.Trainer`: runs the step loop and validates, on the parts `parts` builds from the
+  config (worker groups, rollout pool, reward loop) and stops; `saving` checkpoints the
+  run and resumes it.
 - `checkpoint`, `resume_guard`, `run_dir`: atomic checkpoints of a run, RNG capture and
   restore, what a resumed run may change.
 - `placement`, `memory`: where each part runs, and whether it fits there.

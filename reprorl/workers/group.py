@@ -36,7 +36,7 @@ collective for a hung peer cannot be told from it), and the run stops, its last 
 Start-up: the constructor asks Ray for the processes and waits until every rank is ready
 (loaded, kernels checked, in the process group). With `wait=False` it returns at once and
 `wait_ready()` does the waiting, so a trainer starts all its parts together
-(reprorl/trainer/fit.py). A start-up that fails, or that Ray has not placed within the
+(reprorl/trainer/parts.py). A start-up that fails, or that Ray has not placed within the
 replica pools' `READY_TIMEOUT_S` (a GPU share never free), raises `WorkerError` and leaves
 no rank running.
 """

@@ -114,4 +114,4 @@ def test_a_pool_that_ray_cannot_place_in_time_kills_its_replicas_placed_or_not(r
     assert pool.replicas == {}
     with pytest.raises(RuntimeError, match="the rollout replicas were stopped when their start failed"):
         pool.wait_ready()  # a second wait names what happened
-    pool.shutdown()  # what the trainer's `_stop_parts` then does: nothing left to stop
+    pool.shutdown()  # what the trainer's `Parts.stop` then does: nothing left to stop

@@ -38,6 +38,7 @@ from reprorl.models.transformer import CausalLM
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
 from reprorl.trainer.checkpoint import load_checkpoint
+from reprorl.trainer import saving
 from reprorl.trainer.checks import check_models
 from reprorl.trainer.fit import Trainer
 from reprorl.workers.optim import NonFiniteError
@@ -84,7 +85,7 @@ def no_workers(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded or a Ray actor started before the input was checked")
 
-    monkeypatch.setattr("reprorl.trainer.fit.WorkerGroup", refuse)
+    monkeypatch.setattr("reprorl.trainer.parts.WorkerGroup", refuse)
     monkeypatch.setattr("reprorl.rollout.replica.ReplicaPool.__init__", refuse)
     monkeypatch.setattr("reprorl.reward.reward_model.RewardModelPool.__init__", refuse)
 
@@ -319,18 +320,19 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     run_dir = tmp_path / "run"
     common = ("trainer.total_steps=3", "trainer.save_freq=1")
     saved = {}
-    real_save = Trainer.save
+    real_save = saving.save
 
     trainer = Trainer(config(inputs, run_dir, *common))
+    actor = trainer.parts.actor
     weights_at_save = {}
 
-    def save_and_digest(self, step):
-        path = real_save(self, step)
+    def save_and_digest(where, step, *args, **kwargs):
+        path = real_save(where, step, *args, **kwargs)
         saved[step] = _file_digests(path)
-        weights_at_save[step] = dict(trainer.actor.named_weights())
+        weights_at_save[step] = dict(actor.named_weights())
         return path
 
-    real_update = trainer.actor.update
+    real_update = actor.update
 
     def nan_in_micro_batch_1_of_step_2(batch, **kwargs):
         # The actor's workers are other processes: the NaN travels in the batch, after the
@@ -340,12 +342,12 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
             batch["advantages"][2:4] = float("nan")
         return real_update(batch, **kwargs)
 
-    monkeypatch.setattr(trainer.actor, "update", nan_in_micro_batch_1_of_step_2)
-    monkeypatch.setattr(Trainer, "save", save_and_digest)
+    monkeypatch.setattr(actor, "update", nan_in_micro_batch_1_of_step_2)
+    monkeypatch.setattr(saving, "save", save_and_digest)
     try:
         with pytest.raises(NonFiniteError) as info:
             trainer.fit()
-        live_actor = dict(trainer.actor.named_weights())
+        live_actor = dict(actor.named_weights())
     finally:
         trainer.close()
     message = str(info.value)
@@ -403,7 +405,8 @@ def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(inputs, tm
     # One-token responses: 4 tokens a mini-batch, 2 a micro-batch.
     trainer = Trainer(config(inputs, tmp_path / "run", "algorithm.adv_estimator=gae", "trainer.save_freq=1",
                              "data.max_response_length=1"))
-    real_update = trainer.critic.update
+    actor, critic = trainer.parts.actor, trainer.parts.critic
+    real_update = critic.update
 
     def returns_whose_gradient_overflows(batch, **kwargs):
         # Returns R = 8e18 (the workers are other processes: it travels in the batch). A
@@ -413,14 +416,14 @@ def test_non_finite_critic_grad_norm_stops_before_any_parameter_moves(inputs, tm
         batch["returns"] = torch.full_like(batch["returns"], 8e18)
         return real_update(batch, **kwargs)
 
-    monkeypatch.setattr(trainer.critic, "update", returns_whose_gradient_overflows)
-    before = {"actor": dict(trainer.actor.named_weights()), "critic": dict(trainer.critic.named_weights())}
+    monkeypatch.setattr(critic, "update", returns_whose_gradient_overflows)
+    before = {"actor": dict(actor.named_weights()), "critic": dict(critic.named_weights())}
     try:
         with pytest.raises(NonFiniteError, match=r"^step 1: critic update 1 \(epoch 0, mini-batch 0\): gradient "
                                                  r"norm is (nan|inf); optimizer not stepped; the run stopped\. No "
                                                  r"checkpoint was saved before it\.$"):
             trainer.fit()
-        for name, group in (("actor", trainer.actor), ("critic", trainer.critic)):
+        for name, group in (("actor", actor), ("critic", critic)):
             after = dict(group.named_weights())
             assert [k for k, v in after.items() if not torch.equal(v, before[name][k])] == [], name
     finally:

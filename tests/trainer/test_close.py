@@ -6,6 +6,7 @@ import types
 import pytest
 
 from reprorl.trainer import fit
+from reprorl.trainer.parts import Parts
 
 
 def _trainer(tmp_path, calls, *, stop_fails=False):
@@ -30,8 +31,8 @@ def _trainer(tmp_path, calls, *, stop_fails=False):
     (tmp_path / fit.METRICS_FILE).write_text('{"step": 1, "reward/mean": 0.5}\n')
     trainer.cfg = types.SimpleNamespace(trainer=types.SimpleNamespace(experiment_name="x"))
     trainer.tracker, trainer.fingerprints = Recorder("tracker"), Recorder("fingerprints")
-    trainer.reward_loop, trainer.agent, trainer.pool = Recorder("reward_loop"), Recorder("agent"), Recorder("pool")
-    trainer.actor, trainer.ref, trainer.critic, trainer.reward_model = Recorder("actor"), None, None, None
+    trainer.parts = Parts(actor=Recorder("actor"), pool=Recorder("pool"), reward_loop=Recorder("reward_loop"),
+                          agent=Recorder("agent"))  # no ref, critic or reward model
     trainer._owns_ray, trainer._run_lock = False, Recorder("lock")
     return trainer
 

@@ -153,16 +153,16 @@ def test_a_part_that_fails_to_start_stops_the_parts_started_with_it(assets, tmp_
     import ray
 
     from reprorl.config import load_config
-    from reprorl.trainer import fit
+    from reprorl.trainer import fit, parts
 
     groups = []
 
-    class RecordedGroup(fit.WorkerGroup):
+    class RecordedGroup(parts.WorkerGroup):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             groups.append(self)
 
-    monkeypatch.setattr(fit, "WorkerGroup", RecordedGroup)
+    monkeypatch.setattr(parts, "WorkerGroup", RecordedGroup)
     # A rule no part can parse: each rollout replica raises it in its constructor.
     monkeypatch.setenv(KILL_ENV, "rollout replica 0@x#0")
     cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON))
@@ -181,18 +181,18 @@ def test_a_group_whose_constructor_raises_leaves_the_groups_before_it_stopped(as
     """The worker groups are made one after another, started and not waited for: when the
     reference's constructor raises, the actor group made before it is stopped too."""
     from reprorl.config import load_config
-    from reprorl.trainer import fit
+    from reprorl.trainer import fit, parts
 
     groups = []
 
-    class RecordedGroup(fit.WorkerGroup):
+    class RecordedGroup(parts.WorkerGroup):
         def __init__(self, role, *args, **kwargs):
             if role == "ref":
                 raise RuntimeError("the reference cannot start")
             super().__init__(role, *args, **kwargs)
             groups.append(self)
 
-    monkeypatch.setattr(fit, "WorkerGroup", RecordedGroup)
+    monkeypatch.setattr(parts, "WorkerGroup", RecordedGroup)
     cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON))
     with pytest.raises(RuntimeError, match="the reference cannot start"):
         fit.Trainer(cfg)

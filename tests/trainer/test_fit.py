@@ -41,7 +41,8 @@ def without_timing(records):
 def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
     cfg = small_config(assets, tmp_path / "run", f"algorithm.adv_estimator={estimator}")
     trainer = Trainer(cfg)
-    groups = {"actor": trainer.actor, "critic": trainer.critic} if trainer.critic else {"actor": trainer.actor}
+    parts = trainer.parts
+    groups = {"actor": parts.actor, "critic": parts.critic} if parts.critic else {"actor": parts.actor}
     try:
         before = {name: dict(group.named_weights()) for name, group in groups.items()}
         trainer.fit()
@@ -93,7 +94,7 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
     cfg = small_config(assets, tmp_path / "run", "algorithm.adv_estimator=remax", "trainer.total_steps=1")
     trainer = Trainer(cfg)
     calls, trained = [], []
-    generate, update = trainer.agent.generate_sequences, trainer.actor.update
+    generate, update = trainer.parts.agent.generate_sequences, trainer.parts.actor.update
 
     def spy_generate(batch):
         out = generate(batch)
@@ -106,8 +107,8 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
         trained.append(batch)
         return update(batch, *args, **kwargs)
 
-    trainer.agent.generate_sequences = spy_generate
-    trainer.actor.update = spy_update
+    trainer.parts.agent.generate_sequences = spy_generate
+    trainer.parts.actor.update = spy_update
     try:
         trainer.fit()
         assert len(calls) == 1  # sampled rows and greedy baselines: ONE rollout call
@@ -122,8 +123,8 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
         assert torch.equal(batch["responses"], out["responses"][: prompts * n])
         # Advantages by hand: terminal reward, gamma 1, no KL in the reward -> every valid
         # token's advantage is the sample's score minus its prompt's greedy score.
-        scores = trainer.reward_loop.compute(batch, trainer.tokenizer)[0]
-        baseline = trainer.reward_loop.compute(out.slice(prompts * n, len(out)), trainer.tokenizer)[0]
+        scores = trainer.parts.reward_loop.compute(batch, trainer.tokenizer)[0]
+        baseline = trainer.parts.reward_loop.compute(out.slice(prompts * n, len(out)), trainer.tokenizer)[0]
         mask = batch["response_mask"].float()
         expected = (scores - baseline.repeat_interleave(n)).unsqueeze(-1) * mask
         assert torch.equal(batch["advantages"], expected)

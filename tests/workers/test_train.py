@@ -18,6 +18,7 @@ import pytest
 from reprorl import cli
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
+from reprorl.trainer import saving
 from reprorl.trainer.fit import Trainer
 from reprorl.workers.group import WorkerError
 from small_run import run_trainer, small_run_overrides
@@ -107,21 +108,22 @@ def test_a_worker_killed_in_an_update_stops_the_run_naming_it_and_the_run_resume
     run_dir = root / "grpo-killed"
     trainer = Trainer(load_config(None, overrides(assets, run_dir, "grpo", 2)))
     saved = {}
-    real_save, real_update = trainer.save, trainer.actor.update
+    actor = trainer.parts.actor
+    real_save, real_update = saving.save, actor.update
 
-    def save_and_digest(step):
-        path = real_save(step)
+    def save_and_digest(where, step, *args, **kwargs):
+        path = real_save(where, step, *args, **kwargs)
         saved[step] = _digests(path)
         return path
 
     def kill_worker_1_at_step_2(batch, **kwargs):
         if trainer.step == 2:
-            os.kill(trainer.actor.pids[1], signal.SIGKILL)
+            os.kill(actor.pids[1], signal.SIGKILL)
         return real_update(batch, **kwargs)
 
-    monkeypatch.setattr(trainer, "save", save_and_digest)
-    monkeypatch.setattr(trainer.actor, "update", kill_worker_1_at_step_2)
-    pid = trainer.actor.pids[1]
+    monkeypatch.setattr(saving, "save", save_and_digest)
+    monkeypatch.setattr(actor, "update", kill_worker_1_at_step_2)
+    pid = actor.pids[1]
     try:
         with pytest.raises(WorkerError) as info:
             trainer.fit()
