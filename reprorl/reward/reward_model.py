@@ -8,7 +8,7 @@
   environment before anything else.
 - `RewardModelPool`: `num_replicas` replicas; a batch is cut into contiguous chunks, one
   per replica, and the scores are concatenated back in sample order. A replica that
-  died is replaced and its chunk scored again (`reprorl.rollout.supervision`).
+  died is replaced and its chunk scored again (`reprorl.supervision`).
 
 Determinism. verl serialises its reward model (`max_num_seqs=1`) so that a score cannot
 depend on its batch. Here each forward packs several sequences one after another
@@ -36,7 +36,7 @@ from reprorl.models.hf_io import load_model
 from reprorl.models.transformer import KVCache
 from reprorl.reward.chat import ChatScorer
 from reprorl.rollout.pool import ReplicaPoolBase
-from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather, time_limit
+from reprorl.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather, time_limit
 
 
 # Measured on a 2-core CPU: packing more tokens than this into one forward got slower

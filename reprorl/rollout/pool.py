@@ -15,7 +15,7 @@ are both `ReplicaPoolBase`s:
   the pool started, the healthy ones too, then raises its error unchanged: the caller
   has no pool to shut down, and a live replica would keep its CPUs and GPU memory.
 - A replica found dead is replaced within the run's `Restarts` budget
-  (`reprorl.rollout.supervision.replace_dead`), by a new actor with the next unused id,
+  (`reprorl.supervision.replace_dead`), by a new actor with the next unused id,
   brought up by the pool's `_bring_up` (the rollout pool: the current weights). A replica
   that does not answer a pool call within `part_timeout_s` is hung: killed and replaced alike.
 
@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from reprorl.determinism import determinism_env, ray_runtime_env
-from reprorl.rollout.supervision import (
+from reprorl.supervision import (
     PART_TIMEOUT_S,
     Restarts,
     gather,

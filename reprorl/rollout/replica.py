@@ -7,7 +7,7 @@
 - `ReplicaPool`: starts `num_replicas` of them with the run's `runtime_env` and waits for
   them (as the reward-model pool does: `reprorl.rollout.pool`), pushes versioned weights
   to all of them and checks every one serves the version, replaces a replica that died
-  (`reprorl.rollout.supervision`) with the current weights, shuts down.
+  (`reprorl.supervision`) with the current weights, shuts down.
 
 Which replica serves a request only affects speed (docs/design.md): a sample is a function of
 (weights, prompt ids, sampling params, request seed), and all of those travel with the
@@ -50,7 +50,7 @@ from reprorl.models.lora import LoraSpec
 from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
 from reprorl.rollout.pool import ReplicaPoolBase
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather
+from reprorl.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather
 from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid
 
 

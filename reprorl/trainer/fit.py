@@ -50,7 +50,7 @@ from reprorl.models.lora import spec_from_config
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardTimeoutError
 from reprorl.rollout.pool import init_ray
-from reprorl.rollout.supervision import FaultError, PartTimeoutError, Restarts
+from reprorl.supervision import FaultError, PartTimeoutError, Restarts
 from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size

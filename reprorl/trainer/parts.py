@@ -44,7 +44,7 @@ from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.pool import replica_cpus
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
-from reprorl.rollout.supervision import Restarts
+from reprorl.supervision import Restarts
 from reprorl.trainer.placement import Placement, plan_placement
 from reprorl.workers.group import WorkerGroup
 from reprorl.workers.optim import OptimArgs

@@ -55,7 +55,7 @@ from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import CheckpointError, ReproRLError
 from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch
-from reprorl.rollout.supervision import PART_TIMEOUT_S, time_limit
+from reprorl.supervision import PART_TIMEOUT_S, time_limit
 from reprorl.rollout.weights import SharedWeights
 from reprorl.workers.micro_batches import in_sample_order
 from reprorl.workers.optim import OptimArgs
