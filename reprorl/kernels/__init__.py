@@ -16,15 +16,23 @@ contract point 2). Gradients are deterministic, not batch-invariant.
 
 Every backend has the same methods (`backend.Kernels`, the protocol the model code is typed
 with, its parameter always named `kernels`): `linear(x, weight, bias)`, `rms_norm(x, weight, eps)`,
-`swiglu(gate, up)`, `softmax(x)`, `log_softmax(x)`, `entropy(log_probs)` (of each row's
+`swiglu(gate, up)`, `geglu(gate, up)` (tanh-approximated GELU), `softmax(x)`, `log_softmax(x)`, `entropy(log_probs)` (of each row's
 distribution, from a log_softmax's output), `token_log_probs(logits, tokens, temperature,
 with_entropy)` (the log-softmax of logits / T at the tokens, and the entropy: what the
 trainer's log-probs are), `apply_rotary(x, cos, sin_rot)`,
-`batched_attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], q_start [B])` (causal, GQA; a
-query at position p sees keys 0..p; keys past it must only be finite) and
-`padded_attention(q, k, v [B, T, H, D], padding)` (a `shared.Padding`, made once a forward
-from the attention mask [B, T], or the mask itself); and `name` and
-`batch_invariant`. A model holds the backend it runs with (`CausalLM.kernels`); the
+`batched_attention(q [B, Hq, Tq, D], k, v [B, Hkv, Tk, D], q_start [B], window=0)` (causal,
+GQA; a query at position p sees keys 0..p; keys past it must only be finite) and
+`padded_attention(q, k, v [B, T, H, D], padding, window=0)` (a `shared.Padding`, made once a
+forward from the attention mask [B, T], or the mask itself); and `name` and
+`batch_invariant`.
+
+`window`, a Python int: 0 is full causal attention; W > 0 is transformers' sliding window,
+a query at position p sees the W keys p-W+1..p (itself included), and in a padded batch
+positions count each row's real tokens (position_ids = cumsum(mask) - 1). Keys outside the
+window get probability exactly 0, so the promise holds in a window too: the invariant
+backends walk the same fixed key blocks, skipping only blocks that no query of a tile sees,
+which is provably the same bits (cpu_attention.cpp, gpu/attention.py). Anything but an
+int >= 0 is a ValueError naming `window`. A model holds the backend it runs with (`CausalLM.kernels`); the
 engine, the trainer's workers and the reward model choose it once with `select_kernels`.
 """
 

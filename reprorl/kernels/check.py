@@ -39,7 +39,8 @@ def device_name(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _invariance_problems(kernels, hidden: int, intermediate: int, vocab: int, num_heads: int, num_kv_heads: int,
-                         head_dim: int, dtype: torch.dtype, device: str, threads: int) -> tuple[str, ...]:
+                         head_dim: int, dtype: torch.dtype, device: str, threads: int,
+                         gated: str = "swiglu") -> tuple[str, ...]:
     """Each op of a model of these shapes on a random row: alone (with one thread on the
     CPU), then inside batches of other sizes, at other positions (with `threads` threads).
     Returns what differed."""
@@ -64,7 +65,7 @@ def _invariance_problems(kernels, hidden: int, intermediate: int, vocab: int, nu
         f"linear {intermediate}->{hidden} (down)": (intermediate, lambda x: kernels.linear(x, w_down)),
         f"linear {hidden}->{vocab} (LM head)": (hidden, lambda x: kernels.linear(x, w_head)),
         f"rms_norm over {hidden}": (hidden, lambda x: kernels.rms_norm(x, norm_w, 1e-6)),
-        f"swiglu over {intermediate}": (intermediate, lambda x: kernels.swiglu(x, x.flip(-1))),
+        f"{gated} over {intermediate}": (intermediate, lambda x: getattr(kernels, gated)(x, x.flip(-1))),
         f"log_softmax over {vocab}": (vocab, lambda x: kernels.log_softmax(x * 4)),
     }
     problems = []
@@ -115,10 +116,12 @@ def verify_batch_invariance(kernels, args, dtype: torch.dtype, device: torch.dev
     """
     if not kernels.batch_invariant:
         return
+    from reprorl.models.arch import ACTIVATIONS  # here: models/ imports the kernels
+
     device = torch.device(device)
     problems = _invariance_problems(kernels, args.hidden_size, args.intermediate_size, args.vocab_size,
                                     args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                                    dtype, str(device), torch.get_num_threads())
+                                    dtype, str(device), torch.get_num_threads(), ACTIVATIONS[args.hidden_act])
     if problems:
         raise BatchInvarianceError(
             f"batch-invariant mode does not hold on this machine ({device_name(device)}, torch "

@@ -12,9 +12,9 @@ where the row sits, what the other rows hold, or the number of threads. How:
   bit: the linear (`cpu_linear.cpp`) and attention's p v (`cpu_matmul.cpp`'s mm_nn) one
   running sum in k order, with rows (or, up to 8 rows, columns) as the vector lanes;
   attention's scores 16 lane sums in k order on every instruction set, then a fixed tree.
-- attention: scores and p v are such products; a row's keys past its position get
-  probability exactly 0, so extra keys add exact zeros. The whole attention is one call
-  into the extension (`cpu_attention.cpp`: scores, mask, torch's own softmax kernel, p v,
+- attention: scores and p v are such products; a row's keys past its position (and, in a
+  sliding window, before it) get probability exactly 0, so extra keys add exact zeros.
+  The whole attention is one call into the extension (`cpu_attention.cpp`: scores, mask, torch's own softmax kernel, p v,
   per head and chunk of queries, in one parallel region): as a dozen torch ops a query
   block, the ops' fixed costs were 10x the arithmetic at 16 rows.
 - exp and log (SiLU, softmax, log-softmax, entropy, attention's softmax): `cpu_math`'s,
@@ -225,18 +225,20 @@ class _Bmm(torch.autograd.Function):
         return ga, gb
 
 
-def _math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+def _math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0) -> Tensor:
     """`math_attention` on these kernels' products: the form the attention's gradient is taken from."""
-    return math_attention(q, k, v, q_start, matmul=_Bmm.apply, softmax=cpu_math.softmax)
+    return math_attention(q, k, v, q_start, window, matmul=_Bmm.apply, softmax=cpu_math.softmax)
 
 
-def _batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+def _batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0) -> Tensor:
     """One call into `cpu_matmul.cpp`'s attention: scores by mm_nt, scaled and masked by
     adding 0 or -inf, torch's softmax over whole KEY_BLOCKs of keys, p v by mm_nn, each
     head's chunk of queries a task of one parallel region. (As a dozen torch ops a query
-    block, the ops' own costs were 10x the arithmetic at 16 rows.)"""
-    check_batched_attention(q, k, v, q_start)
-    return extension().attention(q, k, v, q_start, q.shape[-1] ** -0.5, QUERY_BLOCK, KEY_BLOCK)
+    block, the ops' own costs were 10x the arithmetic at 16 rows.) With a window W > 0 a
+    task skips the whole KEY_BLOCKs before its queries' windows (cpu_attention.cpp: the
+    same bits as masking them)."""
+    check_batched_attention(q, k, v, q_start, window)
+    return extension().attention(q, k, v, q_start, q.shape[-1] ** -0.5, QUERY_BLOCK, KEY_BLOCK, window)
 
 
 class CpuInvariantKernels:
@@ -254,13 +256,15 @@ class CpuInvariantKernels:
     entropy = staticmethod(cpu_math.entropy)
     token_log_probs = classmethod(TorchKernels.token_log_probs.__func__)
     swiglu = staticmethod(cpu_math.swiglu)
+    geglu = staticmethod(cpu_math.geglu)
     linear = staticmethod(linear_with_matmul_backward(_linear, matmul_rows))
     batched_attention = staticmethod(with_torch_backward(_batched_attention, _math_attention))
 
     @classmethod
-    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
+    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None,
+                         window: int = 0) -> Tensor:
         padding = Padding.of(padding)
         # An all-real mask skips the moves too (a host read costs nothing here).
         if padding.mask is None or bool(padding.mask.all()):
-            return unpadded_attention(cls.batched_attention, q, k, v)
-        return padded_as_sequences(cls.batched_attention, q, k, v, padding)
+            return unpadded_attention(cls.batched_attention, q, k, v, window)
+        return padded_as_sequences(cls.batched_attention, q, k, v, padding, window)

@@ -1,4 +1,5 @@
-// Causal GQA attention on the CPU kernels (cpu_kernels.h), one OpenMP region a call.
+// Causal GQA attention, optionally in a sliding window, on the CPU kernels (cpu_kernels.h),
+// one OpenMP region a call.
 #include "cpu_kernels.h"
 #include "cpu_math.h"
 
@@ -30,11 +31,12 @@ void nn_attention(const T* a, const T* b, float* out, int64_t K, int64_t lda, in
 // scores, the mask, the softmax, p v and their reshapes cost more than the arithmetic at
 // a few rows, and each opened its own parallel region). q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D]
 // (rows along T packed, D apart; a q or k that is not is copied), q_start [B] -> [B, Hq, Tq, D] in q's dtype.
+// window: 0 (full causal attention) or W > 0 (a query at pos sees keys pos-W+1..pos).
 //
 // The arithmetic is the one the Python version had, per entry:
 //   query block qs.. of query_block queries: nk = min(max(q_start) + qs + qn, Tk) keys, the
 //   softmax row padded to nb = nk rounded up to whole key_blocks;
-//   s[j] = mm_nt's sum(q, k_j) * scale + (j > pos ? -inf : 0)   (-inf for j >= nk)
+//   s[j] = mm_nt's sum(q, k_j) * scale + (j > pos || j <= pos - W ? -inf : 0)   (-inf for j >= nk)
 //   p = cpu_math.h's softmax over the nb entries (no libm exp: its bits differ between C
 //       libraries), rounded to v's dtype by torch's copy (for bfloat16);
 //   out = mm_nn's running sum over keys 0..nk-1 in order of p[j] * v_j, rounded by torch's copy.
@@ -43,9 +45,17 @@ void nn_attention(const T* a, const T* b, float* out, int64_t K, int64_t lda, in
 // 0, and p v stops at nk: the terms it leaves out, fma(+0, v, acc), return acc exactly (acc
 // starts at +0 and an fma never makes it -0). A task is one head's chunk of up to 24 queries
 // of one query block; tasks, their order and the thread that runs one change no bit.
+//
+// With a window, a task skips the whole key_blocks before its first query's window (j0 =
+// that query's pos - W + 1 rounded down to a key_block), which no query of the task sees:
+// the same bits as computing them, since each such key's score would be -inf, its
+// probability exactly +0 (exp_f32 of -inf), which adds +0 to its lane of the softmax's row
+// sum (lanes start at +0; j0 is a multiple of the 16 lanes, so every other key keeps its
+// lane), and fma(+0, v, +0) = +0 to p v's running sum, which therefore starts at j0 from the
+// +0 it would have held there.
 template <typename T>
 void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* q_start,
-                   double scale, int64_t query_block, int64_t key_block, torch::Tensor& out) {
+                   double scale, int64_t query_block, int64_t key_block, int64_t window, torch::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Tk = k.size(2), group = Hq / Hkv;
   int64_t max_start = 0;
@@ -85,27 +95,33 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
       if (n <= 0) continue;  // the last query block may have fewer chunks
       const int64_t nk = std::min(max_start + qs + qn, Tk);
       const int64_t nb = nk + (key_block - nk % key_block) % key_block;
+      // The first key_block any query of the task sees (0 without a window; see above).
+      const int64_t j0 = window > 0 ? std::max<int64_t>(std::min((q_start[b] + t0 - window + 1) / key_block * key_block,
+                                                                 nb - key_block), 0) : 0;
       const T* rows = pq + b * qs0 + h * qs1 + t0 * D;
       const T* keys = pk + b * ks0 + (h / group) * ks1;
       const T* vals = pv + b * vs0 + (h / group) * vs1;
-      for (int64_t j0 = 0; j0 < nk; j0 += COLS)
-        nt_task<T>(rows, keys, scores.data(), D, nb, 0, n, j0, std::min(nk, j0 + COLS), kc, acc.data());
+      for (int64_t jc = j0; jc < nk; jc += COLS)
+        nt_task<T>(rows, keys, scores.data(), D, nb, 0, n, jc, std::min(nk, jc + COLS), kc, acc.data());
       for (int64_t r = 0; r < n; ++r) {
         const int64_t pos = q_start[b] + t0 + r;
+        const int64_t first = window > 0 ? pos - window + 1 : 0;  // the first key in the window
         float* s = scores.data() + r * nb;
-        for (int64_t j = 0; j < nk; ++j) s[j] = s[j] * fscale + (j > pos ? -INFINITY : 0.f);
+        for (int64_t j = j0; j < nk; ++j) s[j] = s[j] * fscale + (j > pos || j < first ? -INFINITY : 0.f);
         for (int64_t j = nk; j < nb; ++j) s[j] = -INFINITY;
       }
-      for (int64_t r = 0; r < n; ++r) reprorl_math::softmax_row(scores.data() + r * nb, probs.data() + r * nb, nb);
-      auto p_t = torch::from_blob(probs.data(), {n, nb}, f32);
+      for (int64_t r = 0; r < n; ++r)
+        reprorl_math::softmax_row(scores.data() + r * nb + j0, probs.data() + r * nb + j0, nb - j0);
+      const int64_t np = nb - j0;  // probabilities a row, from key j0
+      auto p_t = torch::from_blob(probs.data() + j0, {n, np}, {nb, 1}, f32);
       const T* p = nullptr;
       if constexpr (std::is_same<T, float>::value) {
-        p = probs.data();
+        p = probs.data() + j0;
       } else {
-        torch::from_blob(probs_t.data(), {n, nb}, q.options()).copy_(p_t);
+        torch::from_blob(probs_t.data(), {n, np}, {nb, 1}, q.options()).copy_(p_t);
         p = probs_t.data();
       }
-      nn_attention<T>(p, vals, result.data(), nk, nb, vs2, D, n);
+      nn_attention<T>(p, vals + j0 * vs2, result.data(), nk - j0, nb, vs2, D, n);
       const float* o = result.data();
       if constexpr (!std::is_same<T, float>::value) {
         torch::from_blob(result_t.data(), {n, D}, q.options()).copy_(torch::from_blob(result.data(), {n, D}, f32));
@@ -126,11 +142,14 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
 
 // q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] -> [B, Hq, Tq, D] (see run_attention)
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, double scale,
-                        int64_t query_block, int64_t key_block) {
+                        int64_t query_block, int64_t key_block, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0 && q_start.numel() == q.size(0),
               "attention: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] expected");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(), "q, k, v: one dtype");
+  TORCH_CHECK(window >= 0, "attention: window >= 0 expected");
+  TORCH_CHECK(key_block > 0 && key_block % reprorl_math::ROW_LANES == 0,
+              "attention: key_block a multiple of the softmax's lanes expected (a window skips whole key blocks)");
   // mm_nt's tasks read a's and b's rows K apart (a separate stride for each slowed the
   // linear's register block, GCC spilling an accumulator): copy q or k whose rows are not.
   auto rows_packed = [](torch::Tensor x) {
@@ -143,9 +162,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   auto out = torch::empty(q.sizes(), q.options());
   if (out.numel() == 0) return out;
   if (q.scalar_type() == torch::kFloat32) {
-    run_attention<float>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, out);
+    run_attention<float>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, window, out);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    run_attention<at::BFloat16>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, out);
+    run_attention<at::BFloat16>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, window, out);
   } else {
     TORCH_CHECK(false, "attention: float32 or bfloat16 expected");
   }

@@ -5,7 +5,7 @@ glibc also takes other code on a CPU without FMA).
 
 The arithmetic is `cpu_math.h`'s (plain IEEE operations; row sums in a fixed order), built
 into the CPU kernels' extension. Two ways in:
-- `exp`, `softmax`, `log_softmax`, `entropy`, `swiglu`: always these, with their gradients
+- `exp`, `softmax`, `log_softmax`, `entropy`, `swiglu`, `geglu`: always these, with their gradients
   (the CPU batch-invariant kernels are made of them);
 - `pinned_exp`, `pinned_softmax`, `pinned_log_softmax`, `pinned_sincos`, `pinned_pow`,
   `pinned_sqrt` (torch's CPU sqrt is MKL's, not IEEE's, on these machines):
@@ -101,6 +101,29 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     # The same ops in place in one temporary: without grad, fresh [rows, I] tensors cost
     # more than the arithmetic.
     e = _ext().exp(torch.neg(g)).add_(1.0)
+    return torch.div(g, e, out=e).to(gate.dtype).mul_(up)
+
+
+# gelu_tanh(g) = g/2 (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), is g sigmoid(2u) exactly
+# (1 + tanh(u) = 2 / (1 + e^-2u)): SiLU's form with z = 2u = g (GELU_C1 + GELU_C3 g^2), so it
+# needs only the portable exp, and no 1 + tanh near -1 loses its digits.
+GELU_C1 = 2 * (2 / 3.141592653589793) ** 0.5
+GELU_C3 = GELU_C1 * 0.044715
+
+
+def gelu_tanh_argument(g: Tensor) -> Tensor:
+    """z of gelu_tanh(g) = g / (1 + e^-z), in g's (float) dtype: g (C1 + C3 g^2)."""
+    return g * (g * g * GELU_C3 + GELU_C1)
+
+
+def geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up = gate / (1 + e^-z) * up (z: `gelu_tanh_argument`), GELU in
+    float32 rounded to gate's dtype, as `swiglu`."""
+    g = gate.float()
+    z = gelu_tanh_argument(g)
+    if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+        return (g / (1.0 + exp(-z))).to(gate.dtype) * up
+    e = _ext().exp(torch.neg(z)).add_(1.0)
     return torch.div(g, e, out=e).to(gate.dtype).mul_(up)
 
 

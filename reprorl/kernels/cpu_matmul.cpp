@@ -105,9 +105,9 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
 
 }  // namespace
 
-// q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] -> [B, Hq, Tq, D] (cpu_attention.cpp)
+// q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B], window (0: none) -> [B, Hq, Tq, D] (cpu_attention.cpp)
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, double scale,
-                        int64_t query_block, int64_t key_block);
+                        int64_t query_block, int64_t key_block, int64_t window);
 
 // a [M, K] @ b [N, K]^T -> float32 [M, N] with rows as lanes, plan [kc, vecs, cols] or empty (cpu_linear.cpp)
 torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan);
@@ -145,7 +145,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_rows", &mm_rows, "the linear's a @ b^T with rows as lanes: mm_nn's arithmetic, b in place");
   m.def("rows_plan", &rows_plan, "mm_rows's default split and block: [kc, vecs, cols, LANES, block vecs, block cols]");
-  m.def("attention", &attention, "causal GQA attention from mm_nt, cpu_math.h's softmax and mm_nn, one parallel region");
+  m.def("attention", &attention,
+        "causal GQA attention (in a sliding window) from mm_nt, cpu_math.h's softmax and mm_nn, one parallel region");
   m.def("exp", &portable_exp, "e^x, float32 or float64, the same bits on any x86-64 CPU (cpu_math.h)");
   m.def("log", &portable_log, "log x, float32, the same bits on any x86-64 CPU (cpu_math.h)");
   m.def("sqrt", &portable_sqrt, "the IEEE square root, float32 (torch's CPU sqrt is MKL's, which differs by CPU)");

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, padded_as_sequences
+from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, padded_as_sequences, seen_keys
 
 
 def _d(x: Tensor | None) -> Tensor | None:
@@ -36,6 +36,11 @@ class ReferenceKernels:
         return g / (1 + torch.exp(-g)) * _d(up)
 
     @staticmethod
+    def geglu(gate: Tensor, up: Tensor) -> Tensor:
+        g = _d(gate)
+        return 0.5 * g * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3))) * _d(up)
+
+    @staticmethod
     def softmax(x: Tensor) -> Tensor:
         return torch.softmax(_d(x), dim=-1)
 
@@ -60,16 +65,17 @@ class ReferenceKernels:
         return apply_rotary(_d(x), _d(cos), _d(sin_rot))
 
     @staticmethod
-    def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
-        check_batched_attention(q, k, v, q_start)
+    def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0) -> Tensor:
+        check_batched_attention(q, k, v, q_start, window)
         b, hq, tq, d = q.shape
         group = hq // k.shape[1]
         k, v = _d(k).repeat_interleave(group, 1), _d(v).repeat_interleave(group, 1)  # [B, Hq, Tk, D]
         scores = _d(q) @ k.transpose(-1, -2) / d**0.5  # [B, Hq, Tq, Tk]
         pos = q_start[:, None] + torch.arange(tq, device=q.device)  # [B, Tq]
-        masked = torch.arange(k.shape[2], device=q.device) > pos[:, None, :, None]
+        masked = ~seen_keys(pos[:, None, :], k.shape[2], window)  # [B, 1, Tq, Tk]
         return torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1) @ v
 
     @classmethod
-    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
-        return padded_as_sequences(cls.batched_attention, q, k, v, padding)
+    def padded_attention(cls, q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None,
+                         window: int = 0) -> Tensor:
+        return padded_as_sequences(cls.batched_attention, q, k, v, padding, window)

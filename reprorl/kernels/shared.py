@@ -66,8 +66,27 @@ def scale_logits(logits: Tensor, temperature: float) -> Tensor:
     return scaled / torch.tensor(temperature, dtype=scaled.dtype, device=scaled.device)
 
 
-def check_batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> None:
-    """The shapes `batched_attention` takes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B]."""
+def check_window(window: int) -> None:
+    """A sliding window: 0 (full causal attention) or W > 0 (a query at position p sees the
+    W keys p-W+1..p). A Python int, never a tensor: kernels take it as a constant."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window = {window!r}; expected an int >= 0 (0: full causal attention, W: the last W keys)")
+
+
+def seen_keys(pos: Tensor, num_keys: int, window: int) -> Tensor:
+    """pos [...] (each query's position) -> [..., num_keys] bool, True where the query sees the
+    key: keys 0..pos, or with a window W > 0 keys pos-W+1..pos (transformers' sliding window)."""
+    keys = torch.arange(num_keys, device=pos.device)
+    seen = keys <= pos[..., None]
+    if window:
+        seen &= keys > pos[..., None] - window
+    return seen
+
+
+def check_batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0) -> None:
+    """The shapes `batched_attention` takes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B];
+    and its window (`check_window`)."""
+    check_window(window)
     b, hq = q.shape[:2]
     if q.dim() != 4 or hq % k.shape[1] or k.shape != v.shape or k.shape[0] != b or q_start.shape != (b,) \
             or k.shape[3] != q.shape[3]:
@@ -83,8 +102,8 @@ class Padding:
     `mask` [B, T] bool (True = real; left or right padding), or None: no padding. `moves`,
     worked out on first use: `order` [B, T] moves each row's real tokens to its front, in
     order (a stable sort puts real before padding), `inverse` moves them back, and
-    `front_real` [B, T] marks the real ones after the move. `sdpa_mask`, also on first use:
-    the stock backend's [B, 1, T, T] attention mask.
+    `front_real` [B, T] marks the real ones after the move. `sdpa_mask(window)`, also on
+    first use, one a window: the stock backend's [B, 1, T, T] attention mask.
     """
 
     def __init__(self, attention_mask: Tensor | None, *, in_front: bool = False) -> None:
@@ -92,7 +111,7 @@ class Padding:
         self.in_front = in_front
         """Each row's real tokens already come first (`front`): attention needs no moves."""
         self._moves: tuple[Tensor, Tensor, Tensor] | None = None
-        self._sdpa_mask: Tensor | None = None
+        self._sdpa_masks: dict[int, Tensor] = {}  # window -> its mask
 
     @staticmethod
     def of(padding: Padding | Tensor | None) -> Padding:
@@ -107,16 +126,21 @@ class Padding:
             self._moves = order, inverse, self.mask.gather(1, order)
         return self._moves
 
-    @property
-    def sdpa_mask(self) -> Tensor:
-        """[B, 1, T, T] bool, True where a query attends: causal, real keys only, and each
-        padding query sees itself, so no row is all -inf (which would give NaN). The stock
-        backend's mask, made on first use and then shared by every layer."""
-        if self._sdpa_mask is None:
+    def sdpa_mask(self, window: int = 0) -> Tensor:
+        """[B, 1, T, T] bool, True where a query attends: causal, real keys only, with a window
+        W > 0 the last W of them (positions count a row's real tokens, as position_ids =
+        cumsum(mask) - 1), and each padding query sees itself, so no row is all -inf (which
+        would give NaN). The stock backend's mask, made on first use and then shared by
+        every layer of that window."""
+        check_window(window)
+        if window not in self._sdpa_masks:
             t, device = self.mask.shape[1], self.mask.device
-            causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-            self._sdpa_mask = (causal & self.mask[:, None, None, :]) | torch.eye(t, dtype=torch.bool, device=device)
-        return self._sdpa_mask
+            allowed = torch.ones(t, t, dtype=torch.bool, device=device).tril() & self.mask[:, None, None, :]
+            if window:
+                pos = self.mask.cumsum(-1) - 1  # [B, T]
+                allowed &= pos[:, None, :, None] - pos[:, None, None, :] < window
+            self._sdpa_masks[window] = allowed | torch.eye(t, dtype=torch.bool, device=device)
+        return self._sdpa_masks[window]
 
     def front(self) -> Padding:
         """This batch with each row's real tokens moved to its front, in order: what a model
@@ -137,37 +161,40 @@ class Padding:
         return _Permute.apply(x, inverse, order)
 
 
-def unpadded_attention(batched_attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def unpadded_attention(batched_attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
+                       window: int = 0) -> Tensor:
     """Causal attention of a batch with no padding: q [B, T, Hq, D], k/v [B, T, Hkv, D] ->
     [B, T, Hq, D], each row one sequence from position 0 (what `padded_as_sequences` computes
     for an all-real mask, without its moves)."""
     q_start = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
-    return batched_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_start).transpose(1, 2)
+    return batched_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_start,
+                             window=window).transpose(1, 2)
 
 
 def padded_as_sequences(batched_attention: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor,
-                        padding: Padding | Tensor | None) -> Tensor:
+                        padding: Padding | Tensor | None, window: int = 0) -> Tensor:
     """Causal attention of a padded batch through a backend's `batched_attention`.
 
     q [B, T, Hq, D], k/v [B, T, Hkv, D], padding: a `Padding` or its attention mask [B, T]
     -> [B, T, Hq, D], zeros at padding. Each row's real tokens are moved to its front, in
     order, attended as one sequence from position 0 (the arithmetic of the engine's prefill
     and decode), then moved back. This is how the trainer's forward gives the engine's
-    bits. Differentiable: both moves are permutations, whose gradient is the inverse
-    permutation (`_Permute`).
+    bits; with a window, a token's position is its index after the move (its row's count of
+    real tokens before it). Differentiable: both moves are permutations, whose gradient is
+    the inverse permutation (`_Permute`).
     """
     padding = Padding.of(padding)
     if padding.mask is None:
-        return unpadded_attention(batched_attention, q, k, v)
+        return unpadded_attention(batched_attention, q, k, v, window)
     if padding.in_front:
-        return unpadded_attention(batched_attention, q, k, v).masked_fill(~padding.mask[:, :, None, None], 0.0)
+        return unpadded_attention(batched_attention, q, k, v, window).masked_fill(~padding.mask[:, :, None, None], 0.0)
     b = q.shape[0]
     order, inverse, front_real = padding.moves
 
     def front(x: Tensor) -> Tensor:  # [B, T, H, D] -> [B, H, T, D]
         return _Permute.apply(x, order, inverse).transpose(1, 2)
 
-    out = batched_attention(front(q), front(k), front(v), order.new_zeros(b)).transpose(1, 2)
+    out = batched_attention(front(q), front(k), front(v), order.new_zeros(b), window=window).transpose(1, 2)
     out = out.masked_fill(~front_real[:, :, None, None], 0.0)  # [B, T, Hq, D]
     return _Permute.apply(out, inverse, order)
 

@@ -14,23 +14,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, scale_logits
+from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, check_window, scale_logits, seen_keys
 
 
-def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, *,
+def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0, *,
                    matmul: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
                    softmax: Callable[[Tensor], Tensor] = functools.partial(torch.softmax, dim=-1)) -> Tensor:
     """`batched_attention` written as plain matmuls and a softmax: the differentiable form
     the invariant backends take their gradient from (its backward is deterministic, where
     SDPA's fused backward kernels may not be). Memory O(Tq * Tk) per head. `matmul`: the
     two products ([..., M, K] @ [..., K, N], differentiable), stock torch's by default;
-    `softmax`: over the last dim (differentiable), torch's by default."""
-    check_batched_attention(q, k, v, q_start)
+    `softmax`: over the last dim (differentiable), torch's by default. `window`: as
+    `batched_attention`'s."""
+    check_batched_attention(q, k, v, q_start, window)
     b, hq, tq, d = q.shape
     hkv = k.shape[1]
     rows = q.reshape(b, hkv, (hq // hkv) * tq, d)  # [B, Hkv, G*Tq, D]: row g*Tq + t
     pos = q_start[:, None] + torch.arange(tq, device=q.device).repeat(hq // hkv)  # [B, G*Tq]
-    masked = torch.arange(k.shape[2], device=q.device) > pos[:, None, :, None]
+    masked = ~seen_keys(pos[:, None, :], k.shape[2], window)  # [B, 1, G*Tq, Tk]
     scores = matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, Tk]
     probs = softmax(scores.masked_fill(masked, float("-inf"))).to(v.dtype)
     return matmul(probs, v).reshape(b, hq, tq, d)
@@ -57,6 +58,11 @@ class TorchKernels:
     def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         """silu(gate) * up: [..., I], [..., I] -> [..., I]. (Shazeer 2020)"""
         return F.silu(gate) * up
+
+    @staticmethod
+    def geglu(gate: Tensor, up: Tensor) -> Tensor:
+        """gelu_tanh(gate) * up (Gemma's MLP, transformers' `gelu_pytorch_tanh`): [..., I] x2 -> [..., I]."""
+        return F.gelu(gate, approximate="tanh") * up
 
     @staticmethod
     def softmax(x: Tensor) -> Tensor:
@@ -86,29 +92,32 @@ class TorchKernels:
         return log_probs, (cls.entropy(log_p) if with_entropy else None)
 
     @staticmethod
-    def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+    def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0) -> Tensor:
         """Causal GQA attention of B sequences (see `reprorl.kernels`): q [B, Hq, Tq, D] at
-        positions q_start[b]..; k/v [B, Hkv, Tk, D]; keys past a query's position are masked."""
-        check_batched_attention(q, k, v, q_start)
+        positions q_start[b]..; k/v [B, Hkv, Tk, D]; keys past a query's position are masked,
+        and with a window W > 0 keys before position - W + 1 too."""
+        check_batched_attention(q, k, v, q_start, window)
         b, hq, tq, d = q.shape
         if b == 0 or tq == 0:
             return q.new_zeros(b, hq, tq, d)
         nk = min(int(q_start.max()) + tq, k.shape[2])
         pos = q_start[:, None] + torch.arange(tq, device=q.device)  # [B, Tq]
-        allowed = torch.arange(nk, device=q.device) <= pos[:, None, :, None]  # [B, 1, Tq, nk]
+        allowed = seen_keys(pos[:, None, :], nk, window)  # [B, 1, Tq, nk]
         return F.scaled_dot_product_attention(q, k[:, :, :nk], v[:, :, :nk], attn_mask=allowed, enable_gqa=True)
 
     @staticmethod
-    def padded_attention(q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None) -> Tensor:
+    def padded_attention(q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None,
+                         window: int = 0) -> Tensor:
         """Causal attention of a padded batch: q [B, T, Hq, D], k/v [B, T, Hkv, D], padding: a
         `Padding` or its mask [B, T] -> [B, T, Hq, D]; outputs at padding positions are not
-        meaningful."""
+        meaningful. With a window W > 0 a token sees the last W real tokens up to itself."""
+        check_window(window)
         padding = Padding.of(padding)
-        if padding.mask is None:
-            return F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-            ).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=padding.sdpa_mask, enable_gqa=True
-        )  # [B, Hq, T, D]
-        return out.transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        if padding.mask is not None:
+            mask = padding.sdpa_mask(window)  # [B, 1, T, T]
+        elif window:
+            mask = seen_keys(torch.arange(q.shape[2], device=q.device), q.shape[2], window)  # [T, T]
+        else:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)

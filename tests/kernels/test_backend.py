@@ -30,4 +30,5 @@ def test_a_backend_satisfies_the_protocol(backend):
         if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values()):
             continue  # a wrapper that forwards its arguments (e.g. to a CUDA-graph-safe launcher)
         assert list(params) == want, (backend.__name__, name)
-    assert len(METHODS) == 10
+    assert len(METHODS) == 11  # linear, rms_norm, swiglu, geglu, softmax, log_softmax, entropy, token_log_probs,
+    # apply_rotary, batched_attention, padded_attention

@@ -4,6 +4,7 @@ documented order at any thread count, gradients against float64 autograd, the pi
 switch, and golden digests: the same bits on any x86-64 CPU (the CPU kernels' ISA test
 builds the other instruction sets; these digests hold across machines and C libraries)."""
 
+import functools
 import math
 
 import pytest
@@ -151,14 +152,19 @@ def test_row_functions_match_float64_and_their_gradients_are_autograds():
         assert (ga.double() - gb).abs().max() <= 1e-4 * gb.abs().max(), f"{name}: gradient"
 
 
-def test_swiglu_with_and_without_grad_are_the_same_bits():
-    g = torch.Generator().manual_seed(3)
+@pytest.mark.parametrize("name,seed,torch_act", [
+    ("swiglu", 3, torch.nn.functional.silu),
+    ("geglu", 4, functools.partial(torch.nn.functional.gelu, approximate="tanh")),
+])
+def test_gated_activation_with_and_without_grad_are_the_same_bits_and_match_torch(name, seed, torch_act):
+    gated = getattr(cpu_math, name)
+    g = torch.Generator().manual_seed(seed)
     gate, up = torch.randn(9, 300, generator=g) * 6, torch.randn(9, 300, generator=g)
     with torch.no_grad():
-        bare = cpu_math.swiglu(gate, up)
-    traced = cpu_math.swiglu(gate.requires_grad_(), up)
+        bare = gated(gate, up)
+    traced = gated(gate.requires_grad_(), up)
     assert torch.equal(bare, traced.detach())
-    assert (bare.double() - torch.nn.functional.silu(gate.detach().double()) * up.double()).abs().max() < 1e-5
+    assert (bare.double() - torch_act(gate.detach().double()) * up.double()).abs().max() < 1e-5
 
 
 def test_pinned_functions_follow_the_pin(monkeypatch):

@@ -8,6 +8,7 @@ rounding of the output alone is up to 4e-3 relative, and inputs rounded to bf16 
 several roundings before the output).
 """
 
+import dataclasses
 import math
 import os
 import random
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from kernel_backends import BACKENDS, INTERPRETED, backend, backend_and_device  # noqa: F401  (the fixture)
-from reprorl.kernels import BatchInvarianceError, ReferenceKernels, TorchKernels, rope_tables, verify_batch_invariance
+from reprorl.kernels import (
+    BatchInvarianceError, CpuInvariantKernels, ReferenceKernels, TorchKernels, rope_tables, verify_batch_invariance,
+)
 from reprorl.kernels import check as kernel_check
 from reprorl.kernels.shared import Padding
 from reprorl.models.arch import ModelArgs
@@ -93,6 +96,7 @@ def test_ops_match_reference(backend, dtype):
         norm_w = 1 + rand(g, kk, dtype=dtype, device=dev, scale=0.1)
         assert rel_err(k.rms_norm(x, norm_w, 1e-6), ReferenceKernels.rms_norm(x, norm_w, 1e-6)) < TOL[dtype]
         assert rel_err(k.swiglu(x, x.flip(-1)), ReferenceKernels.swiglu(x, x.flip(-1))) < TOL[dtype]
+        assert rel_err(k.geglu(x, x.flip(-1)), ReferenceKernels.geglu(x, x.flip(-1))) < TOL[dtype]
         logits = rand(g, m, n, device=dev, scale=4)  # softmaxes take float32 logits
         assert rel_err(k.softmax(logits), ReferenceKernels.softmax(logits)) < 1e-5
         assert rel_err(k.log_softmax(logits), ReferenceKernels.log_softmax(logits)) < 1e-5
@@ -130,6 +134,7 @@ def row_ops(dev, dtype):
         "linear_odd": (100, lambda k, x: k.linear(x, w_odd)),
         "rms_norm": (256, lambda k, x: k.rms_norm(x, norm_w, 1e-6)),
         "swiglu": (256, lambda k, x: k.swiglu(x, x.flip(-1))),
+        "geglu": (256, lambda k, x: k.geglu(x, x.flip(-1))),
         "log_softmax": (1000, lambda k, x: k.log_softmax(x.float() * 4)),
         "softmax": (1000, lambda k, x: k.softmax(x.float() * 4)),
     }
@@ -397,11 +402,9 @@ def test_stock_padded_attention_shares_one_mask_and_matches_each_sequence():
     mask[0, :4] = 0  # left
     mask[1, 7:] = 0  # right
     padding = Padding(mask)
-    assert padding._sdpa_mask is None
     out = TorchKernels.padded_attention(q, kk, vv, padding)
-    shared = padding._sdpa_mask  # made by the first call
-    assert shared is not None
-    assert torch.equal(TorchKernels.padded_attention(q, kk, vv, padding), out) and padding._sdpa_mask is shared
+    shared = padding.sdpa_mask()  # made by the first call, then the same tensor for every layer
+    assert torch.equal(TorchKernels.padded_attention(q, kk, vv, padding), out) and padding.sdpa_mask() is shared
     assert torch.isfinite(out).all()
     for i in range(b):
         real = mask[i].bool()
@@ -489,6 +492,7 @@ def test_triton_backward_kernels_match_the_float64_gradient(dtype):
     cases = {  # name: (function of (kernels, *inputs), inputs)
         "rms_norm": (lambda kern, a, w: kern.rms_norm(a, w, 1e-6), (x, norm_w)),
         "swiglu": (lambda kern, a, b: kern.swiglu(a, b), (x, x.flip(0))),
+        "geglu": (lambda kern, a, b: kern.geglu(a, b), (x, x.flip(0))),
         "rotary": (lambda kern, a: kern.apply_rotary(a, cos, sin), (heads,)),
         "partial_rotary": (lambda kern, a: kern.apply_rotary(a[..., :96], cos96, sin96), (wide_heads,)),
         "log_softmax": (lambda kern, a: kern.log_softmax(a)[torch.arange(6), torch.tensor([1, 7, 4095, 4096, 4999, 0])],
@@ -552,15 +556,20 @@ def test_fused_token_log_probs_are_the_log_softmax_bits_and_their_gradient(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d,b,tq,max_start", [(4, 2, 64, 2, 1, 150), (6, 2, 32, 3, 9, 70),
-                                                    (2, 1, 16, 2, 70, 0), (14, 2, 64, 2, 40, 90)])
-def test_triton_attention_backward_matches_the_float64_gradient(dtype, hq, hkv, d, b, tq, max_start):
+@pytest.mark.parametrize("hq,hkv,d,b,tq,max_start,window", [
+    (4, 2, 64, 2, 1, 150, 0), (6, 2, 32, 3, 9, 70, 0), (2, 1, 16, 2, 70, 0, 0), (14, 2, 64, 2, 40, 90, 0),
+    (4, 1, 256, 1, 40, 90, 0),  # Gemma 3's heads
+    (4, 2, 16, 2, 70, 80, 3), (4, 2, 16, 2, 70, 80, 64), (4, 2, 16, 2, 70, 80, 100),  # sliding windows
+])
+def test_triton_attention_backward_matches_the_float64_gradient(dtype, hq, hkv, d, b, tq, max_start, window):
     """Attention's two backward kernels (dK and dV per key block, dQ per query block):
     dq, dk and dv against float64 autograd of the same attention, and the same bits twice.
     Cases: decode rows at late positions, chunks after a prefix, a prefix alone past one
-    key block (70 keys), Qwen2.5-0.5B's 14/2 heads past one row block (40 x 7 rows); keys
-    past the last query are present (masked, their gradient zero). Tolerances: TOL of the
-    dtype (the bf16 kernels round p and ds to bf16 before their matmuls)."""
+    key block (70 keys), Qwen2.5-0.5B's 14/2 heads past one row block (40 x 7 rows), heads
+    of 256, and 70 queries in windows after starts up to 80 (keys past one 64-key block and
+    before some windows); keys past the last query are present (masked, their gradient
+    zero), and so are keys before every window. Tolerances: TOL of the dtype (the bf16
+    kernels round p and ds to bf16 before their matmuls)."""
     if "triton" not in BACKENDS:
         pytest.skip("triton is not installed, or neither a GPU nor its interpreter is here")
     k, dev = backend_and_device("triton")
@@ -569,7 +578,7 @@ def test_triton_attention_backward_matches_the_float64_gradient(dtype, hq, hkv, 
 
     def grads(kern, cast):
         leaves = [cast(t).detach().requires_grad_() for t in (q, kk, vv)]
-        out = kern.batched_attention(*leaves, starts)
+        out = kern.batched_attention(*leaves, starts, window)
         return torch.autograd.grad((out.double() * w.double()).sum(), leaves)
 
     first, again = grads(k, lambda t: t), grads(k, lambda t: t)
@@ -577,7 +586,10 @@ def test_triton_attention_backward_matches_the_float64_gradient(dtype, hq, hkv, 
     for name, a, a2, r in zip(("dq", "dk", "dv"), first, again, ref):
         assert torch.equal(a, a2), f"{name} changed between two runs"
         assert rel_err(a, r) < TOL[dtype], f"{name} is {rel_err(a, r):.2e} from float64's"
-    unseen = torch.arange(kk.shape[2], device=dev) > (starts + tq - 1)[:, None]  # [B, Tk]: keys no query sees
+    keys = torch.arange(kk.shape[2], device=dev)
+    unseen = keys > (starts + tq - 1)[:, None]  # [B, Tk]: keys no query sees
+    if window:
+        unseen |= keys < (starts - window + 1)[:, None]
     assert not first[1].abs().sum(dim=(1, 3))[unseen].any() and not first[2].abs().sum(dim=(1, 3))[unseen].any()
 
 
@@ -606,6 +618,21 @@ def test_startup_check_names_a_broken_op(backend):
 
     with pytest.raises(BatchInvarianceError, match=r"broken kernels.*linear 128->.*differ"):
         verify_batch_invariance(Broken, TINY, torch.float32, dev)
+    kernel_check._invariance_problems.cache_clear()
+
+
+def test_startup_check_checks_the_models_own_activation():
+    """A GeGLU model's check runs geglu (and names it when it moves with the batch); a
+    SwiGLU model's does not run it."""
+
+    class BrokenGeglu(CpuInvariantKernels):
+        name = "broken-geglu"
+        geglu = staticmethod(lambda gate, up: CpuInvariantKernels.geglu(gate, up) + gate.shape[0] * 1e-6)
+
+    verify_batch_invariance(BrokenGeglu, TINY, torch.float32, "cpu")
+    gemma_shape = dataclasses.replace(TINY, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(BatchInvarianceError, match=r"broken-geglu kernels.*geglu over"):
+        verify_batch_invariance(BrokenGeglu, gemma_shape, torch.float32, "cpu")
     kernel_check._invariance_problems.cache_clear()
 
 

@@ -7,7 +7,7 @@
 | softmax, log-softmax, entropy | `softmax` |
 | log-probs of given tokens (fused: LM head's logits in, one float a token out) | `log_probs` |
 | SiLU-and-mul, rotary | `elementwise` |
-| causal GQA attention | `attention` |
+| causal GQA attention (optionally in a sliding window) | `attention` |
 
 `FastCudaKernels` is the plain (not batch-invariant) backend on CUDA: stock torch's
 cuBLAS linears, SDPA attention and softmaxes, with these Triton kernels for RMSNorm,
@@ -48,6 +48,7 @@ class TritonKernels:
     linear = staticmethod(linear_with_matmul_backward(tl_matmul.matmul))
     rms_norm = staticmethod(with_backward(tl_rms_norm.rms_norm, tl_rms_norm.rms_norm_backward))
     swiglu = staticmethod(with_backward(tl_elementwise.swiglu, tl_elementwise.swiglu_backward))
+    geglu = staticmethod(with_backward(tl_elementwise.geglu, tl_elementwise.geglu_backward))
     apply_rotary = staticmethod(with_backward(tl_elementwise.apply_rotary, tl_elementwise.apply_rotary_backward))
     softmax = staticmethod(with_torch_backward(tl_softmax.softmax, TorchKernels.softmax))
     entropy = staticmethod(with_torch_backward(tl_softmax.entropy, TorchKernels.entropy))
@@ -57,8 +58,8 @@ class TritonKernels:
     batched_attention = staticmethod(tl_attention.batched_attention)  # its own backward kernels
 
     @classmethod
-    def padded_attention(cls, q, k, v, padding: Padding | Tensor | None):
-        return padded_as_sequences(cls.batched_attention, q, k, v, padding)
+    def padded_attention(cls, q, k, v, padding: Padding | Tensor | None, window: int = 0):
+        return padded_as_sequences(cls.batched_attention, q, k, v, padding, window)
 
 
 class FastCudaKernels(TorchKernels):
@@ -69,6 +70,7 @@ class FastCudaKernels(TorchKernels):
 
     rms_norm = staticmethod(TritonKernels.rms_norm)
     swiglu = staticmethod(TritonKernels.swiglu)
+    geglu = staticmethod(TritonKernels.geglu)
     apply_rotary = staticmethod(TritonKernels.apply_rotary)
     entropy = staticmethod(TritonKernels.entropy)
     token_log_probs = staticmethod(TritonKernels.token_log_probs)

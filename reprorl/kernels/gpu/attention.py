@@ -1,4 +1,5 @@
-"""Batch-invariant causal attention with grouped-query heads on CUDA.
+"""Batch-invariant causal attention with grouped-query heads on CUDA, optionally in a
+sliding window.
 
 One kernel serves every path: the engine's decode steps and prefill chunks over its KV
 cache, many sequences of different lengths in one launch, and the trainer's padded batches
@@ -15,6 +16,17 @@ per call). A program runs up to the last key its last row may see; for an earlie
 the blocks past its own position are exact no-ops (scores -inf, so the max stays, the
 rescale factor is exp2(0) = 1 and the added probabilities and products are exact zeros).
 So decode == the same row of a prefill == the same row of the trainer's forward.
+
+A sliding window of W keys (a query at p sees keys p-W+1..p; WINDOW, a compile-time
+constant, one compiled kernel a window) masks the keys before it too. A row's first blocks
+may then hold none of its keys, so its running max stays -inf, where exp2(-inf - -inf)
+would be NaN: the kernel subtracts 0 instead of a max of -inf, so such a block leaves the
+row's state as it started (max -inf, sum +0, acc +0: alpha = p = 0). A block before the
+first row's window is such a block for every row of the program (later rows' windows
+start later), so the program starts at the block that holds its first row's window start:
+skipping the blocks before it is the same bits, and the block order is still key 0's
+blocks, from wherever a program starts. Window 0 compiles the window's code out: today's
+arithmetic.
 
 Training takes the gradient from two more kernels (Dao 2023, FlashAttention-2's backward),
 given each row's log-sum-exp, which the forward writes when a gradient will be needed:
@@ -57,12 +69,34 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
+@triton.jit
+def _seen(cols, pos, WINDOW: tl.constexpr):
+    """[rows, keys] bool: key `cols` is in the window of a query at `pos` (keys 0..pos, or
+    pos-WINDOW+1..pos)."""
+    seen = cols[None, :] <= pos[:, None]
+    if WINDOW > 0:
+        seen = seen & (cols[None, :] > pos[:, None] - WINDOW)
+    return seen
+
+
+@triton.jit
+def _first_block(start, first_t, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first key block a program whose first query is `first_t` walks: 0, or with a
+    window the block of its first query's first key (no query of the program sees a key
+    before it: later queries' windows start later)."""
+    if WINDOW > 0:
+        lo = tl.maximum(start + first_t - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+    return lo
+
+
 @triton.jit(do_not_specialize=["Tq", "Tk"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, lse_ptr,
                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
                       Tq, Tk, HKV, G, scale_log2,
                       IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      WRITE_LSE: tl.constexpr):
+                      WRITE_LSE: tl.constexpr, WINDOW: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)
@@ -83,19 +117,25 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, lse_ptr,
     num_keys = tl.minimum(start + last_t + 1, Tk)
     k_base = k_ptr + b * skb + hkv * skh
     v_base = v_ptr + b * svb + hkv * svh
-    for kb in range(0, num_keys, BLOCK_N):
+    for kb in range(_first_block(start, pid_m * BLOCK_M // G, WINDOW, BLOCK_N), num_keys, BLOCK_N):
         cols = kb + tl.arange(0, BLOCK_N)
         in_range = cols < Tk
         k = tl.load(k_base + cols[None, :].to(tl.int64) * skt + d[:, None], mask=in_range[None, :], other=0.0)
         s = _dot(q, k, IEEE, UPCAST)
-        s = tl.where((cols[None, :] <= pos[:, None]) & in_range[None, :], s * scale_log2, float("-inf"))
+        s = tl.where(_seen(cols, pos, WINDOW) & in_range[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if WINDOW > 0:  # a row that has seen no key yet: subtract 0, not -inf (the module doc)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None].to(tl.int64) * svt + d[None, :], mask=in_range[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE, UPCAST)
         m_i = m_new
+    if WINDOW > 0:  # a row past Tq may have seen no key (l_i = 0): never stored, but kept finite
+        l_i = tl.where(row_ok, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(o_ptr + b * sob + head[:, None] * soh + t[:, None].to(tl.int64) * sot + d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -136,11 +176,11 @@ def _key_rows(k_ptr, v_ptr, b, hkv, cols, ok, skb, skh, skt, svb, svh, svt, D: t
 
 @triton.jit
 def _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, WINDOW: tl.constexpr):
     """The forward's probabilities p [rows, keys] (from each row's log-sum-exp) and the
     scores' gradient over scale, ds = p * (dO v^T - delta); zeros where a row does not see a key."""
     s = _dot(q, tl.trans(k), IEEE, UPCAST)
-    seen = (cols[None, :] <= (start + t)[:, None]) & col_ok[None, :] & row_ok[:, None]
+    seen = _seen(cols, start + t, WINDOW) & col_ok[None, :] & row_ok[:, None]
     p = tl.where(seen, tl.exp2(s * scale_log2 - lse[:, None]), 0.0)
     return p, p * (_dot(do, tl.trans(v), IEEE, UPCAST) - delta[:, None])
 
@@ -149,7 +189,7 @@ def _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale
 def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, start_ptr,
                            sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, Tq, Tk, HKV, G, scale_log2, scale,
                            IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
     # dV = sum over rows of p^T dO; dK = scale * sum of ds^T q.
     pid_n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -162,10 +202,15 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
     dk = tl.zeros((BLOCK_N, D), tl.float32)
     dv = tl.zeros((BLOCK_N, D), tl.float32)
     first_t = tl.maximum(pid_n * BLOCK_N - start, 0)  # the first query that sees this block
-    for r0 in range(first_t * G // BLOCK_M * BLOCK_M, G * Tq, BLOCK_M):
+    if WINDOW > 0:  # the rows up to the last query whose window reaches this block
+        end_t = tl.minimum(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 + WINDOW - start, 0), Tq)
+    else:
+        end_t = Tq
+    for r0 in range(first_t * G // BLOCK_M * BLOCK_M, G * end_t, BLOCK_M):
         t, _, row_ok, q, do, lse, delta = _query_rows(q_ptr, do_ptr, lse_ptr, delta_ptr, b, hkv, r0, sqb, sqh, sqt,
                                                       sdb, sdh, sdt, Tq, HKV, G, D, BLOCK_M)
-        p, ds = _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE, UPCAST)
+        p, ds = _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE, UPCAST,
+                              WINDOW)
         dv += _dot(tl.trans(p.to(do.dtype)), do, IEEE, UPCAST)
         dk += _dot(tl.trans(ds.to(q.dtype)), q, IEEE, UPCAST)
     d = tl.arange(0, D)
@@ -178,7 +223,7 @@ def _attention_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_p
 def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, start_ptr,
                          sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, Tq, Tk, HKV, G, scale_log2, scale,
                          IEEE: tl.constexpr, UPCAST: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, WINDOW: tl.constexpr):
     # dQ = scale * sum over keys of ds k, the keys walked in the forward's blocks.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -190,11 +235,12 @@ def _attention_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr
     dq = tl.zeros((BLOCK_M, D), tl.float32)
     last_t = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // G, Tq - 1)
     num_keys = tl.minimum(start + last_t + 1, Tk)
-    for kb in range(0, num_keys, BLOCK_N):
+    for kb in range(_first_block(start, pid_m * BLOCK_M // G, WINDOW, BLOCK_N), num_keys, BLOCK_N):
         cols = kb + tl.arange(0, BLOCK_N)
         col_ok = cols < Tk
         k, v = _key_rows(k_ptr, v_ptr, b, hkv, cols, col_ok, skb, skh, skt, svb, svh, svt, D)
-        _, ds = _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE, UPCAST)
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, t, row_ok, cols, col_ok, start, scale_log2, IEEE, UPCAST,
+                              WINDOW)
         dq += _dot(ds.to(k.dtype), k, IEEE, UPCAST)
     d = tl.arange(0, D)
     tl.store(dq_ptr + ((b * HKV * G + head[:, None]) * Tq + t[:, None].to(tl.int64)) * D + d[None, :],
@@ -205,8 +251,9 @@ def _last_dim_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, with_lse: bool) -> tuple[Tensor, Tensor | None]:
-    check_batched_attention(q, k, v, q_start)
+def _forward(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int, with_lse: bool
+             ) -> tuple[Tensor, Tensor | None]:
+    check_batched_attention(q, k, v, q_start, window)
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     out = torch.empty(b, hq, tq, d, dtype=q.dtype, device=q.device)
@@ -225,16 +272,17 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, with_lse: bool) -
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         tq, tk, hkv, group, d**-0.5 * LOG2E,
         IEEE=q.dtype == torch.float32, UPCAST=INTERPRETED and q.dtype != torch.float32, D=d, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, WRITE_LSE=with_lse, num_warps=NUM_WARPS, num_stages=2, **PINNED,
+        BLOCK_N=BLOCK_N, WRITE_LSE=with_lse, WINDOW=window, num_warps=NUM_WARPS, num_stages=2, **PINNED,
     )
     return out, lse
 
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
-        out, lse = _forward(q, k, v, q_start, with_lse=True)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int) -> Tensor:
+        out, lse = _forward(q, k, v, q_start, window, with_lse=True)
         ctx.save_for_backward(q, k, v, out, lse, q_start)
+        ctx.window = window
         return out
 
     @staticmethod
@@ -252,22 +300,30 @@ class _Attention(torch.autograd.Function):
         args = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                 tq, tk, hkv, group, d**-0.5 * LOG2E, d**-0.5)
+        # Heads of 256 (Gemma 3) in 64-row blocks need 265 KiB of shared memory, past the H200's
+        # 227: half the rows and one stage. The backward's blocks move no forward bit, and its
+        # own bits stay fixed by D (the gradient is deterministic, not batch-invariant).
+        wide = d > 128
+        block_m, block_n = (32, 32) if wide else (BLOCK_M, BLOCK_N)
         consts = {"IEEE": q.dtype == torch.float32, "UPCAST": INTERPRETED and q.dtype != torch.float32, "D": d,
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "num_warps": NUM_WARPS if d <= 64 else 8}
+                  "BLOCK_M": block_m, "BLOCK_N": block_n, "WINDOW": ctx.window,
+                  "num_warps": NUM_WARPS if d <= 64 else 8, **({"num_stages": 1} if wide else {})}
         if b and tq and tk:
-            _attention_dkdv_kernel[(triton.cdiv(tk, BLOCK_N), b * hkv)](q, k, v, do, lse, delta, dk, dv, starts,
+            _attention_dkdv_kernel[(triton.cdiv(tk, block_n), b * hkv)](q, k, v, do, lse, delta, dk, dv, starts,
                                                                         *args, **consts, **PINNED)
-            _attention_dq_kernel[(triton.cdiv(group * tq, BLOCK_M), b * hkv)](q, k, v, do, lse, delta, dq, starts,
+            _attention_dq_kernel[(triton.cdiv(group * tq, block_m), b * hkv)](q, k, v, do, lse, delta, dq, starts,
                                                                               *args, **consts, **PINNED)
         else:
             dq.zero_(), dk.zero_(), dv.zero_()
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
-def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor) -> Tensor:
+def batched_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int = 0) -> Tensor:
     """q [B, Hq, Tq, D] at positions q_start[b]..; k/v [B, Hkv, Tk, D] (views of a KV cache
-    are fine) -> [B, Hq, Tq, D]. A query at position p sees keys 0..min(p, Tk-1).
-    Differentiable in q, k and v (the module doc's backward kernels)."""
+    are fine) -> [B, Hq, Tq, D]. A query at position p sees keys 0..min(p, Tk-1), or with
+    a window W > 0 (a Python int: a constant of the kernel, so a CUDA graph reads nothing
+    on the host) keys p-W+1..min(p, Tk-1). Differentiable in q, k and v (the module doc's
+    backward kernels)."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        return _Attention.apply(q, k, v, q_start)
-    return _forward(q, k, v, q_start, with_lse=False)[0]
+        return _Attention.apply(q, k, v, q_start, window)
+    return _forward(q, k, v, q_start, window, with_lse=False)[0]

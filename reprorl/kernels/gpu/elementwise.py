@@ -1,4 +1,4 @@
-"""SiLU-and-mul and rotary embedding on CUDA, fused into one pass each.
+"""SiLU-and-mul, GELU-and-mul and rotary embedding on CUDA, fused into one pass each.
 
 Elementwise ops are batch-invariant on any device (an entry's arithmetic never looks at
 another entry); these kernels exist to read and write each tensor once. Their backward
@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from reprorl.kernels.cpu_math import GELU_C1, GELU_C3
 from reprorl.kernels.gpu.launch import PINNED
 
 BLOCK = 1024
@@ -30,16 +31,31 @@ def _swiglu_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, (silu * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up: [..., I], [..., I] -> [..., I]. (Shazeer 2020)"""
+def _gated(kernel, name: str, gate: Tensor, up: Tensor, **consts) -> Tensor:
+    """One launch of a gated activation's forward `kernel` (swiglu's, geglu's) over every entry."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}")
+        raise ValueError(f"{name}: gate {tuple(gate.shape)} {gate.dtype}, up {tuple(up.shape)} {up.dtype}")
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _swiglu_kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, BLOCK=BLOCK, **PINNED)
+        kernel[(triton.cdiv(n, BLOCK),)](gate, up, out, n, **consts, BLOCK=BLOCK, **PINNED)
     return out
+
+
+def _gated_backward(kernel, grad: Tensor, gate: Tensor, up: Tensor, **consts) -> tuple[Tensor, Tensor]:
+    """(d gate, d up) from one launch of a gated activation's backward `kernel`."""
+    gate, up, grad = gate.contiguous(), up.contiguous(), grad.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        kernel[(triton.cdiv(n, BLOCK),)](gate, up, grad, dgate, dup, n, **consts, BLOCK=BLOCK, **PINNED)
+    return dgate, dup
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up: [..., I], [..., I] -> [..., I]. (Shazeer 2020)"""
+    return _gated(_swiglu_kernel, "swiglu", gate, up)
 
 
 @triton.jit
@@ -59,12 +75,46 @@ def _swiglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, dgate_ptr, dup_ptr, n, B
 
 def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
     """(d gate, d up) of `swiglu` given the output's gradient."""
-    gate, up, grad = gate.contiguous(), up.contiguous(), grad.contiguous()
-    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-    n = gate.numel()
-    if n:
-        _swiglu_backward_kernel[(triton.cdiv(n, BLOCK),)](gate, up, grad, dgate, dup, n, BLOCK=BLOCK, **PINNED)
-    return dgate, dup
+    return _gated_backward(_swiglu_backward_kernel, grad, gate, up)
+
+
+# gelu_tanh(g) = g / (1 + e^-z), z = g (C1 + C3 g^2): cpu_math.geglu's form (its comment says why).
+@triton.jit
+def _geglu_kernel(gate_ptr, up_ptr, out_ptr, n, C1: tl.constexpr, C3: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gelu = (g / (1.0 + tl.exp(-(g * (g * g * C3 + C1))))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + offs, (gelu * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def geglu(gate: Tensor, up: Tensor) -> Tensor:
+    """gelu_tanh(gate) * up (Gemma's MLP): [..., I], [..., I] -> [..., I]."""
+    return _gated(_geglu_kernel, "geglu", gate, up, C1=GELU_C1, C3=GELU_C3)
+
+
+@triton.jit
+def _geglu_backward_kernel(gate_ptr, up_ptr, grad_ptr, dgate_ptr, dup_ptr, n, C1: tl.constexpr, C3: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # d up = grad * gelu(g) (rounded as the forward rounds it); d gate = grad * up * gelu'(g),
+    # gelu'(g) = s + g s (1 - s) z'(g), s = sigmoid(z), z' = C1 + 3 C3 g^2.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    e = 1.0 + tl.exp(-(g * (g * g * C3 + C1)))
+    sig = 1.0 / e
+    gelu = (g / e).to(dup_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dup_ptr + offs, (d * gelu).to(dup_ptr.dtype.element_ty), mask=mask)
+    slope = sig + g * sig * (1.0 - sig) * (C1 + 3.0 * C3 * g * g)
+    tl.store(dgate_ptr + offs, (d * u * slope).to(dgate_ptr.dtype.element_ty), mask=mask)
+
+
+def geglu_backward(grad: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    """(d gate, d up) of `geglu` given the output's gradient."""
+    return _gated_backward(_geglu_backward_kernel, grad, gate, up, C1=GELU_C1, C3=GELU_C3)
 
 
 @triton.jit
