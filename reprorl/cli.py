@@ -64,8 +64,8 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from reprorl.models.tiny import make_tiny
 
     pin_cpu_kernels()  # the weights drawn from a seed: the same bytes on any x86-64 CPU
-    out = make_tiny(args.out_dir, kind=args.kind, seed=args.seed)
-    print(f"wrote tiny {args.kind} model to {out}")
+    out = make_tiny(args.out_dir, kind=args.kind, seed=args.seed, family=args.family)
+    print(f"wrote tiny {args.family} {args.kind} model to {out}")
     return 0
 
 
@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out_dir", help="directory to write (created if absent; its model files are overwritten)")
     p.add_argument("--kind", choices=["policy", "reward"], default="policy", help="causal LM or reward model")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights; the same seed writes the same bytes")
+    p.add_argument("--family", default="qwen2",
+                   help="the model family (config.json model_type) at the tiny shape: qwen2 (default), qwen3, "
+                        "llama, mistral, olmo2, phi3 or gemma3_text")
     p.set_defaults(func=_cmd_make_tiny)
 
     p = sub.add_parser("make-data", help="write the synthetic arithmetic task in verl's dataset schema")

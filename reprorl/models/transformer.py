@@ -1,4 +1,4 @@
-"""Decoder-only transformers (Qwen2, Qwen3, Llama) shared by the engine and the trainer.
+"""Decoder-only transformers (the families of `models/arch.py`) shared by the engine and the trainer.
 
 Three heads on one backbone, each named as transformers names it so checkpoints load
 by parameter name alone:
@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from reprorl.kernels import KEY_BLOCK, TorchKernels
 from reprorl.kernels.backend import Kernels
-from reprorl.kernels.shared import Padding, rotary_tables, write_rows
-from reprorl.models.arch import ModelArgs
+from reprorl.kernels.shared import Padding, rope_tables, rotary_tables, write_rows
+from reprorl.models.arch import ACTIVATIONS, ModelArgs
 from reprorl.models.rope import inverse_frequencies, max_positions
 
 
@@ -64,13 +64,19 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+    """RMSNorm with its weight, or (`plus_one`, Gemma's) with 1 + its weight, which starts at 0."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, plus_one: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype) if plus_one else torch.ones(size, dtype=dtype))
         self.eps = eps
+        self.plus_one = plus_one
 
     def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps)
+        # 1 + w in float32, as transformers' Gemma3RMSNorm, rounded once to the weight's dtype
+        # for the kernel (a bfloat16 model's (1 + w) is one bfloat16 rounding from transformers').
+        weight = (self.weight.float() + 1.0).to(self.weight.dtype) if self.plus_one else self.weight
+        return kernels.rms_norm(x, weight, self.eps)
 
 
 class KVCache:
@@ -185,10 +191,14 @@ class Attention(nn.Module):
         self.qk_norm_whole = args.qk_norm_whole
         if args.qk_norm or args.qk_norm_whole:
             q_width, k_width = (q_out, kv_out) if args.qk_norm_whole else (self.head_dim, self.head_dim)
-            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(k_width, args.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(q_width, args.rms_norm_eps, dtype, args.norm_plus_one)
+            self.k_norm = RMSNorm(k_width, args.rms_norm_eps, dtype, args.norm_plus_one)
         else:
             self.q_norm = self.k_norm = None
+        # The kernels scale scores by head_dim^-1/2; gemma3 wants query_pre_attn_scalar^-1/2:
+        # the queries take the ratio's square root (1.0 for Gemma 3 1B-12B, where both are 256).
+        scalar = args.query_pre_attn_scalar
+        self.query_scale = 1.0 if scalar is None else (self.head_dim / scalar) ** 0.5
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor, kernels: Kernels) -> tuple[Tensor, Tensor, Tensor]:
         """x [..., H], cos/sin [..., D] -> q [..., Hq, D], k [..., Hkv, D], v [..., Hkv, D] (RoPE applied)."""
@@ -200,7 +210,10 @@ class Attention(nn.Module):
         v = self.v_proj(x, kernels).unflatten(-1, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q, kernels), self.k_norm(k, kernels)
-        return self._rotate(q, cos, sin, kernels), self._rotate(k, cos, sin, kernels), v
+        q = self._rotate(q, cos, sin, kernels)
+        if self.query_scale != 1.0:
+            q = q * self.query_scale
+        return q, self._rotate(k, cos, sin, kernels), v
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor, kernels: Kernels) -> Tensor:
         """RoPE on each head's first cos.shape[-1] dimensions (all, but for a partial rotary: phi3)."""
@@ -216,40 +229,47 @@ class MLP(nn.Module):
         self.gate_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
+        self.gated = ACTIVATIONS[args.hidden_act]  # the kernel: "swiglu" or "geglu"
 
     def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x, kernels), self.up_proj(x, kernels)), kernels)
+        gated = getattr(kernels, self.gated)
+        return self.down_proj(gated(self.gate_proj(x, kernels), self.up_proj(x, kernels)), kernels)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, dtype: torch.dtype) -> None:
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(args, dtype)
         self.mlp = MLP(args, dtype)
+        self.window = args.layer_windows[index]  # attention's: 0 (full) or the sliding window
         # Pre-norm (Llama, Qwen): x + attn(norm(x)), then + mlp(norm(.)). Post-norm (OLMo 2):
         # x + norm(attn(x)), then + norm(mlp(.)), with HF's names for those two norms.
+        # Sandwich (Gemma 3): both, x + norm(attn(norm(x))), then + norm(mlp(norm(.))).
         self.post_norm = args.post_norm
-        hidden, eps = args.hidden_size, args.rms_norm_eps
-        self.input_layernorm = None if args.post_norm else RMSNorm(hidden, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype)
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype) if args.post_norm else None
+        hidden, eps, plus_one = args.hidden_size, args.rms_norm_eps, args.norm_plus_one
+        pre_norm = args.sandwich_norm or not args.post_norm
+        self.input_layernorm = RMSNorm(hidden, eps, dtype, plus_one) if pre_norm else None
+        self.post_attention_layernorm = RMSNorm(hidden, eps, dtype, plus_one)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps, dtype, plus_one) if args.sandwich_norm else None
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps, dtype, plus_one) if args.post_norm else None
 
     def _attention_input(self, x: Tensor, kernels: Kernels) -> Tensor:
-        return x if self.post_norm else self.input_layernorm(x, kernels)
+        return x if self.input_layernorm is None else self.input_layernorm(x, kernels)
 
     def _rest(self, x: Tensor, attn: Tensor, kernels: Kernels) -> Tensor:
         """The layer after attention: attn [..., Hq, D] through o_proj into the residual, then the MLP's."""
         out = self.self_attn.o_proj(attn.flatten(-2), kernels)
         if self.post_norm:
             x = x + self.post_attention_layernorm(out, kernels)
-            return x + self.post_feedforward_layernorm(self.mlp(x, kernels), kernels)
+            h = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x, kernels)
+            return x + self.post_feedforward_layernorm(self.mlp(h, kernels), kernels)
         x = x + out
         return x + self.mlp(self.post_attention_layernorm(x, kernels), kernels)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, padding: Padding, kernels: Kernels) -> Tensor:
         """x [B, T, H], cos/sin [B, T, D], padding (the batch's, `Transformer.forward`) -> [B, T, H]."""
         q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)
-        return self._rest(x, kernels.padded_attention(q, k, v, padding), kernels)
+        return self._rest(x, kernels.padded_attention(q, k, v, padding, window=self.window), kernels)
 
     def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
                        kernels: Kernels) -> Tensor:
@@ -265,7 +285,8 @@ class DecoderLayer(nn.Module):
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         if plan.in_order:  # decode tokens of consecutive slots, in slot order: no gather, no scatter
             lo, hi = plan.lo, plan.hi
-            out = kernels.batched_attention(q[:, :, None], keys[lo:hi], values[lo:hi], plan.q_start)
+            out = kernels.batched_attention(q[:, :, None], keys[lo:hi], values[lo:hi], plan.q_start,
+                                            window=self.window)
             attn = out[:, :, 0]  # [N, Hq, D]
         else:
             attn = q.new_empty(q.shape)  # [N, Hq, D]
@@ -274,7 +295,7 @@ class DecoderLayer(nn.Module):
                 qg = q_ext[g.gather].permute(0, 2, 1, 3)  # [B, Hq, Tq, D]
                 rows = slice(g.lo, g.hi) if g.index is None else g.index
                 kg, vg = keys[rows], values[rows]
-                out = kernels.batched_attention(qg, kg, vg, g.q_start)  # [B, Hq, Tq, D]
+                out = kernels.batched_attention(qg, kg, vg, g.q_start, window=self.window)  # [B, Hq, Tq, D]
                 real = out.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * q.shape[2])[g.real]
                 write_rows(attn.view(attn.shape[0], -1), g.rows, real)
         return self._rest(x, attn, kernels)
@@ -293,7 +314,7 @@ class DecoderLayer(nn.Module):
         write_rows(values.view(-1, values.shape[-1]), kv_rows, v.reshape(-1, v.shape[-1]))
         q_all = q.new_zeros(keys.shape[0], *q.shape[1:])  # [S, Hq, D]
         write_rows(q_all.view(q_all.shape[0], -1), slots, q.reshape(q.shape[0], -1))
-        attn = attention(q_all[:, :, None], keys, values, q_start)[slots, :, 0]  # [B, Hq, D]
+        attn = attention(q_all[:, :, None], keys, values, q_start, window=self.window)[slots, :, 0]  # [B, Hq, D]
         return self._rest(x, attn, kernels)
 
 
@@ -391,8 +412,8 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(
             args.vocab_size, args.hidden_size, _weight=torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype)
         )
-        self.layers = nn.ModuleList(DecoderLayer(args, dtype) for _ in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(args, dtype, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, dtype, args.norm_plus_one)
         self.kernels = TorchKernels
         # Recompute each layer's activations in backward (the trainer's option): the same
         # kernels run twice on the same inputs, so the gradient keeps its bits.
@@ -403,20 +424,38 @@ class Transformer(nn.Module):
         cos, sin_rot = rotary_tables(inv_freq, positions, attention_factor)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] float32
         self.register_buffer("rope_sin_rot", sin_rot, persistent=False)  # sin, first half negated
+        # Gemma 3's sliding layers rotate with plain RoPE of their own base: a second pair.
+        self.local_layers = [bool(w) and args.local_rope_theta is not None for w in args.layer_windows]
+        if any(self.local_layers):
+            cos, sin_rot = rope_tables(args.rotary_dim, args.local_rope_theta, positions)
+        self.register_buffer("rope_local_cos", cos if any(self.local_layers) else None, persistent=False)
+        self.register_buffer("rope_local_sin_rot", sin_rot if any(self.local_layers) else None, persistent=False)
+        # transformers multiplies by sqrt(hidden) rounded to the weights' dtype (`_embed`)
+        self.embed_scale = args.hidden_size**0.5 if args.scale_embeddings else None
 
-    def _rope(self, positions: Tensor, bound: int | None = None) -> tuple[Tensor, Tensor]:
-        """The rotary tables at `positions`, which must be inside them. `bound`: an upper bound
-        of the positions known on the host; when it is inside the tables the check reads nothing
-        from the device (on a GPU, reading positions.max() waits for the queue: once a forward).
-        Otherwise the check reads the max, except while a CUDA graph is being captured."""
-        if bound is not None and bound < self.rope_cos.shape[0]:
-            return self.rope_cos[positions], self.rope_sin_rot[positions]
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        x = F.embedding(input_ids, self.embed_tokens.weight)
+        if self.embed_scale is None:
+            return x
+        return x * torch.tensor(self.embed_scale).to(x.dtype).item()
+
+    def _rope(self, positions: Tensor, bound: int | None = None) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's rotary tables (cos, sin_rot) at `positions`, which must be inside them.
+        `bound`: an upper bound of the positions known on the host; when it is inside the tables
+        the check reads nothing from the device (on a GPU, reading positions.max() waits for the
+        queue: once a forward). Otherwise the check reads the max, except while a CUDA graph is
+        being captured."""
+        inside = bound is not None and bound < self.rope_cos.shape[0]
         capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        if positions.numel() and not capturing and int(positions.max()) >= self.rope_cos.shape[0]:
+        if not inside and positions.numel() and not capturing and int(positions.max()) >= self.rope_cos.shape[0]:
             raise ValueError(
                 f"position {int(positions.max())} is past max_position_embeddings={self.rope_cos.shape[0]}"
             )
-        return self.rope_cos[positions], self.rope_sin_rot[positions]
+        tables = (self.rope_cos[positions], self.rope_sin_rot[positions])
+        if self.rope_local_cos is None:
+            return [tables] * len(self.layers)
+        local = (self.rope_local_cos[positions], self.rope_local_sin_rot[positions])
+        return [local if is_local else tables for is_local in self.local_layers]
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,
@@ -442,9 +481,8 @@ class Transformer(nn.Module):
         if front is not None:
             input_ids, position_ids = padding.to_front(input_ids), padding.to_front(position_ids)
         layout = padding if front is None else front
-        cos, sin = self._rope(position_ids, bound)
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        for layer in self.layers:
+        x = self._embed(input_ids)
+        for layer, (cos, sin) in zip(self.layers, self._rope(position_ids, bound)):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, layout, self.kernels, use_reentrant=False)
             else:
@@ -479,9 +517,9 @@ class Transformer(nn.Module):
                     f"KVCache slot {s} of capacity {cache.capacity} holds {start} tokens; cannot add {n}"
                 )
         plan = _PackPlan(seq_lens, slots, starts, input_ids.device)
-        cos, sin = self._rope(plan.positions, max((start + n for n, start in zip(seq_lens, starts)), default=0) - 1)
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        for i, layer in enumerate(self.layers):
+        rope = self._rope(plan.positions, max((start + n for n, start in zip(seq_lens, starts)), default=0) - 1)
+        x = self._embed(input_ids)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, rope)):
             x = layer.forward_packed(x, cos, sin, plan, cache, i, self.kernels)
         for n, s in zip(seq_lens, slots):
             cache.lengths[s] += n
@@ -500,9 +538,8 @@ class Transformer(nn.Module):
         q_start = positions.new_zeros(cache.num_slots, 1)  # [S, 1]
         write_rows(q_start, slots, positions[:, None])  # the padding rows' duplicates: the spare slot's
         kv_rows = cache_rows(cache, slots, positions)
-        cos, sin = self._rope(positions)
-        x = F.embedding(input_ids, self.embed_tokens.weight)
-        for i, layer in enumerate(self.layers):
+        x = self._embed(input_ids)
+        for i, (layer, (cos, sin)) in enumerate(zip(self.layers, self._rope(positions))):
             x = layer.forward_decode(x, cos, sin, slots, kv_rows, q_start[:, 0], cache, i, attention, self.kernels)
         return self.norm(x, self.kernels)
 

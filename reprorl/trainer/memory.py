@@ -77,6 +77,7 @@ def param_count(args: ModelArgs, head: str = "causal_lm") -> int:
     layer += (q + 2 * kv) * args.qkv_bias + args.hidden_size * args.o_bias
     layer += (2 * args.intermediate_size + args.hidden_size) * args.mlp_bias + 2 * args.head_dim * args.qk_norm
     layer += (q + kv) * args.qk_norm_whole  # olmo2's two norms are the same count as pre-norm's two
+    layer += 2 * args.hidden_size * args.sandwich_norm  # gemma3: a norm before and after each block
     backbone = args.vocab_size * args.hidden_size + args.num_hidden_layers * layer + args.hidden_size
     heads = {"causal_lm": 0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size,
              "critic": args.hidden_size + 1, "reward": args.num_labels * args.hidden_size}

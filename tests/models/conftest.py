@@ -29,7 +29,20 @@ FAMILIES = {
         partial_rotary_factor=0.75, sliding_window=None, original_max_position_embeddings=64,
         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                       "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0]})),
+    # Gemma 3's layout: a sliding layer (window 4, its own RoPE base) then a global one with
+    # linear scaling (as Gemma 3 4B-27B), and a query_pre_attn_scalar that is not head_dim
+    # (as 27B), so the scale's path is exercised
+    "gemma3_text": (transformers.Gemma3TextConfig, dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # sliding windows that bind in the test batches (12 tokens): every layer, or qwen's last ones
+    "mistral-window": (transformers.MistralConfig, dict(head_dim=32, rope_theta=1e6, sliding_window=4)),
+    "qwen2-window": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
 }
+# transformers' classes whose names are not the config's with the head's suffix
+HF_CLASSES = {("gemma3_text", "causal_lm"): "Gemma3ForCausalLM",
+              ("gemma3_text", "reward"): "Gemma3TextForSequenceClassification"}
 HEADS = {
     "causal_lm": "ForCausalLM",
     "reward": "ForSequenceClassification",
@@ -51,7 +64,8 @@ def make_hf_model():
         if kind != "causal_lm":
             kwargs["num_labels"] = 1
         config = config_cls(**kwargs)
-        model_cls = getattr(transformers, config_cls.__name__.replace("Config", HEADS[kind]))
+        model_cls = getattr(transformers, HF_CLASSES.get((family, kind))
+                            or config_cls.__name__.replace("Config", HEADS[kind]))
         torch.manual_seed(seed)
         model = model_cls(config).eval()
         generator = torch.Generator().manual_seed(seed)

@@ -57,13 +57,14 @@ def test_transformers_4_layout():
     assert not args.tie_word_embeddings
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "gemma3_text"])
 @pytest.mark.parametrize("kind", ["causal_lm", "reward", "critic"])
 def test_round_trip_through_transformers(family, kind):
     config_cls = {
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "llama": transformers.LlamaConfig,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[family]
     args = ModelArgs.from_hf_config(
         hf_dict(
@@ -84,7 +85,8 @@ def test_round_trip_through_transformers(family, kind):
     # transformers reads the same shape back.
     loaded = transformers.AutoConfig.for_model(**written)
     assert loaded.architectures == written["architectures"]
-    assert loaded.rope_parameters["rope_theta"] == 12345.0
+    rope = loaded.rope_parameters.get("full_attention", loaded.rope_parameters)  # gemma3: global layers'
+    assert rope["rope_theta"] == 12345.0
     reread = ModelArgs.from_hf_config(loaded.to_dict())
     if kind == "causal_lm":  # transformers' default id2label has 2 labels; no head reads it
         reread = dataclasses.replace(reread, num_labels=args.num_labels)
@@ -92,18 +94,29 @@ def test_round_trip_through_transformers(family, kind):
 
 
 def test_unsupported_model_type_is_named():
-    with pytest.raises(ConfigError, match="'gemma3_text'"):
-        ModelArgs.from_hf_config({"model_type": "gemma3_text"})
+    with pytest.raises(ConfigError, match="'gemma2'"):
+        ModelArgs.from_hf_config({"model_type": "gemma2"})
 
 
-def test_a_mistral_sliding_window_is_refused_and_a_null_one_is_llamas_layers():
-    config = {"model_type": "mistral", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-              "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32768}
-    with pytest.raises(ConfigError, match="config.json sliding_window=4096 \\(model_type mistral\\) is not supported"):
-        ModelArgs.from_hf_config({**config, "sliding_window": 4096})
-    args = ModelArgs.from_hf_config({**config, "sliding_window": None, "attention_bias": True})
-    assert not (args.qkv_bias or args.o_bias or args.mlp_bias or args.qk_norm)
+def test_sliding_windows_as_transformers_reads_each_family():
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "max_position_embeddings": 32768}
+    mistral = {**base, "model_type": "mistral"}
+    assert ModelArgs.from_hf_config({**mistral, "sliding_window": 4096}).layer_windows == (4096,) * 4
+    args = ModelArgs.from_hf_config({**mistral, "sliding_window": None, "attention_bias": True})
+    assert not (args.qkv_bias or args.o_bias or args.mlp_bias or args.qk_norm) and args.layer_windows == (0,) * 4
     assert ModelArgs.from_hf_config(args.to_hf_config()) == args
+    # a window as long as the positions never binds: full attention, the same bits
+    assert ModelArgs.from_hf_config({**mistral, "sliding_window": 32768}).layer_windows == (0,) * 4
+    qwen = {**base, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 3}
+    assert ModelArgs.from_hf_config(qwen).layer_windows == (0, 0, 0, 64)
+    assert ModelArgs.from_hf_config({**qwen, "use_sliding_window": False}).layer_windows == (0,) * 4
+    gemma = {**base, "model_type": "gemma3_text", "sliding_window": 512, "sliding_window_pattern": 2}
+    args = ModelArgs.from_hf_config(gemma)  # 4.x's pattern: every 2nd layer global
+    assert args.layer_windows == (512, 0, 512, 0) and (args.rope_theta, args.local_rope_theta) == (1e6, 1e4)
+    assert ModelArgs.from_hf_config(args.to_hf_config()) == args
+    with pytest.raises(ConfigError, match="sliding_window=0 \\(model_type mistral\\); expected a whole number"):
+        ModelArgs.from_hf_config({**mistral, "sliding_window": 0})
 
 
 @pytest.mark.parametrize(
@@ -112,8 +125,13 @@ def test_a_mistral_sliding_window_is_refused_and_a_null_one_is_llamas_layers():
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "'llama3' needs low_freq_factor"),
         ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "'yarn' needs factor"),
-        ({"use_sliding_window": True}, "use_sliding_window"),
-        ({"hidden_act": "gelu"}, "'gelu'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"model_type": "gemma3_text", "final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+        ({"model_type": "gemma3_text", "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+        ({"model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "gemma3_text", "hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+        ({"model_type": "gemma3_text", "rope_parameters": {"sliding_attention": {"rope_type": "linear"}}},
+         "rope_parameters.sliding_attention rope_type 'linear'"),
     ],
 )
 def test_unsupported_features_are_rejected(extra, pattern):

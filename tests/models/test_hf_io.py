@@ -18,13 +18,15 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", False),
-                                        ("mistral", False), ("olmo2", False), ("phi3", False)])
+                                        ("mistral", False), ("olmo2", False), ("phi3", False),
+                                        ("gemma3_text", True), ("mistral-window", False), ("qwen2-window", True)])
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_path):
     hf = make_hf_model(family, tie=tie)
     hf.save_pretrained(tmp_path)
     model, args = load_model(tmp_path)
-    assert args.model_type == family and (model.lm_head is None) == tie
+    assert args.model_type == family.removesuffix("-window") and (model.lm_head is None) == tie
+    assert any(args.layer_windows) == (family in ("gemma3_text", "mistral-window", "qwen2-window"))
     ids, mask, pos = padded_batch(args.vocab_size, side)
     real = mask.bool()
     with torch.no_grad():
@@ -38,7 +40,8 @@ def test_causal_lm_matches_transformers(family, tie, side, make_hf_model, tmp_pa
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False), ("llama", False), ("mistral", False),
-                                        ("olmo2", False), ("phi3", True)])
+                                        ("olmo2", False), ("phi3", True), ("gemma3_text", True),
+                                        ("mistral-window", False), ("qwen2-window", False)])
 def test_save_model_loads_in_transformers(family, tie, make_hf_model, tmp_path):
     hf = make_hf_model(family, tie=tie, seed=1)
     hf.save_pretrained(tmp_path / "hf")
@@ -59,9 +62,10 @@ def test_save_model_loads_in_transformers(family, tie, make_hf_model, tmp_path):
         )
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3_text"])
 @pytest.mark.parametrize("side", ["left", "right"])
-def test_reward_model_matches_transformers(side, make_hf_model, tmp_path):
-    hf = make_hf_model("qwen2", kind="reward", seed=2)
+def test_reward_model_matches_transformers(family, side, make_hf_model, tmp_path):
+    hf = make_hf_model(family, kind="reward", seed=2)
     hf.save_pretrained(tmp_path)
     model, args = load_model(tmp_path, kind="reward")
     assert isinstance(model, SequenceClassifier) and args.num_labels == 1
@@ -73,7 +77,7 @@ def test_reward_model_matches_transformers(side, make_hf_model, tmp_path):
             torch.testing.assert_close(model(ids, mask), expected, **TOL)
     save_model(model, args, tmp_path / "ours")
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["num_labels"] == 1
+    assert config["architectures"] == [type(hf).__name__] and config["num_labels"] == 1
     reloaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ours").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits, expected)

@@ -2,7 +2,8 @@
 transformers on the same random weights.
 
 On the CPU (CI): each shape with 2 layers and its vocabulary cut to 4096 rows (a row of the
-embedding or the head does the same arithmetic whatever their number). On a CUDA device
+embedding or the head does the same arithmetic whatever their number); a sliding window
+becomes 40 tokens, one sliding layer then one global, so the 96-token batch crosses it. On a CUDA device
 (`gpu` marker): the whole depth and vocabulary of the shapes up to 1.2B parameters, and 8 of
 the layers of the larger two; float32 on both kernel backends, and bfloat16.
 
@@ -53,24 +54,45 @@ SHAPES = {
         vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
         max_position_embeddings=32768, sliding_window=None), 8),
+    "gemma3-1b": (transformers.Gemma3TextConfig, dict(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        max_position_embeddings=32768), 26),
+    "gemma3-4b": (transformers.Gemma3TextConfig, dict(
+        vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, sliding_window=1024, tie_word_embeddings=True,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        max_position_embeddings=131072), 8),
 }
+# transformers' classes whose names are not the config's with ForCausalLM
+CAUSAL_LM = {transformers.Gemma3TextConfig: "Gemma3ForCausalLM"}
 CPU_LAYERS, CPU_VOCAB = 2, 4096
 TOL = dict(rtol=1e-4, atol=1e-4)  # float32, the issue's bound for every family
 
 
-def make_model(shape: str, device: str, layers: int, vocab: int | None, seed: int = 0):
+def make_model(shape: str, device: str, layers: int, vocab: int | None, seed: int = 0, window: int | None = None):
+    """transformers' model of `shape` with `layers` layers; `window`: another sliding window
+    (one the test batch is longer than), and then the layers alternate sliding and global, so
+    a few of them have both kinds."""
     config_cls, kwargs, _ = SHAPES[shape]
     kwargs = dict(kwargs, num_hidden_layers=layers, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=2)
     if vocab is not None:
         kwargs["vocab_size"] = vocab
+    if window is not None and kwargs.get("sliding_window"):
+        kwargs["sliding_window"] = window
+        kwargs["layer_types"] = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+    cls_name = CAUSAL_LM.get(config_cls) or config_cls.__name__.replace("Config", "ForCausalLM")
     with torch.device(device):
-        model = getattr(transformers, config_cls.__name__.replace("Config", "ForCausalLM"))(config_cls(**kwargs))
+        model = getattr(transformers, cls_name)(config_cls(**kwargs))
     g = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=g, device=device)
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * noise)
+            if name.endswith("norm.weight"):  # around 1: gemma3 stores 1 + w, so its w around 0
+                param.copy_((0 if config_cls is transformers.Gemma3TextConfig else 1) + 0.1 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.1 * noise)
             else:
@@ -90,8 +112,8 @@ def compare(expected, got, real):
     assert torch.equal(got.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
-def run_both(shape, tmp_path, device, layers, vocab, lengths):
-    hf = make_model(shape, device, layers, vocab)
+def run_both(shape, tmp_path, device, layers, vocab, lengths, window=None):
+    hf = make_model(shape, device, layers, vocab, window=window)
     hf.save_pretrained(tmp_path)
     model, args = load_model(tmp_path)
     assert args.model_type == SHAPES[shape][0].model_type
@@ -104,7 +126,8 @@ def run_both(shape, tmp_path, device, layers, vocab, lengths):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_real_width_matches_transformers_on_the_cpu(shape, tmp_path):
-    hf, model, (ids, mask, _), expected = run_both(shape, tmp_path, "cpu", CPU_LAYERS, CPU_VOCAB, (96, 70, 5))
+    hf, model, (ids, mask, _), expected = run_both(shape, tmp_path, "cpu", CPU_LAYERS, CPU_VOCAB, (96, 70, 5),
+                                                   window=40)
     real = mask.bool()
     assert expected[real].abs().max() > 1
     with torch.no_grad():

@@ -82,5 +82,9 @@ def test_unknown_kind(tmp_path):
 
 def test_cli_make_tiny(tmp_path, capsys):
     assert main(["make-tiny", str(tmp_path / "cli"), "--kind", "reward", "--seed", "5"]) == 0
-    assert "wrote tiny reward model" in capsys.readouterr().out
+    assert "wrote tiny qwen2 reward model" in capsys.readouterr().out
     assert file_bytes(tmp_path / "cli") == file_bytes(make_tiny(tmp_path / "direct", kind="reward", seed=5))
+    assert main(["make-tiny", str(tmp_path / "gemma"), "--family", "gemma3_text"]) == 0
+    assert json.loads((tmp_path / "gemma" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+    assert main(["make-tiny", str(tmp_path / "x"), "--family", "gemma2"]) != 0
+    assert "tiny model family 'gemma2' is not supported; expected one of" in capsys.readouterr().err

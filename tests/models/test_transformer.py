@@ -1,6 +1,7 @@
 """The two forward paths: forward_packed invariance (a sequence alone vs packed with random
 others), prefill chunking, forward vs forward_packed agreement, heads, and cache errors."""
 
+import dataclasses
 import random
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from kernel_modes import on_kernels
 from padded_layers import hidden_states_moving_in_each_layer
 from reprorl.models.arch import ModelArgs
-from reprorl.models.tiny import init_weights
+from reprorl.models.tiny import TINY_FAMILIES, init_weights
 from reprorl.models.transformer import CausalLM, KVCache, SequenceClassifier, ValueModel
 
 SHAPE = dict(
@@ -30,7 +31,14 @@ FAMILY_ARGS = {
     ),
     "olmo2": ModelArgs(model_type="olmo2", qk_norm_whole=True, post_norm=True, **SHAPE),
     "phi3": ModelArgs(model_type="phi3", fused_projections=True, partial_rotary_factor=0.75, **SHAPE),
+    # the tiny families' switches: a sliding layer (window 5, its own RoPE base) and a global
+    # one, queries scaled by 12^-1/2; and a window of 3 on both layers
+    "gemma3_text": ModelArgs(model_type="gemma3_text", **{**TINY_FAMILIES["gemma3_text"], "sliding_window": 5,
+                                                          "query_pre_attn_scalar": 12}, tie_word_embeddings=True,
+                             **SHAPE),
+    "mistral-window": ModelArgs(model_type="mistral", **{**TINY_FAMILIES["mistral"], "sliding_window": 3}, **SHAPE),
 }
+WINDOWED = ["gemma3_text", "mistral-window"]
 
 
 def build(cls=CausalLM, family="qwen2", seed=0):
@@ -85,7 +93,7 @@ def check_companions(family, runs):
                 assert torch.equal(model.logits(hidden)[slot], model.logits(alone[step + 1])[0])
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "olmo2", "phi3", *WINDOWED])
 def test_packed_sequence_is_invariant_to_its_companions(family):
     check_companions(family, [(1, 1), (1, 9), (1, 30), (1, 63)])
 
@@ -111,7 +119,7 @@ def test_prefill_chunking_is_invisible():
             assert torch.equal(torch.cat(pieces), whole)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "olmo2", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama", "olmo2", "phi3", *WINDOWED])
 def test_forward_agrees_with_forward_packed(family):
     """Logits of `forward` on a left-padded batch vs prefill + decode through the cache:
     bitwise equal in batch-invariant mode, within float32 rounding in plain mode."""
@@ -137,6 +145,35 @@ def test_forward_agrees_with_forward_packed(family):
                     assert torch.equal(packed, full[i, width - len(s) :])
                 else:
                     torch.testing.assert_close(packed, full[i, width - len(s) :], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 130])
+def test_a_windowed_token_is_the_same_bits_on_every_path(window):
+    """A 300-token sequence through layers with a window (1, or 130 so whole key blocks of
+    128 fall outside it and others straddle its edge), on the invariant kernels: prefilled
+    whole, in chunks, decoded token by token, and in the trainer's padded batch beside
+    others, every token's hidden state is the same bits."""
+    args = dataclasses.replace(FAMILY_ARGS["gemma3_text"], sliding_window=window)
+    model = CausalLM(args)
+    init_weights(model, 7, std=0.15)
+    rng = random.Random(window)
+    seq = torch.tensor([rng.randrange(3, 96) for _ in range(300)])
+    with on_kernels(model.eval()), torch.inference_mode():
+        whole = prefill(model, [seq], new_cache(model, 384))
+        cache, start, pieces = new_cache(model, 384), 0, []
+        for n in (1, 126, 5, 130, 38):  # chunks crossing the key blocks' edges
+            pieces.append(prefill(model, [seq[start : start + n]], cache))
+            start += n
+        assert torch.equal(torch.cat(pieces), whole)
+        cache = new_cache(model, 384)
+        decoded = [prefill(model, [seq[:250]], cache)] + [prefill(model, [seq[t : t + 1]], cache)
+                                                          for t in range(250, 300)]
+        assert torch.equal(torch.cat(decoded), whole)
+        ids = torch.randint(3, 96, (3, 310), generator=torch.Generator().manual_seed(window))
+        mask = torch.ones_like(ids)
+        ids[1, :10], mask[1, :10] = 0, 0
+        ids[1, 10:] = seq  # left padded, between two others
+        assert torch.equal(model.hidden_states(ids, mask)[1, 10:], whole)
 
 
 def test_forward_is_padding_invariant():

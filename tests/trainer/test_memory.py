@@ -13,6 +13,7 @@ from reprorl import cli
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from reprorl.models.arch import ModelArgs
+from reprorl.models.tiny import TINY_FAMILIES
 from reprorl.models.transformer import CausalLM
 from reprorl.trainer import memory
 from reprorl.trainer.memory import GIB, activation_bytes, check_gpu_memory, estimate_memory, kv_cache_bytes, param_count
@@ -205,10 +206,9 @@ def test_a_cuda_run_that_cannot_fit_stops_before_any_part_starts(tmp_path, monke
         fit.Trainer(cfg)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "olmo2", "mistral"])
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 def test_param_count_is_the_models(family):
     from reprorl.models.transformer import CausalLM
 
-    args = dataclasses.replace(TINY, model_type=family, qkv_bias=False, qk_norm=family == "qwen3",
-                               qk_norm_whole=family == "olmo2", post_norm=family == "olmo2")
+    args = dataclasses.replace(TINY, model_type=family, **TINY_FAMILIES[family])
     assert param_count(args) == sum(p.numel() for p in CausalLM(args).parameters())
