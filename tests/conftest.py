@@ -33,20 +33,50 @@ def char_tokenizer():
     return make_char_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray for one test module, shut down after it if this fixture started it.
+def _ray_is_clean(ray, within_s: float = 5.0) -> bool:
+    """Whether this Ray has no actor left (alive, restarting or still pending) and every CPU
+    free, waiting up to `within_s` for kills already sent (`ray.kill` lands asynchronously)."""
+    from ray._private import state
 
-    Modules never inherit each other's Ray (its actors, its reserved CPUs), so each runs
-    the same alone and in the full suite.
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [a for a in state.actors().values() if a["State"] != "DEAD"]
+        if not left and ray.available_resources().get("CPU", 0.0) == ray.cluster_resources().get("CPU"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def _ray_started_here():
+    """{"started": whether `ray_local` started the Ray that is up}; that Ray stops at the session's end."""
+    owner = {"started": False}
+    yield owner
+    if owner["started"]:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local(_ray_started_here):
+    """A local Ray (2 CPUs) for one test module, started if none is up.
+
+    Modules never inherit each other's Ray state (its actors, its reserved CPUs), so each
+    runs the same alone and in the full suite; but a Ray left clean (no actor left, every
+    CPU free) is handed to the next module as it is, since starting and stopping one took
+    5-10 s a module on 2 cores. One that is not clean is shut down: the next module starts
+    a fresh one, as every module used to.
     """
     import ray
 
-    started = not ray.is_initialized()
-    if started:
+    if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        _ray_started_here["started"] = True
     yield ray
-    if started:
+    if _ray_started_here["started"] and ray.is_initialized() and not _ray_is_clean(ray):
         ray.shutdown()
 
 
@@ -119,12 +149,16 @@ def assets(tmp_path_factory, tiny_policy_dir):
 @pytest.fixture(scope="session")
 def three_step_run(assets, tmp_path_factory):
     """The run directory of a plain 3-step small run (tests/small_run.py), trained once a
-    session: the uninterrupted run that reruns, resumed runs and other seeds compare with."""
+    session: the uninterrupted run that reruns, resumed runs and other seeds compare with,
+    and whose checkpoints (one a step) the export tests read. It has 2 rollout replicas, the
+    runs compared with it one (small_run's default): so each of those comparisons spans two
+    replica counts too."""
     from reprorl.config import load_config
     from small_run import run_trainer, small_run_overrides
 
     run_dir = tmp_path_factory.mktemp("three-step-run") / "run"
-    run_trainer(load_config(None, small_run_overrides(assets, run_dir, "trainer.total_steps=3")))
+    run_trainer(load_config(None, small_run_overrides(assets, run_dir, "trainer.total_steps=3",
+                                                      "rollout.num_replicas=2", "trainer.save_freq=1")))
     return run_dir
 
 

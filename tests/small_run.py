@@ -12,15 +12,19 @@ REWARD_FN = f"{Path(__file__).parent / 'trainer' / 'varied_reward.py'}:digit_sha
 
 def small_run_overrides(assets, run_dir, *extra: str) -> list[str]:
     """`reprorl train` overrides for a 2-step run on `assets` (policy, train, val paths):
-    2 prompts x n=2, responses of 8 tokens, no validation or checkpoints, metrics to
-    run_dir/metrics.jsonl; `extra` overrides come last, so they win."""
+    2 prompts x n=2, responses of 8 tokens, one rollout replica, no validation or
+    checkpoints, metrics to run_dir/metrics.jsonl; `extra` overrides come last, so they win.
+
+    One replica (the default is 2): a run this small is nearly all start-up, a replica is one
+    more process to start, and the bits do not depend on the count. The runs that compare
+    counts, or need more, say so (conftest's three_step_run, test_gates, test_faults, test_lora)."""
     return [
         f"model.path={assets['policy']}",
         f"data.train_files=[{assets['train']}]",
         f"data.val_files=[{assets['val']}]",
         f"reward.fn={REWARD_FN}",
         "data.train_batch_size=2", "data.max_response_length=8", "data.max_prompt_length=64",
-        "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
+        "rollout.num_replicas=1", "rollout.n=2", "actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size=2",
         "critic.ppo_mini_batch_size=2", "critic.ppo_micro_batch_size=2",
         "actor.weight_decay=0.0", "critic.weight_decay=0.0", "actor.lr=1e-3", "critic.lr=1e-3",
         "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",

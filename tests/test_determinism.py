@@ -428,9 +428,9 @@ def test_is_full_determinism():
         is_full_determinism({"REPRORL_FULL_DETERMINISM": "true"})
 
 
-@pytest.mark.slow  # a real local Ray: about 15 s on the 2-core CI machine
-def test_ray_actor_env_travels_and_is_checked():
-    ray = pytest.importorskip("ray")
+@pytest.mark.slow  # a real local Ray (conftest's ray_local): about 15 s on the 2-core CI machine
+def test_ray_actor_env_travels_and_is_checked(ray_local):
+    ray = ray_local
 
     class Worker:
         def __init__(self, expected: dict[str, str]):
@@ -442,10 +442,9 @@ def test_ray_actor_env_travels_and_is_checked():
             return hash(s)
 
     expected = determinism_env(987654321, full_determinism=True)
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    actor = ray.remote(Worker)
+    good = actor.options(num_cpus=0, runtime_env=ray_runtime_env(expected)).remote(expected)
     try:
-        actor = ray.remote(Worker)
-        good = actor.options(num_cpus=0, runtime_env=ray_runtime_env(expected)).remote(expected)
         worker_hash = ray.get(good.python_hash.remote("reprorl"), timeout=120)
         bad = actor.options(num_cpus=0).remote(expected)
         with pytest.raises(ray.exceptions.RayActorError) as info:
@@ -453,7 +452,7 @@ def test_ray_actor_env_travels_and_is_checked():
         assert "test worker" in str(info.value)
         assert "REPRORL_SEED is missing (expected '987654321')" in str(info.value)
     finally:
-        ray.shutdown()
+        ray.kill(good)
     # PYTHONHASHSEED reached the worker's interpreter at start-up, not just os.environ.
     code = 'import json; print(json.dumps(hash("reprorl")))'
     assert worker_hash == _result(_run_python(code, _clean_env(PYTHONHASHSEED="0")))

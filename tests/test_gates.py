@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_en
 
 def train(assets, run_dir: Path, *overrides: str) -> Path:
     """`reprorl train` on the tiny setup (2 prompts x n=2, 8 tokens, 2 steps) plus `overrides`."""
-    args = small_run_overrides(assets, run_dir, "rollout.num_replicas=1", *overrides)
+    args = small_run_overrides(assets, run_dir, *overrides)
     assert cli.main(["train", *args]) == 0
     return run_dir
 

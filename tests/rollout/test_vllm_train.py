@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 def train(assets, run_dir):
     args = small_run_overrides(
         assets, run_dir, f"reward.model_path={assets['reward']}", "reward.backend=vllm", "rollout.backend=vllm",
-        "rollout.num_replicas=1", "rollout.vllm_kv_cache_gib=0.0625", "rollout.vllm_enforce_eager=true",
+        "rollout.vllm_kv_cache_gib=0.0625", "rollout.vllm_enforce_eager=true",
     )
     proc = subprocess.run([sys.executable, "-m", "reprorl.cli", "train", *args], capture_output=True, text=True,
                           timeout=600)

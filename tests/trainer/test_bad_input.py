@@ -72,7 +72,7 @@ def inputs(assets, tmp_path_factory):
 
 
 def overrides(inputs, run_dir, *extra):
-    return small_run_overrides(inputs, run_dir, "rollout.num_replicas=1", *extra)
+    return small_run_overrides(inputs, run_dir, *extra)
 
 
 def config(inputs, run_dir, *extra):

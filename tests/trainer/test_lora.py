@@ -37,7 +37,8 @@ def records(run_dir, name):
 @pytest.fixture(scope="module")
 def grpo_run(assets, tmp_path_factory):
     """3 steps of LoRA GRPO with a KL loss, a checkpoint each step: 2 replicas, 1 worker."""
-    cfg = lora_config(assets, tmp_path_factory.mktemp("grpo") / "run", "trainer.total_steps=3", "trainer.save_freq=1")
+    cfg = lora_config(assets, tmp_path_factory.mktemp("grpo") / "run", "trainer.total_steps=3", "trainer.save_freq=1",
+                      "rollout.num_replicas=2")
     run_trainer(cfg)
     return Path(cfg.trainer.run_dir)
 
@@ -140,13 +141,11 @@ def test_lora_export_is_the_trained_adapters_and_loads_in_peft(assets, grpo_run,
     torch.testing.assert_close(ours_logits(ours_merged, ids), expected, rtol=0, atol=1e-5)
 
 
-def test_full_fine_tuning_export_loads_in_transformers(assets, tmp_path):
-    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", "trainer.total_steps=1",
-                                                "trainer.save_freq=1"))
-    run_trainer(cfg)
-    out = export(tmp_path / "run", tmp_path / "hf", step=1)
+def test_full_fine_tuning_export_loads_in_transformers(three_step_run, tmp_path):
+    """Step 1's checkpoint of conftest's shared full fine-tuning run (step 1 of 3: not its newest)."""
+    out = export(three_step_run, tmp_path / "hf", step=1)
     ours, _ = load_model(out)
-    step_1 = records(tmp_path / "run", "fingerprints.jsonl")[-1]["params"]
+    step_1 = records(three_step_run, "fingerprints.jsonl")[0]["params"]
     assert tensor_digests(ours.named_parameters()) == step_1  # the weights step 1 ended with
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = token_ids()

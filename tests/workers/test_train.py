@@ -41,7 +41,7 @@ def root(tmp_path_factory):
 
 def overrides(assets, run_dir, algo, num_workers, *extra):
     return small_run_overrides(
-        assets, run_dir, *ALGOS[algo], "rollout.num_replicas=1", "actor.ppo_micro_batch_size=1",
+        assets, run_dir, *ALGOS[algo], "actor.ppo_micro_batch_size=1",
         "critic.ppo_micro_batch_size=1", "trainer.total_steps=3", "trainer.save_freq=1",
         f"trainer.num_workers={num_workers}", *extra,
     )
