@@ -20,6 +20,10 @@
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k 'y or z'", parsed as a shell line)
 # A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
 # FAULT_S: a test running longer dumps its stacks, 120 s).
+#   families every model family at its real shape against transformers (tests/models/test_real_shapes.py),
+#            sliding-window attention on CUDA (tests/kernels/test_sliding_window.py), and the rollout
+#            and train-step benchmarks of the Llama-3.2-1B and Gemma-3-1B shapes beside Qwen2.5-0.5B
+#            (FAMILY_BENCH=rollout or trainstep: one of the two only)
 #   reward   the reward model on the GPU (its gpu test)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU (its fingerprints.jsonl comes back: compare it with a run here)
@@ -116,6 +120,24 @@ for step in $steps; do
       run_tests test_gpu_train tests/trainer/test_gpu_train.py
       timeout 300 python3 bench/train_step.py --out "$LOGS/train_step.json" > "$LOGS/bench_train_step.log" 2>&1
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
+    families)
+      with_ray || echo "no .whl: the train-step bench skips" | summary
+      if [ -z "${FAMILY_BENCH:-}" ]; then
+        run_tests families_gpu tests/models/test_real_shapes.py tests/kernels/test_sliding_window.py -m gpu
+      fi
+      if [ "${FAMILY_BENCH:-rollout}" = rollout ]; then
+        timeout 330 python3 bench/rollout.py --device cuda --budget-s 280 \
+          --gpu-models qwen2.5-0.5b llama3.2-1b gemma3-1b --out "$OUT/rollout_families.json" \
+          > "$LOGS/bench_rollout_families.log" 2>&1
+        tail -40 "$LOGS/bench_rollout_families.log" | summary
+      fi
+      if [ "${FAMILY_BENCH:-trainstep}" = trainstep ]; then
+        for shape in llama3.2-1b gemma3-1b; do
+          timeout 280 python3 bench/train_step.py --shape $shape --skip-trl ${TRAIN_STEP_ARGS:-} \
+            --out "$OUT/train_step_$shape.json" > "$LOGS/bench_train_step_$shape.log" 2>&1
+          grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_$shape.log" | tail -14 | summary
+        done
+      fi ;;
     gputests)
       with_ray || { echo "no .whl: skipping gputests" | summary; continue; }
       run_tests test_gpu_train tests/trainer/test_gpu_train.py ;;

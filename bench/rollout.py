@@ -63,6 +63,7 @@ import time
 import torch
 
 from profiling import kernel_summary, print_summary  # bench/profiling.py (the script's folder is on sys.path)
+from shapes import SHAPES, shape_args  # bench/shapes.py
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "rollout.json")
 
@@ -190,29 +191,23 @@ def run_one(argv: list[str]) -> None:
     print(json.dumps([t.wall, t.cpu]))
 
 
-# hidden, intermediate, layers, heads, kv heads, head_dim, vocab (tied embeddings, qkv bias)
-QWEN = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 64, 151936), "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 128, 151936)}
+GPU_MODELS = {"qwen2.5-0.5b": "0.5b", "qwen2.5-1.5b": "1.5b", "llama3.2-1b": "llama3.2-1b",
+              "gemma3-1b": "gemma3-1b"}  # name here -> bench/shapes.py's
 GPU_PROMPT, GPU_NEW, GPU_BATCHES = 128, 256, (64, 256)
 
 
 def gpu_models(name: str):
-    """(transformers model, reprorl CausalLM) of one Qwen shape on the GPU, bf16, the same random weights."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """(transformers model, reprorl CausalLM) of one shape on the GPU, bf16, the same random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from reprorl.models.arch import ModelArgs
     from reprorl.models.transformer import CausalLM
 
-    h, i, n, heads, kv, hd, vocab = QWEN[name]
-    config = Qwen2Config(vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
-                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    args = shape_args({**SHAPES[GPU_MODELS[name]], "max_position_embeddings": 2048}, "bfloat16")
+    config = AutoConfig.for_model(**{**args.to_hf_config(), "bos_token_id": None, "eos_token_id": None,
+                                     "pad_token_id": 0})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
-        args = ModelArgs(model_type="qwen2", vocab_size=vocab, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
-                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, qkv_bias=True,
-                         tie_word_embeddings=True, max_position_embeddings=2048, rope_theta=config.rope_parameters["rope_theta"]
-                         if getattr(config, "rope_parameters", None) else 10000.0)
+        hf = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16).eval()
         ours = CausalLM(args, dtype=torch.bfloat16)
     missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
     assert not missing and set(unexpected) <= {"lm_head.weight"}, (missing, unexpected)
@@ -438,7 +433,8 @@ def gpu_summary(rows: list[dict]) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu: the CPU table; cuda: the GPU one")
-    parser.add_argument("--gpu-models", nargs="*", default=list(QWEN), help="--device cuda: which of " + " ".join(QWEN))
+    parser.add_argument("--gpu-models", nargs="*", default=["qwen2.5-0.5b", "qwen2.5-1.5b"],
+                        help="--device cuda: which of " + " ".join(GPU_MODELS))
     parser.add_argument("--budget-s", type=float, default=330, help="--device cuda: skip rows started past this")
     parser.add_argument("--profile", action="store_true",
                         help="--device cuda: profile decode steps (torch.profiler) instead of the table")

@@ -66,20 +66,8 @@ os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN_CPU_CAPABILITY)  # full determ
 
 import torch  # noqa: E402
 
-QWEN_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
-            "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 4096}
-SHAPES = {  # Qwen2.5's shapes (config.json of each), random weights
-    "0.5b": QWEN_05B,
-    "1.5b": {**QWEN_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-             "num_attention_heads": 12, "head_dim": 128},
-    "3b": {**QWEN_05B, "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
-           "num_attention_heads": 16, "head_dim": 128},
-    "7b": {**QWEN_05B, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-           "num_attention_heads": 28, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 152064,
-           "tie_word_embeddings": False},
-}
-QUICK = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
-         "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 128, "max_position_embeddings": 256}
+from shapes import QUICK, SHAPES, shape_args  # noqa: E402  (bench/shapes.py: the script's folder is on sys.path)
+
 SEED = 0
 
 
@@ -96,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-token-len", type=int, default=None,
                    help="micro-batches by this token budget instead of --micro-batch samples (every response has "
                         "full length here, so this measures the budget's overhead; its gain: docs/performance.md)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b", help="the Qwen2.5 shape (random weights)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.5b",
+                   help="the model shape (random weights): Qwen2.5 0.5b-7b, llama3.2-1b, gemma3-1b")
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on all linear layers, both sides (0: full)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x rank)")
@@ -155,22 +144,21 @@ def memory_estimate(args: argparse.Namespace, model_dir: Path) -> dict:
 
 
 def make_model_dir(root: Path, shape: dict, dtype: str, device: str) -> Path:
-    """A random Qwen2-shaped policy (HF directory, the char tokenizer beside it), drawn on
+    """A random policy of `shape` (HF directory, the char tokenizer beside it), drawn on
     `device` (a 7B model's weights took 138 s to draw on the host's CPU; their bits do not
-    matter here): norms 1, every other weight normal(0, 0.02)."""
+    matter here): norms the identity, every other weight normal(0, 0.02)."""
     from reprorl.models.hf_io import save_model
-    from reprorl.models.tiny import tiny_args
     from reprorl.models.tokenizer import make_char_tokenizer
     from reprorl.models.transformer import CausalLM
 
-    args = dataclasses.replace(tiny_args("policy"), **shape, torch_dtype=dtype)
+    args = shape_args(shape, dtype)
     with torch.device(device):
         model = CausalLM(args).to(getattr(torch, dtype))
     generator = torch.Generator(device).manual_seed(SEED)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(0.0 if args.norm_plus_one else 1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
     out = save_model(model.cpu(), args, root / "policy")
@@ -395,6 +383,8 @@ def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_dete
 
 def run_trl(args: argparse.Namespace, shape: dict) -> dict:
     """TRL's GRPOTrainer on the same shape (random Qwen2 weights, beta 0): the second step's time."""
+    if shape["family"] != "qwen2":
+        return {"ran": False, "why": f"TRL is timed at the Qwen2 shapes only, not {shape['family']}"}
     try:
         import trl
         from datasets import Dataset
