@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from reprorl.kernels.shared import Padding, apply_rotary, check_batched_attention, check_window, scale_logits, seen_keys
 
@@ -35,6 +36,26 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, q_start: Tensor, window: int
     scores = matmul(rows, k.transpose(-1, -2)).float() * d**-0.5  # [B, Hkv, R, Tk]
     probs = softmax(scores.masked_fill(masked, float("-inf"))).to(v.dtype)
     return matmul(probs, v).reshape(b, hq, tq, d)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, **mask: object) -> Tensor:
+    """torch's fused attention (GQA), [B, H, T, D]; `mask`: attn_mask= or is_causal=.
+
+    Its math backend for bfloat16 on a CPU that runs torch's portable kernels
+    (`ATEN_CPU_CAPABILITY=default`, as every full-determinism process does): there torch
+    2.13's flash kernel still takes its AMX packing path on a CPU with AMX (Sapphire Rapids
+    and later), which the portable build lacks, and raises "pack_vnni2 is only supported
+    when avx512 is supported". The math backend computes the same attention unfused."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and _portable_cpu_kernels():
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **mask)
+
+
+@functools.cache
+def _portable_cpu_kernels() -> bool:
+    """Whether this process runs torch's portable CPU kernels (fixed at its first CPU kernel)."""
+    return torch.backends.cpu.get_cpu_capability() == "DEFAULT"
 
 
 class TorchKernels:
@@ -103,7 +124,7 @@ class TorchKernels:
         nk = min(int(q_start.max()) + tq, k.shape[2])
         pos = q_start[:, None] + torch.arange(tq, device=q.device)  # [B, Tq]
         allowed = seen_keys(pos[:, None, :], nk, window)  # [B, 1, Tq, nk]
-        return F.scaled_dot_product_attention(q, k[:, :, :nk], v[:, :, :nk], attn_mask=allowed, enable_gqa=True)
+        return _sdpa(q, k[:, :, :nk], v[:, :, :nk], attn_mask=allowed)
 
     @staticmethod
     def padded_attention(q: Tensor, k: Tensor, v: Tensor, padding: Padding | Tensor | None,
@@ -119,5 +140,5 @@ class TorchKernels:
         elif window:
             mask = seen_keys(torch.arange(q.shape[2], device=q.device), q.shape[2], window)  # [T, T]
         else:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+            return _sdpa(q, k, v, is_causal=True).transpose(1, 2)
+        return _sdpa(q, k, v, attn_mask=mask).transpose(1, 2)
