@@ -28,17 +28,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if not args.memory:
         print(config_to_yaml(cfg), end="")
         return 0
-    from reprorl.trainer.memory import GIB, estimate_memory, gpu_total_bytes
+    from reprorl.trainer.memory import GIB, gpu_total_bytes, memory_report
     from reprorl.trainer.placement import resolve_device
 
     gpu_total = args.gpu_gib * GIB if args.gpu_gib else (
         gpu_total_bytes() if resolve_device(cfg.resources.device) == "cuda" else None)
-    estimate = estimate_memory(cfg, gpu_total)
-    print(f"GPU memory estimate of one GPU ({cfg.model.path}, model.dtype={cfg.model.dtype})")
-    print(estimate.table())
-    if gpu_total is not None:
-        verdict = "fits" if estimate.peak <= gpu_total else "does NOT fit"
-        print(f"{verdict} a GPU of {gpu_total / GIB:.1f} GiB")
+    print(memory_report(cfg, gpu_total))
     return 0
 
 

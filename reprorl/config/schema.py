@@ -398,6 +398,11 @@ class ResourcesConfig:
         "reward-model replicas split what is left evenly, one share each. Ray fractions only place actors: memory "
         "is not capped by them", gt=0, lt=1
     )
+    rollout_gpus: int = _field(
+        0, "device=cuda: 0 = the rollout replicas share the trainer's GPUs (one trainer rank of each group per GPU, "
+        "trainer.num_workers GPUs; each GPU's replicas take gpu_share_rollout of it and sleep while the trainer "
+        "updates); N > 0 = N more GPUs of the replicas' own (at least one replica each), after the trainer's", ge=0
+    )
 
 
 @dataclass

@@ -206,7 +206,7 @@ class RewardModelPool(ReplicaPoolBase):
     Placement, as `ReplicaPool`'s: `device="cuda"` builds each scorer on the GPU Ray gives
     its replica (`num_gpus` each, a fraction when the run shares one GPU:
     reprorl/trainer/placement.py; None = 1 on cuda, 0 on cpu), weights in `dtype` (None:
-    the checkpoint's).
+    the checkpoint's); `scheduling`, each replica's GPU on several GPUs.
 
     The constructor starts every replica at once and waits until all are ready;
     `wait=False` returns as soon as they are asked for, and `wait_ready()` waits.
@@ -239,6 +239,7 @@ class RewardModelPool(ReplicaPoolBase):
         device: str = "cpu",
         dtype: str | None = None,
         num_gpus: float | None = None,
+        scheduling: Sequence[Any] | None = None,
         wait: bool = True,
         part_timeout_s: float = PART_TIMEOUT_S,
     ) -> None:
@@ -255,7 +256,8 @@ class RewardModelPool(ReplicaPoolBase):
             options = {k: v for k, v in options.items() if k not in ("device", "dtype")}
             options.update(backend="vllm", **(vllm_options or {}))
         self._start_replicas(RewardReplica, num_replicas, model_path, options,
-                             num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait)
+                             num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait,
+                             scheduling=scheduling)
 
     def score(self, prompts: Sequence[Sequence[Mapping[str, str]]], responses: Sequence[str]) -> torch.Tensor:
         """[B] float32 scores, in the order given."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -148,13 +148,20 @@ class ReplicaPoolBase:
         return num_gpus
 
     def _start_replicas(self, replica_cls: type, num_replicas: int, model_path: str, options: Mapping[str, Any], *,
-                        num_gpus: float, max_num_seqs: int, wait: bool) -> None:
+                        num_gpus: float, max_num_seqs: int, wait: bool, scheduling: Sequence[Any] | None = None) -> None:
         """Ask Ray for replicas 0..num_replicas-1 of `replica_cls` (`num_gpus` each) at once;
         wait for them unless `wait` is False (`wait_ready`). `max_num_seqs`: what the pool
-        asked of each, for the vLLM backend's warning when it serves one at a time."""
+        asked of each, for the vLLM backend's warning when it serves one at a time.
+        `scheduling`: each replica's Ray scheduling strategy (the bundle of its GPU, on
+        several GPUs: reprorl/trainer/placement.py), which its replacements keep; None: Ray's choice."""
+        if scheduling is not None and len(scheduling) != num_replicas:
+            raise ValueError(f"{type(self).__name__}: {len(scheduling)} scheduling strategies for {num_replicas} replicas")
         self.model_path = str(model_path)
-        self._actor = ray.remote(replica_cls).options(num_cpus=self.num_cpus_per_replica, num_gpus=num_gpus,
-                                                      runtime_env=self.runtime_env)
+        self._actor = ray.remote(replica_cls)
+        self._actor_options = {"num_cpus": self.num_cpus_per_replica, "num_gpus": num_gpus,
+                               "runtime_env": self.runtime_env}
+        self._scheduling = list(scheduling) if scheduling is not None else [None] * num_replicas
+        self._slot_of = {i: i for i in range(num_replicas)}  # replica id -> its place (a replacement takes its dead one's)
         self._options = options
         self.max_num_seqs = max_num_seqs
         self.replicas: dict[int, Any] = {}
@@ -204,7 +211,10 @@ class ReplicaPoolBase:
         self._kill_replicas()
 
     def _start(self, replica_id: int) -> Any:
-        return self._actor.remote(replica_id, self.model_path, self._options, self.env)
+        strategy = self._scheduling[self._slot_of[replica_id]]
+        pinned = {"scheduling_strategy": strategy} if strategy is not None else {}
+        return self._actor.options(**self._actor_options, **pinned).remote(replica_id, self.model_path, self._options,
+                                                                          self.env)
 
     def _start_ready(self, replica_id: int) -> Any:
         """A replacement, started and ready (`replace_dead` kills it if this raises)."""
@@ -230,10 +240,20 @@ class ReplicaPoolBase:
         return get_within(ref, self.part_timeout_s, what)
 
     def _replace_dead(self, dead: Collection[int] | Mapping[int, BaseException], noticed_in: str) -> dict[int, int]:
-        """Replace each dead (or hung) replica, in id order; returns {dead id: replacement id}."""
-        return replace_dead(self.replicas, dead, self.KIND, self._new_ids, start=self._start_ready,
-                            reference_info=self.first_info, restarts=self.restarts, noticed_in=noticed_in,
-                            bring_up=self._bring_up, timeout_s=self.part_timeout_s)
+        """Replace each dead (or hung) replica, in id order, by one in its place (the same GPU);
+        returns {dead id: replacement id}."""
+        replaced = {}
+        for dead_id in sorted(dead):
+            def start(new_id: int, slot: int = self._slot_of[dead_id]) -> Any:
+                self._slot_of[new_id] = slot
+                return self._start_ready(new_id)
+
+            one = {dead_id: dead[dead_id]} if isinstance(dead, Mapping) else [dead_id]
+            replaced.update(replace_dead(self.replicas, one, self.KIND, self._new_ids, start=start,
+                                         reference_info=self.first_info, restarts=self.restarts,
+                                         noticed_in=noticed_in, bring_up=self._bring_up,
+                                         timeout_s=self.part_timeout_s))
+        return replaced
 
     def _bring_up(self, actor: Any) -> str:
         """Make a started replacement ready to serve before it joins `replicas`; a note for the

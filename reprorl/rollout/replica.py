@@ -27,7 +27,9 @@ num_threads=..., kernels=..., device=...)` builds such a dict (adding pid, host 
 add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id.
 
 Placement: `device="cuda"` builds each built-in engine on the GPU Ray gives the replica
-(`num_gpus`, a fraction when the trainer shares the GPU: reprorl/trainer/placement.py).
+(`num_gpus`, a fraction when the trainer shares the GPU: reprorl/trainer/placement.py);
+`scheduling` pins replica i to a GPU of the run's placement group on several GPUs, and
+a replacement to its dead replica's.
 
 Weight pushes (reprorl/rollout/weights.py): `update_weights` packs the tensors into one
 host buffer per dtype in Ray's object store (every backend, any device);
@@ -38,7 +40,7 @@ device from the trainer's own buffer (CUDA IPC), the others still from the host.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -210,6 +212,7 @@ class ReplicaPool(ReplicaPoolBase):
         dtype: str | None = None,
         num_gpus: float | None = None,
         native_options: Mapping[str, Any] | None = None,
+        scheduling: Sequence[Any] | None = None,
         wait: bool = True,
         part_timeout_s: float = PART_TIMEOUT_S,
     ):
@@ -236,7 +239,8 @@ class ReplicaPool(ReplicaPoolBase):
         self.asleep = False
         self._pushes: list[tuple[Any, frozenset[str], int]] = []  # (object ref, names, version), oldest first
         self._start_replicas(replica_cls, num_replicas, model_path, engine_options,
-                             num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait)
+                             num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait,
+                             scheduling=scheduling)
 
     def replica_ids(self) -> list[int]:
         return sorted(self.replicas)

@@ -551,7 +551,7 @@ class Trainer:
         infos.update({f"agent-loop worker {i}": info for i, info in parts.agent.determinism_info().items()})
         report = build_report(infos, full_determinism=self.cfg.full_determinism, seed=self.cfg.seed)
         report["started_at_step"] = step
-        report["placement"] = dataclasses.asdict(self.placement)
+        report["placement"] = self.placement.summary()
         write_report(self.run_dir, report)
         logger.info("%s", format_report(report))
         return report

@@ -38,6 +38,7 @@ from reprorl.errors import ConfigError
 from reprorl.kernels.shared import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.models.lora import resolve_targets
+from reprorl.trainer.placement import Placement, plan_run
 from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import gpu_vectors_held
 from reprorl.workers.optim import STEP_CHUNK
@@ -252,11 +253,11 @@ def dtype_bytes(name: str) -> int:
     return {"float32": 4, "bfloat16": 2}[name]
 
 
-def rollout_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any, gpu_total: int | None) -> None:
-    """Each replica's weights (resident: they stay on the GPU while it sleeps) and, while it
-    generates, its KV cache (`kv_cache_bytes`, from the GPU's size: its free memory is not
-    known before the run) and its last step's float32 logits."""
-    ro, dsize, replicas = cfg.rollout, dtype_bytes(cfg.model.dtype), cfg.rollout.num_replicas
+def rollout_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any, gpu_total: int | None, replicas: int) -> None:
+    """Each of the GPU's `replicas`' weights (resident: they stay on the GPU while it sleeps)
+    and, while it generates, its KV cache (`kv_cache_bytes`, from the GPU's size: its free
+    memory is not known before the run) and its last step's float32 logits."""
+    ro, dsize = cfg.rollout, dtype_bytes(cfg.model.dtype)
     weights = param_count(args) * dsize
     if ro.backend == "vllm":  # vLLM takes its share of the GPU, weights included, or weights + a KV size
         share = int(ro.vllm_kv_cache_gib * GIB) + weights if ro.vllm_kv_cache_gib is not None else (
@@ -271,13 +272,21 @@ def rollout_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any, gpu_total: int
                                 "engine logits (float32)": replicas * ro.max_num_seqs * args.vocab_size * FP32}
 
 
+def gpu_plan(cfg: Any, lora_rank: int) -> Placement:
+    """The run's placement on GPUs (`placement.plan_run`), whatever this machine has."""
+    return plan_run(cfg, lora=lora_rank > 0, device="cuda")
+
+
 def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | None = None) -> MemoryEstimate:
-    """Each part's GPU memory on one GPU for the run `cfg` (module doc), reading only the
-    models' config.json. `gpu_total`: the GPU's bytes (sizes the KV cache as the engine
-    would, from the most it could find free; None: as if max_num_seqs slots fit).
-    `lora_rank`: instead of the config's `model.lora_rank`."""
+    """Each part's GPU memory on the run's first GPU (module doc), reading only the models'
+    config.json: one rank of each trainer group, the reward and (colocated) rollout
+    replicas it holds, which no other GPU of the run exceeds (`placement.plan_run` deals
+    replicas from GPU 0; `estimate_rollout_gpu` is a rollout GPU's own). `gpu_total`: the
+    GPU's bytes (sizes the KV cache as the engine would, from the most it could find free;
+    None: as if max_num_seqs slots fit). `lora_rank`: instead of the config's `model.lora_rank`."""
     m, dsize = cfg.model, dtype_bytes(cfg.model.dtype)
     rank, targets = lora_settings(m, lora_rank)
+    on_gpu = gpu_plan(cfg, rank).parts_on(0)
     actor = read_model_args(m.path, "model.path")
     est = MemoryEstimate()
     total = param_count(actor)
@@ -294,21 +303,28 @@ def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | 
     _, rows = micro_batch_geometry(mini, cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_max_token_len_per_micro_batch,
                                    seq)
     est.phases["log-probs"] = {f"forward ({rows} x {seq} tokens)": forward_bytes(actor, dsize, rows, seq, response)}
-    workers = 1
-    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not rank:  # LoRA: the base is the reference
+    if "ref" in on_gpu:  # LoRA: the base is the reference, and there is no group
         est.resident["reference weights"] = param_count(read_model_args(m.ref_path or m.path, "model.ref_path")) * dsize
-        workers += 1
-    if cfg.algorithm.adv_estimator == "gae":
+    if "critic" in on_gpu:
         critic_parts(est, read_model_args(m.critic_path or m.path, "model.critic_path"), cfg)
-        workers += 1
-    processes = workers * cfg.trainer.num_workers + cfg.rollout.num_replicas
-    if cfg.reward.model_path is not None:
-        reward = read_model_args(cfg.reward.model_path, "reward.model_path")
-        est.resident[f"reward model weights ({cfg.reward.num_replicas} replica(s))"] = (
-            cfg.reward.num_replicas * param_count(reward, "reward") * dsize)
-        processes += cfg.reward.num_replicas
-    rollout_parts(est, actor, cfg, gpu_total)
-    est.processes = processes
+    if "reward" in on_gpu:
+        reward, replicas = read_model_args(cfg.reward.model_path, "reward.model_path"), on_gpu["reward"]
+        est.resident[f"reward model weights ({replicas} replica(s))"] = replicas * param_count(reward, "reward") * dsize
+    if "rollout" in on_gpu:
+        rollout_parts(est, actor, cfg, gpu_total, on_gpu["rollout"])
+    est.processes = sum(on_gpu.values())
+    return est
+
+
+def estimate_rollout_gpu(cfg: Any, gpu_total: int | None = None) -> MemoryEstimate | None:
+    """The first of the rollout replicas' own GPUs (`resources.rollout_gpus` > 0; None when
+    they share the trainer's): its replicas' weights and generation phase."""
+    plan = gpu_plan(cfg, cfg.model.lora_rank)
+    if not cfg.resources.rollout_gpus:
+        return None
+    replicas = plan.parts_on(len(plan.actor))["rollout"]
+    est = MemoryEstimate(processes=replicas)
+    rollout_parts(est, read_model_args(cfg.model.path, "model.path"), cfg, gpu_total, replicas)
     return est
 
 
@@ -391,8 +407,15 @@ def largest_micro_batch(cfg: Any, fits: Any, start: int) -> int | None:
 
 
 def check_gpu_memory(cfg: Any, gpu_total: int) -> MemoryEstimate:
-    """Stop a run that cannot fit a GPU of `gpu_total` bytes before anything starts: a one-line
-    ConfigError with the estimate, the GPU's size and what would fit. Returns the estimate."""
+    """Stop a run that cannot fit GPUs of `gpu_total` bytes before anything starts: a
+    one-line ConfigError with the estimate, the GPU's size and what would fit. Returns the
+    estimate of the trainer's first GPU."""
+    rollout = estimate_rollout_gpu(cfg, gpu_total)
+    if rollout is not None and rollout.peak > gpu_total:
+        raise ConfigError(
+            f"GPU memory: a rollout GPU needs about {rollout.peak / GIB:.1f} GiB at its peak and has "
+            f"{gpu_total / GIB:.1f} GiB; would fit: more resources.rollout_gpus (fewer replicas each), or a lower "
+            "rollout.gpu_memory_utilization (`reprorl config ... --memory` shows each part)")
     est = estimate_memory(cfg, gpu_total)
     if est.peak <= gpu_total:
         return est
@@ -401,6 +424,33 @@ def check_gpu_memory(cfg: Any, gpu_total: int) -> MemoryEstimate:
     raise ConfigError(
         f"GPU memory: the run needs about {est.peak / GIB:.1f} GiB at its peak ({est.peak_phase}) and the GPU "
         f"has {gpu_total / GIB:.1f} GiB; {hint} (`reprorl config ... --memory` shows each part)")
+
+
+def memory_report(cfg: Any, gpu_total: int | None) -> str:
+    """What `reprorl config ... --memory` prints: the estimate of each kind of GPU the run
+    takes (the trainer's first; a rollout GPU's own, if it has any) and, given `gpu_total`
+    bytes, whether each fits."""
+    plan = gpu_plan(cfg, cfg.model.lora_rank)
+    trainer_gpus = len(plan.actor)
+    kinds = [(f"GPU 0 of the trainer's {trainer_gpus} ({_named(plan.parts_on(0))})", estimate_memory(cfg, gpu_total))]
+    rollout = estimate_rollout_gpu(cfg, gpu_total)
+    if rollout is not None:
+        kinds.append((f"GPU {trainer_gpus}, the first of the rollout's {plan.num_gpus - trainer_gpus} "
+                      f"({_named(plan.parts_on(trainer_gpus))})", rollout))
+    lines = [f"GPU memory estimate per GPU ({cfg.model.path}, model.dtype={cfg.model.dtype}): the run takes "
+             f"{plan.num_gpus} GPU(s)"]
+    for title, est in kinds:
+        lines += ["", title, est.table()]
+        if gpu_total is not None:
+            lines.append(f"{'fits' if est.peak <= gpu_total else 'does NOT fit'} a GPU of {gpu_total / GIB:.1f} GiB")
+    return "\n".join(lines)
+
+
+def _named(parts: dict[str, int]) -> str:
+    """{"actor": 1, "rollout": 2} -> "actor rank, 2 rollout replicas"."""
+    what = {"actor": "actor rank", "ref": "reference rank", "critic": "critic rank", "reward": "reward-model replica",
+            "rollout": "rollout replica"}
+    return ", ".join(f"{what[p]}" if n == 1 else f"{n} {what[p]}s" for p, n in parts.items())
 
 
 def gpu_total_bytes() -> int:

@@ -45,7 +45,7 @@ from reprorl.rollout.pool import replica_cpus
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.sampling import SamplingParams
 from reprorl.supervision import Restarts
-from reprorl.trainer.placement import Placement, plan_placement
+from reprorl.trainer.placement import Placement, Slot, plan_run, ray_options, reserve_gpus, resolve_device
 from reprorl.workers.group import WorkerGroup
 from reprorl.workers.optim import OptimArgs
 from reprorl.workers.policy import PolicyLossArgs
@@ -67,15 +67,8 @@ def _needs_ref_group(cfg: Config, lora: LoraSpec | None) -> bool:
 
 
 def plan_run_placement(cfg: Config, lora: LoraSpec | None) -> Placement:
-    """Each part's device and GPU share (`plan_placement`), for the groups and pools this run has."""
-    workers = cfg.trainer.num_workers
-    return plan_placement(
-        cfg.resources.device, actor_workers=workers,
-        ref_workers=workers if _needs_ref_group(cfg, lora) else 0,
-        critic_workers=workers if cfg.algorithm.adv_estimator == "gae" else 0,
-        rollout_replicas=cfg.rollout.num_replicas, rollout_share=cfg.resources.gpu_share_rollout,
-        reward_replicas=cfg.reward.num_replicas if cfg.reward.model_path is not None else 0,
-    )
+    """Each part's GPU and share (placement.py's `plan_run`) on `resources.device`, resolved."""
+    return plan_run(cfg, lora=lora is not None, device=resolve_device(cfg.resources.device))
 
 
 def chat_template_kwargs(data: DataConfig, ro: RolloutConfig) -> dict[str, Any]:
@@ -145,10 +138,12 @@ class Parts:
     pool: ReplicaPool | None = None
     reward_loop: RewardLoop | None = None
     agent: AgentLoopManager | None = None
+    gpus: Any = None
+    """The Ray placement group that reserves the run's GPUs (placement.py's `reserve_gpus`; None on one GPU or the CPU)."""
 
     def stop(self) -> None:
         """Stop every part that was started (all of them after `start_parts`; fewer when a
-        start failed)."""
+        start failed), then give back the reserved GPUs."""
         if self.reward_loop is not None:
             self.reward_loop.close()
         if self.agent is not None:
@@ -156,6 +151,11 @@ class Parts:
         for part in (self.pool, self.actor, self.ref, self.critic, self.reward_model):
             if part is not None:
                 part.shutdown()
+        if self.gpus is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.gpus)
+            self.gpus = None
 
 
 def start_parts(cfg: Config, *, placement: Placement, lora: LoraSpec | None, restarts: Restarts,
@@ -175,9 +175,10 @@ def start_parts(cfg: Config, *, placement: Placement, lora: LoraSpec | None, res
     parts = Parts()
     try:
         # Each part is kept as soon as it exists, so that `parts.stop()` finds it if a later one fails.
+        parts.gpus = reserve_gpus(placement)
         _start_worker_groups(parts, cfg, placement, lora)
-        parts.reward_model = _reward_model(cfg, placement, restarts, reward_cpus)
-        parts.pool = _rollout(cfg, placement, lora, restarts, rollout_cpus)
+        parts.reward_model = _reward_model(cfg, placement, parts.gpus, restarts, reward_cpus)
+        parts.pool = _rollout(cfg, placement, parts.gpus, lora, restarts, rollout_cpus)
         # Its rule-reward process starts meanwhile.
         parts.reward_loop = _reward_loop(cfg, reward_fn, parts.reward_model)
         for part in (parts.actor, parts.ref, parts.critic, parts.reward_model, parts.pool):
@@ -222,17 +223,27 @@ def _start_worker_groups(parts: Parts, cfg: Config, placement: Placement, lora: 
     leaves `parts.stop()` the earlier."""
     total = cfg.trainer.total_steps
     common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
-              "dtype": cfg.model.dtype, "device": placement.device, "num_gpus": placement.worker_gpus,
+              "dtype": cfg.model.dtype, "device": placement.device,
               "gradient_checkpointing": cfg.model.gradient_checkpointing,
               "gpu_gradient_vectors": cfg.model.gpu_gradient_vectors, "wait": False,
               "part_timeout_s": cfg.trainer.part_timeout_s}
     parts.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
-                              lora=lora, **common)
+                              lora=lora, **common, **_pinned(placement.actor, parts.gpus))
     if _needs_ref_group(cfg, lora):
-        parts.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common)
+        parts.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common,
+                                **_pinned(placement.ref, parts.gpus))
     if cfg.algorithm.adv_estimator == "gae":
-        parts.critic = WorkerGroup("critic", model_path=cfg.model.critic_path,
-                                   optim=_optim_args(cfg.critic, total), **common)
+        parts.critic = WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total),
+                                   **common, **_pinned(placement.critic, parts.gpus))
+
+
+def _pinned(slots: tuple[Slot, ...], gpus: Any) -> dict[str, Any]:
+    """A group's or pool's keywords that put its processes in their `slots`: the GPU share
+    (the same for each) and, with the run's placement group `gpus`, each one's bundle."""
+    scheduling = None
+    if gpus is not None:
+        scheduling = [ray_options(slot, gpus).get("scheduling_strategy") for slot in slots]
+    return {"num_gpus": slots[0].share, "scheduling": scheduling}
 
 
 def _optim_args(section: Any, total_steps: int) -> OptimArgs:
@@ -247,7 +258,7 @@ def _optim_args(section: Any, total_steps: int) -> OptimArgs:
     )
 
 
-def _reward_model(cfg: Config, placement: Placement, restarts: Restarts, num_cpus_per_replica: float) -> Any:
+def _reward_model(cfg: Config, placement: Placement, gpus: Any, restarts: Restarts, num_cpus_per_replica: float) -> Any:
     """The reward-model pool, started but not waited for; None without `reward.model_path`."""
     rw = cfg.reward
     if rw.model_path is None:
@@ -258,7 +269,7 @@ def _reward_model(cfg: Config, placement: Placement, restarts: Restarts, num_cpu
         rw.model_path, rw.num_replicas, seed=cfg.seed, full_determinism=cfg.full_determinism,
         max_num_seqs=rw.max_num_seqs, backend=rw.backend, vllm_options=_vllm_options(cfg.rollout),
         restarts=restarts, num_cpus_per_replica=num_cpus_per_replica, device=placement.device,
-        dtype=cfg.model.dtype, num_gpus=placement.reward_gpus, wait=False,
+        dtype=cfg.model.dtype, **_pinned(placement.reward, gpus), wait=False,
         part_timeout_s=cfg.trainer.part_timeout_s,
     )
 
@@ -283,7 +294,7 @@ def _reward_loop(cfg: Config, reward_fn: Any, reward_model: Any) -> RewardLoop:
                       overlong_penalty_factor=buffer.penalty_factor, max_length=cfg.rollout.max_tokens)
 
 
-def _rollout(cfg: Config, placement: Placement, lora: LoraSpec | None, restarts: Restarts,
+def _rollout(cfg: Config, placement: Placement, gpus: Any, lora: LoraSpec | None, restarts: Restarts,
              num_cpus_per_replica: float) -> ReplicaPool:
     """The rollout replica pool, started but not waited for."""
     ro, data = cfg.rollout, cfg.data
@@ -293,7 +304,7 @@ def _rollout(cfg: Config, placement: Placement, lora: LoraSpec | None, restarts:
         max_model_len=data.max_prompt_length + data.max_response_length,  # within the model's: check_models
         backend=ro.backend, vllm_options=_vllm_options(ro), restarts=restarts,
         num_cpus_per_replica=num_cpus_per_replica, wait=False, part_timeout_s=cfg.trainer.part_timeout_s,
-        device=placement.device, dtype=cfg.model.dtype, num_gpus=placement.rollout_gpus,
+        device=placement.device, dtype=cfg.model.dtype, **_pinned(placement.rollout, gpus),
         native_options={"gpu_memory_utilization": ro.gpu_memory_utilization, "cuda_graphs": ro.cuda_graphs,
                         "prefix_sharing": ro.prefix_sharing, "lookahead": ro.lookahead, "lora": lora},
     )

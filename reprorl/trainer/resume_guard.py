@@ -43,7 +43,7 @@ SAME_BITS_KEYS = frozenset({
     "rollout.max_num_batched_tokens", "rollout.gpu_memory_utilization", "rollout.lookahead",
     "reward.num_replicas", "reward.max_num_seqs", "reward.max_error_rate",  # that one: only whether a step stops
     "model.gradient_checkpointing", "model.gpu_gradient_vectors", "data.val_batch_size", "resources.gpu_share_rollout",
-    "trainer.log_generations",
+    "resources.rollout_gpus", "trainer.log_generations",
 })
 """Keys whose change leaves every bit of the run as it was (batch-invariant kernels, fixed
 reduction orders, request seeds from the sample's identity). Any key ending in `timeout_s`

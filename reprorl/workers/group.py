@@ -78,13 +78,16 @@ class WorkerGroup:
                  full_determinism: bool, dtype: str | None = None, batch_invariant: bool | None = None,
                  device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
                  gpu_gradient_vectors: int = 0, wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S,
-                 lora: LoraSpec | None = None, in_process: bool = False) -> None:
+                 lora: LoraSpec | None = None, in_process: bool = False,
+                 scheduling: Sequence[Any] | None = None) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
         the processes are asked for, before they have started: `wait_ready()` waits.
         `part_timeout_s`: the limit of a call, scaled by its batch's tokens (`time_limit`).
         `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone.
-        `in_process`: its one rank in this process (module doc)."""
+        `in_process`: its one rank in this process (module doc). `scheduling`: each rank's Ray
+        scheduling strategy (on several GPUs, the bundle of rank r's GPU in the run's placement
+        group: reprorl/trainer/placement.py); None: Ray's choice."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
@@ -104,8 +107,14 @@ class WorkerGroup:
             self.workers = [ShardWorker(role, 0, 1, str(model_path), expected_env={}, **options)]
             self._join(None)
             return
-        remote = ray.remote(ShardWorker).options(num_cpus=0, num_gpus=self.num_gpus, runtime_env=ray_runtime_env(env))
-        self.workers = [remote.remote(role, rank, num_workers, str(model_path), expected_env=env, **options)
+        if scheduling is not None and len(scheduling) != num_workers:
+            raise ValueError(f"WorkerGroup: {len(scheduling)} scheduling strategies for {num_workers} workers")
+        remote = ray.remote(ShardWorker)
+        ray_options = {"num_cpus": 0, "num_gpus": self.num_gpus, "runtime_env": ray_runtime_env(env)}
+        pins = [{} if scheduling is None or scheduling[rank] is None else {"scheduling_strategy": scheduling[rank]}
+                for rank in range(num_workers)]
+        self.workers = [remote.options(**ray_options, **pins[rank]).remote(role, rank, num_workers, str(model_path),
+                                                                          expected_env=env, **options)
                         for rank in range(num_workers)]
         self._starting = [w.ready.remote() for w in self.workers]  # answered once each rank has loaded
         if wait:

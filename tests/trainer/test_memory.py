@@ -191,12 +191,11 @@ def test_a_cuda_run_that_cannot_fit_stops_before_any_part_starts(tmp_path, monke
     from reprorl.data.synthetic import write_arithmetic_dataset
     from reprorl.models.tiny import make_tiny
     from reprorl.trainer import fit, parts
-    from reprorl.trainer.placement import Placement
 
     policy = make_tiny(tmp_path / "policy", kind="policy", seed=0)
     data = write_arithmetic_dataset(tmp_path / "data", num_train=64, num_val=8, seed=0)
     # A GPU of 1 GiB (2 processes' CUDA contexts alone are 1 GiB), and no Ray.
-    monkeypatch.setattr(parts, "plan_placement", lambda *args, **kwargs: Placement("cuda", 0.35, 0.3))
+    monkeypatch.setattr(parts, "resolve_device", lambda device: "cuda")
     monkeypatch.setattr(fit, "gpu_total_bytes", lambda: GIB)
     monkeypatch.setattr(fit, "init_ray", lambda: pytest.fail("a part started"))
     cfg = load_config(None, [f"model.path={policy}", f"data.train_files=[{data['train']}]", "data.val_files=[]",
