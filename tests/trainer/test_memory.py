@@ -181,6 +181,43 @@ def test_config_memory_prints_the_table(tiny_dir, capsys):
     assert "does NOT fit a GPU of 1.0 GiB" in out  # 5 CUDA contexts alone are 2.5 GiB
 
 
+def test_several_gpus_each_hold_one_rank_and_their_share_of_replicas(tiny_dir):
+    """4 ranks, 6 replicas colocated: GPU 0 (the busiest) holds one actor and one reference
+    rank, 2 replicas; the master and moments are a quarter (26 of the padded 104 chunks)."""
+    one, four = (estimate_memory(small_config(tiny_dir, f"trainer.num_workers={n}", "rollout.num_replicas=6",
+                                              "data.train_batch_size=32", "actor.ppo_mini_batch_size=32"))
+                 for n in (1, 4))
+    assert one.processes == 2 + 6 and four.processes == 2 + 2
+    assert four.resident["rollout weights (2 replica(s))"] == one.resident["rollout weights (6 replica(s))"] // 3
+    assert four.resident["actor weights"] == one.resident["actor weights"]  # weights are whole on every rank
+    assert one.resident["actor master weights (float32)"] == 101 * 4096 * 4
+    assert four.resident["actor master weights (float32)"] == 104 * 4096 * 4 // 4  # padded to 4 x 26 chunks
+    assert four.phases["generation"]["KV cache (2 replica(s))"] * 3 == one.phases["generation"][
+        "KV cache (6 replica(s))"]
+
+
+def test_rollout_gpus_of_their_own_are_estimated_apart(tiny_dir):
+    cfg = small_config(tiny_dir, "trainer.num_workers=2", "rollout.num_replicas=4", "resources.rollout_gpus=2")
+    trainer_gpu, rollout_gpu = estimate_memory(cfg), memory.estimate_rollout_gpu(cfg)
+    assert "generation" not in trainer_gpu.phases and not any("rollout" in k for k in trainer_gpu.resident)
+    assert trainer_gpu.processes == 2  # an actor and a reference rank
+    assert rollout_gpu.processes == 2 and set(rollout_gpu.phases) == {"generation"}
+    assert rollout_gpu.resident == {"rollout weights (2 replica(s))": 2 * 410_752 * 4}
+    assert memory.estimate_rollout_gpu(small_config(tiny_dir)) is None  # colocated: no GPU of their own
+    with pytest.raises(ConfigError, match=r"^GPU memory: a rollout GPU needs about .* more resources.rollout_gpus"):
+        check_gpu_memory(cfg, rollout_gpu.peak - 1)
+
+
+def test_config_memory_prints_each_kind_of_gpu(tiny_dir, capsys):
+    args = [f"model.path={tiny_dir}", "trainer.num_workers=4", "rollout.num_replicas=2", "resources.rollout_gpus=2"]
+    assert cli.main(["config", *args, "--memory", "--gpu-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "the run takes 6 GPU(s)" in out
+    assert "GPU 0 of the trainer's 4 (actor rank, reference rank)" in out
+    assert "GPU 4, the first of the rollout's 2 (rollout replica)" in out
+    assert out.count("fits a GPU of 80.0 GiB") == 2
+
+
 def test_config_memory_names_a_missing_model(tmp_path, capsys):
     assert cli.main(["config", f"model.path={tmp_path / 'none'}", "--memory"]) == 2
     assert "model.path=" in capsys.readouterr().err
