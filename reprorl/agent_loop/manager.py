@@ -315,6 +315,7 @@ class AgentLoopManager:
         tools: list[str] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         part_timeout_s: float = PART_TIMEOUT_S,
+        wait: bool = True,
     ):
         if agent not in AGENTS:
             raise ValueError(f"AgentLoopManager: agent={agent!r}; expected one of {AGENTS}")
@@ -340,15 +341,26 @@ class AgentLoopManager:
         self._balancer = LoadBalancerActor.options(runtime_env=pool.runtime_env)
         self._routing = routing
         self.balancer_id, self._new_balancer_ids = 0, itertools.count(1)
-        self.balancer = self._start_balancer(pool.replica_ids())
+        self.balancer = self._start_balancer(pool.replica_ids(), wait=False)
         self.replicas = dict(pool.replicas)  # what the balancer and the workers route to
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
         self._worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
         self._worker_args = (tokenizer_path, pool.env, agent, max_turns, tools, template_kwargs)
         self.workers = {i: self._start_worker(i) for i in range(num_workers)}
         self._new_worker_ids = itertools.count(num_workers)  # a replacement's id: never one used before
+        self.first_worker_info: dict[str, Any] | None = None  # what a replacement must equal; set by wait_ready
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until the balancer and every worker have started (within the pools' start
+        limit). Done by the constructor unless `wait=False`, which returns once the processes
+        are asked for, so that they start beside the other parts (reprorl/trainer/parts.py);
+        call it before any other method. A second call returns at once."""
+        if self.first_worker_info is not None:
+            return
+        wait_for_actors([self.balancer], f"load balancer {self.balancer_id}", 0, method="__ray_ready__")
         wait_for_actors(list(self.workers.values()), "agent-loop workers", 0)
-        # What a replacement must equal:
         self.first_worker_info = self._get(self.workers[0].determinism_info.remote(), "agent-loop worker 0")
 
     def generate_sequences(self, batch: Batch) -> Batch:
@@ -442,10 +454,12 @@ class AgentLoopManager:
                             start=self._start_worker_ready, reference_info=self.first_worker_info,
                             restarts=self.restarts, noticed_in=noticed_in, timeout_s=self.part_timeout_s)
 
-    def _start_balancer(self, replica_ids: list[int]) -> Any:
-        """A balancer actor over `replica_ids`, started (within the pools' start limit)."""
+    def _start_balancer(self, replica_ids: list[int], wait: bool = True) -> Any:
+        """A balancer actor over `replica_ids`, started (within the pools' start limit) unless
+        not `wait` (then `wait_ready` waits)."""
         balancer = self._balancer.remote(replica_ids, self._routing, expected_env=self.pool.env)
-        wait_for_actors([balancer], f"load balancer {self.balancer_id}", 0, method="__ray_ready__")
+        if wait:
+            wait_for_actors([balancer], f"load balancer {self.balancer_id}", 0, method="__ray_ready__")
         return balancer
 
     def _replace_balancer(self, how: str, noticed_in: str) -> None:

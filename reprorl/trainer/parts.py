@@ -164,7 +164,8 @@ def start_parts(cfg: Config, *, placement: Placement, lora: LoraSpec | None, res
 
     Each process imports torch (and Triton) and checks its kernels before it answers:
     one part after another, that was most of a short run. The waits go in the order the
-    parts used to start (actor, ref, critic, reward model, rollout), so a part that fails
+    parts used to start (actor, ref, critic, reward model, rollout, the agent loop's
+    balancer and workers), so a part that fails
     raises the error it raised alone, naming the part and its rank or replica; the others
     are stopped first (`Parts.stop`). `restarts` is the run's budget of replacements,
     shared by both pools and the agent loop. Ray must be up (`init_ray`).
@@ -179,13 +180,14 @@ def start_parts(cfg: Config, *, placement: Placement, lora: LoraSpec | None, res
         _start_worker_groups(parts, cfg, placement, lora)
         parts.reward_model = _reward_model(cfg, placement, parts.gpus, restarts, reward_cpus)
         parts.pool = _rollout(cfg, placement, parts.gpus, lora, restarts, rollout_cpus)
+        parts.agent = _agent(cfg, parts.pool, template_kwargs)
         # Its rule-reward process starts meanwhile.
         parts.reward_loop = _reward_loop(cfg, reward_fn, parts.reward_model)
-        for part in (parts.actor, parts.ref, parts.critic, parts.reward_model, parts.pool):
+        # The agent loop last: a model part that fails raises its error first, as it did
+        # when the agent loop started after the others.
+        for part in (parts.actor, parts.ref, parts.critic, parts.reward_model, parts.pool, parts.agent):
             if part is not None:
                 part.wait_ready()
-        # After the waits: a failing part's error comes first, as it did.
-        parts.agent = _agent(cfg, parts.pool, template_kwargs)
         logger.info("started %s in %.1f s", _summary(parts, cfg.trainer.num_workers), time.perf_counter() - t0)
     except BaseException:
         parts.stop()  # a part that failed to start stops the others, not only itself
@@ -317,7 +319,8 @@ def _vllm_options(ro: RolloutConfig) -> dict[str, Any]:
 
 
 def _agent(cfg: Config, pool: ReplicaPool, template_kwargs: dict[str, Any]) -> AgentLoopManager:
-    """The agent-loop manager that sends the rollout pool its requests."""
+    """The agent-loop manager that sends the rollout pool its requests: its processes
+    started, not waited for (`AgentLoopManager.wait_ready`)."""
     ro, data = cfg.rollout, cfg.data
     val_temperature = ro.val.temperature if ro.val.do_sample else 0.0
     return AgentLoopManager(
@@ -328,7 +331,7 @@ def _agent(cfg: Config, pool: ReplicaPool, template_kwargs: dict[str, Any]) -> A
         val_sampling_params=_sampling_params(val_temperature, ro.val.top_p, ro.val.top_k, ro.max_tokens),
         agent=ro.agent_loop, max_turns=ro.max_turns, routing=ro.routing, tools=ro.tools,
         template_kwargs=template_kwargs,
-        part_timeout_s=cfg.trainer.part_timeout_s,
+        part_timeout_s=cfg.trainer.part_timeout_s, wait=False,
     )
 
 
