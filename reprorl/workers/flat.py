@@ -44,15 +44,18 @@ What keeps the bits independent of N (the rule `config/checks.py` checks for `tr
   not depend on where the shard starts or ends (tests/workers/test_flat.py checks it).
 
 Why not FSDP2 (`torch.distributed.fsdp.fully_shard`, which does run on CPU with gloo in
-torch 2.13): it reduce-scatters each micro-batch's gradient across ranks as soon as its
-backward ends, then adds the result into the sharded gradient, so the micro-batch sums
-are grouped by rank count (g0 + g1 for N = 2, then + (g2 + g3), ...), and the
-reduce-scatter adds in the collective's order, so its gradient differs from 1 rank's at
-2 and at 4 ranks (measured: docs/performance.md). Neither can be made the same for every N
-from outside; the gradient tree above needs the micro-batch gradients before any rank
-adds them, which is what the code here does. Parameters are whole on every rank between
-steps (as ZeRO-2); sharding them at rest too (per-layer gathers, as FSDP's) changes no
-bit, since gathers are exact, and is left for the multi-GPU issue.
+torch 2.13): as it comes, it reduce-scatters each micro-batch's gradient across ranks as
+soon as its backward ends, adding in the collective's order, then adds the result into
+the sharded gradient in arrival order, so its gradient differs from 1 rank's at 2 and at 4
+ranks (measured: docs/performance.md). It can be bent to the tree above (a custom
+reduce-scatter that all-to-alls the pieces and sums them over rank index, micro-batches
+dealt by stride so that each round is a subtree, and a hook on each sharded parameter that
+takes the reduced shard into our own tree), but that rests on a private comm class, needs
+a backward on every rank at every round, and its shards are dim-0 slices of each parameter
+whose bounds move with N, which would change the norm's chunk order and the any-N
+checkpoints (docs/design.md has the study). Parameters are whole on every rank between
+steps (as ZeRO-2); sharding them at rest too (per-layer gathers of this layout's ranges)
+changes no bit, since gathers are exact: docs/design.md has the plan.
 """
 
 from __future__ import annotations
