@@ -26,6 +26,7 @@ import hashlib
 import os
 import random
 import struct
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -256,8 +257,25 @@ def use_deterministic_algorithms(enabled: bool) -> None:
     """
     import torch
 
-    torch.use_deterministic_algorithms(enabled, warn_only=False)
+    _set_deterministic_algorithms(torch, enabled)
     torch.utils.deterministic.fill_uninitialized_memory = False
+
+
+def _set_deterministic_algorithms(torch: Any, enabled: bool) -> None:
+    """`torch.use_deterministic_algorithms(enabled)` without importing torch._inductor.
+
+    torch's function imports `torch._inductor.config` to set its `deterministic` (for
+    torch.compile), which imports dynamo: 1.5 s of one core in every process of a run,
+    which compiles nothing. Its other half, the flag every eager op reads, is set here the
+    same way; inductor's flag is set where inductor is loaded already, and otherwise left
+    to its environment variable, which it reads when it loads (vLLM's compiled graphs)."""
+    os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if enabled else "0"
+    inductor = sys.modules.get("torch._inductor.config")
+    set_flag = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if inductor is not None or set_flag is None:
+        torch.use_deterministic_algorithms(enabled, warn_only=False)
+        return
+    set_flag(enabled, warn_only=False)
 
 
 # --- the run's environment ------------------------------------------------------------

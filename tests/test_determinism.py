@@ -456,3 +456,23 @@ def test_ray_actor_env_travels_and_is_checked(ray_local):
     # PYTHONHASHSEED reached the worker's interpreter at start-up, not just os.environ.
     code = 'import json; print(json.dumps(hash("reprorl")))'
     assert worker_hash == _result(_run_python(code, _clean_env(PYTHONHASHSEED="0")))
+
+
+def test_deterministic_algorithms_without_loading_inductor():
+    """`use_deterministic_algorithms` sets torch's flag without importing torch._inductor
+    (1.5 s of start-up in every process), and inductor, loaded later, is deterministic too
+    (its flag comes from the environment variable set here); off turns both off."""
+    code = """
+        import json, sys, torch
+        from reprorl.determinism import use_deterministic_algorithms
+        use_deterministic_algorithms(True)
+        on = [torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              "torch._inductor" in sys.modules]
+        import torch._inductor.config as inductor
+        on.append(inductor.deterministic)
+        use_deterministic_algorithms(False)  # inductor is loaded now: set directly
+        print(json.dumps([on, [torch.are_deterministic_algorithms_enabled(), inductor.deterministic]]))
+    """
+    on, off = _result(_run_python(code, _clean_env()))
+    assert on == [True, False, False, True]
+    assert off == [False, False]
