@@ -216,13 +216,16 @@ class AgentLoopWorker:
     samples of one call run concurrently, so the replicas see them all at once and batch them.
     """
 
-    def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer_path: str,
+    def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer: Any,
                  expected_env: Mapping[str, str], agent: str, max_turns: int, tools: list[str] | None = None,
                  template_kwargs: Mapping[str, Any] | None = None):
+        """`tokenizer`: the policy's, as `load_tokenizer` gives it (the manager loads it once
+        and Ray pickles it to each worker: loading it here imported transformers' auto
+        classes, 2-4 s of a core in every worker)."""
         check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
         self.replicas = dict(replicas)
         self.balancer = balancer
-        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.tokenizer = tokenizer
         self.agent = agent
         self.template_kwargs = dict(template_kwargs or {})
         self.loops = {"single_turn": SingleTurnAgentLoop(),
@@ -330,7 +333,8 @@ class AgentLoopManager:
         self.max_prompt_length = max_prompt_length
         self.sampling_params = sampling_params
         self.val_sampling_params = val_sampling_params or sampling_params
-        self.pad_token_id = load_tokenizer(tokenizer_path).pad_token_id
+        tokenizer = load_tokenizer(tokenizer_path)
+        self.pad_token_id = tokenizer.pad_token_id
         self.num_generate_sequences_calls = 0
         self.pool = pool
         self.restarts = pool.restarts
@@ -345,7 +349,7 @@ class AgentLoopManager:
         self.replicas = dict(pool.replicas)  # what the balancer and the workers route to
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
         self._worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
-        self._worker_args = (tokenizer_path, pool.env, agent, max_turns, tools, template_kwargs)
+        self._worker_args = (tokenizer, pool.env, agent, max_turns, tools, template_kwargs)
         self.workers = {i: self._start_worker(i) for i in range(num_workers)}
         self._new_worker_ids = itertools.count(num_workers)  # a replacement's id: never one used before
         self.first_worker_info: dict[str, Any] | None = None  # what a replacement must equal; set by wait_ready

@@ -11,6 +11,7 @@ import pytest
 from reprorl.agent_loop.manager import AgentLoopWorker, plan_samples
 from reprorl.data.dataset import PromptDataset
 from reprorl.errors import DataError
+from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.rollout.load_balancer import LoadBalancer
 from reprorl.rollout.sampling import SamplingParams
@@ -84,7 +85,7 @@ def test_the_engine_gets_the_truncated_prompt(tmp_path, char_tokenizer, tokenize
     assert [s.prompt_ids for s in samples] == cut and all("raw_prompt" not in s.extra for s in samples)
 
     replica = RecordingReplica(char_tokenizer, TOOL_CALL)
-    worker = AgentLoopWorker(0, {0: replica}, LoadBalancer([0]), str(tokenizer_dir), {}, agent, max_turns=2)
+    worker = AgentLoopWorker(0, {0: replica}, LoadBalancer([0]), load_tokenizer(tokenizer_dir), {}, agent, max_turns=2)
     outputs = asyncio.run(worker.generate(samples))
     assert [o.prompt_ids for o in outputs] == cut
     turns = 2 if agent == "tool" else 1  # the tool loop's second turn ran
