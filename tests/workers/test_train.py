@@ -84,24 +84,28 @@ def test_a_token_budget_trains_the_same_bits_on_one_and_two_workers(assets, root
     assert_bitwise_identical(runs[1], runs[2], steps=3)
 
 
-def test_eight_workers_give_one_workers_bits_past_the_micro_batch_count(assets, root, assert_bitwise_identical):
-    """GRPO with a token budget of 72 tokens (the widest sample) on 1 and 8 workers: 4
-    micro-batches a mini-batch, laid on a tree of 4 leaves that 8 workers extend with empty
-    ones (flat.py), so workers 4-7 compute nothing and send -0.0; the bits are one worker's.
-    Then the 8 workers' step-1 checkpoint resumed on 2 workers: steps 2 and 3 are those bits
-    too. Without a KL term: 8 processes, not 16."""
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_eight_workers_give_one_workers_bits_past_the_micro_batch_count(assets, root, assert_bitwise_identical,
+                                                                       algo):
+    """GRPO, and PPO with its critic, with a token budget of 72 tokens (the widest sample) on
+    1 and 8 workers: 4 micro-batches a mini-batch, laid on a tree of 4 leaves that 8 workers
+    extend with empty ones (flat.py), so workers 4-7 compute nothing and send -0.0; the bits
+    are one worker's. Then the 8 workers' step-1 checkpoint resumed on 2 workers: steps 2
+    and 3 are those bits too. Without a KL term: no reference group (8 or 16 processes)."""
     def budget_overrides(run_dir, n, *extra):
-        return overrides(assets, run_dir, "grpo", n, "actor.ppo_max_token_len_per_micro_batch=72",
+        return overrides(assets, run_dir, algo, n, "actor.ppo_max_token_len_per_micro_batch=72",
                          "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false", *extra)
 
     runs = {}
     for n in (1, 8):
-        runs[n] = root / f"grpo-budget-{n}"
+        runs[n] = root / f"{algo}-budget-no-kl-{n}"
         assert cli.main(["train", *budget_overrides(runs[n], n)]) == 0
     assert_bitwise_identical(runs[1], runs[8], steps=3)
     report = (runs[8] / "determinism.txt").read_text()
-    assert all(f"actor worker {rank}" in report for rank in range(8)) and "ref worker" not in report, report
-    resumed = root / "grpo-budget-8-then-2"
+    groups = ("actor", "critic") if algo == "ppo" else ("actor",)
+    assert all(f"{group} worker {rank}" in report for group in groups for rank in range(8)), report
+    assert "ref worker" not in report, report
+    resumed = root / f"{algo}-budget-8-then-2"
     run_trainer(load_config(None, budget_overrides(resumed, 2, f"trainer.resume={runs[8] / 'checkpoints' / 'step_1'}")))
     result = compare_runs(runs[1], resumed)  # the resumed run has no step 1 of its own
     assert result.divergence is None and result.common_steps == [2, 3] and result.only_in_b == [], result
