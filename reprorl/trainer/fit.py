@@ -55,6 +55,7 @@ from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
+from reprorl.trainer.placement import uses_kl
 from reprorl.trainer.parts import (
     chat_template_kwargs,
     make_datasets,
@@ -62,7 +63,6 @@ from reprorl.trainer.parts import (
     plan_run_placement,
     policy_loss_args,
     start_parts,
-    uses_kl,
 )
 from reprorl.trainer.resume_guard import plan_resume
 from reprorl.trainer.run_dir import lock_run_dir

@@ -319,9 +319,9 @@ def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | 
 def estimate_rollout_gpu(cfg: Any, gpu_total: int | None = None) -> MemoryEstimate | None:
     """The first of the rollout replicas' own GPUs (`resources.rollout_gpus` > 0; None when
     they share the trainer's): its replicas' weights and generation phase."""
-    plan = gpu_plan(cfg, cfg.model.lora_rank)
     if not cfg.resources.rollout_gpus:
         return None
+    plan = gpu_plan(cfg, cfg.model.lora_rank)
     replicas = plan.parts_on(len(plan.actor))["rollout"]
     est = MemoryEstimate(processes=replicas)
     rollout_parts(est, read_model_args(cfg.model.path, "model.path"), cfg, gpu_total, replicas)

@@ -28,7 +28,6 @@ from reprorl.agent_loop.manager import AgentLoopManager
 from reprorl.agent_loop.tools import select_tools, tool_schemas
 from reprorl.config import (
     ActorConfig,
-    AlgorithmConfig,
     Config,
     DataConfig,
     KLCtrlConfig,
@@ -54,16 +53,6 @@ logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ what the run needs
-
-
-def uses_kl(actor: ActorConfig, algorithm: AlgorithmConfig) -> bool:
-    """A KL term (in the loss or the reward) needs the reference policy's log-probs."""
-    return actor.use_kl_loss or algorithm.use_kl_in_reward
-
-
-def _needs_ref_group(cfg: Config, lora: LoraSpec | None) -> bool:
-    """With LoRA the actor gives the reference log-probs (adapters off): no ref group."""
-    return uses_kl(cfg.actor, cfg.algorithm) and lora is None
 
 
 def plan_run_placement(cfg: Config, lora: LoraSpec | None) -> Placement:
@@ -231,10 +220,10 @@ def _start_worker_groups(parts: Parts, cfg: Config, placement: Placement, lora: 
               "part_timeout_s": cfg.trainer.part_timeout_s}
     parts.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
                               lora=lora, **common, **_pinned(placement.actor, parts.gpus))
-    if _needs_ref_group(cfg, lora):
+    if placement.ref:  # a KL term without LoRA (placement.plan_run)
         parts.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common,
                                 **_pinned(placement.ref, parts.gpus))
-    if cfg.algorithm.adv_estimator == "gae":
+    if placement.critic:  # GAE
         parts.critic = WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total),
                                    **common, **_pinned(placement.critic, parts.gpus))
 

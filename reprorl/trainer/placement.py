@@ -87,19 +87,6 @@ class Placement:
                   for part in ("actor", "ref", "critic", "reward", "rollout")}
         return {part: n for part, n in counts.items() if n}
 
-    def busiest(self) -> dict[str, int]:
-        """`parts_on` of the GPU with the most processes of each part, part by part (what the
-        memory check counts: every GPU of a side holds as much as its busiest); on the CPU,
-        every process."""
-        if self.device == "cpu":
-            return {part: len(getattr(self, part)) for part in ("actor", "ref", "critic", "reward", "rollout")
-                    if getattr(self, part)}
-        found: dict[str, int] = {}
-        for gpu in range(self.num_gpus):
-            for part, n in self.parts_on(gpu).items():
-                found[part] = max(found.get(part, 0), n)
-        return found
-
     def summary(self) -> dict[str, Any]:
         """The plan for the determinism report: the device, the GPU count and, on a GPU, each
         GPU's parts and each part's share."""
@@ -118,15 +105,19 @@ def _floor_share(total: float, parts: int) -> float:
     return round(math.floor(total / parts / RAY_GPU_RESOLUTION + 1e-9) * RAY_GPU_RESOLUTION, 4)
 
 
+def uses_kl(actor: Any, algorithm: Any) -> bool:
+    """A KL term (in the loss or the reward) needs the reference policy's log-probs."""
+    return actor.use_kl_loss or algorithm.use_kl_in_reward
+
+
 def plan_run(cfg: Any, *, lora: bool, device: str) -> Placement:
     """The placement of run `cfg` on `device` ("cpu" or "cuda", resolved: `resolve_device`),
     for the groups and pools it has: a reference group only for a KL term and not with LoRA
     (`lora`: the actor then gives the reference log-probs, adapters off), a critic for GAE,
     a reward-model pool with `reward.model_path`."""
     workers = cfg.trainer.num_workers
-    kl = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     return plan_placement(
-        device, actor_workers=workers, ref_workers=workers if kl and not lora else 0,
+        device, actor_workers=workers, ref_workers=workers if uses_kl(cfg.actor, cfg.algorithm) and not lora else 0,
         critic_workers=workers if cfg.algorithm.adv_estimator == "gae" else 0,
         rollout_replicas=cfg.rollout.num_replicas, rollout_share=cfg.resources.gpu_share_rollout,
         reward_replicas=cfg.reward.num_replicas if cfg.reward.model_path is not None else 0,

@@ -114,7 +114,7 @@ def test_uneven_replicas_take_the_busiest_gpus_share():
     assert [s.gpu for s in plan.rollout] == [0, 1, 2, 3, 0]
     assert shares(plan.rollout) == {0.15} and shares(plan.actor) == {0.7}
     assert max(gpu_load(plan)) <= 1.0
-    assert plan.busiest() == {"actor": 1, "rollout": 2} == plan.parts_on(0)
+    assert plan.parts_on(0) == {"actor": 1, "rollout": 2} and plan.parts_on(1) == {"actor": 1, "rollout": 1}
 
 
 @pytest.mark.parametrize("trainer_gpus,rollout_gpus", [(1, 1), (2, 2), (4, 4), (4, 2), (2, 1)])
