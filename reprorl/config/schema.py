@@ -311,6 +311,17 @@ class ActorConfig:
     )
     kl_loss_coef: float = _field(0.001, "KL loss coefficient", ge=0)
     grad_clip: float = _field(1.0, "clip the gradient's global norm to this", gt=0)
+    old_log_probs: Literal["auto", "recompute", "rollout"] = _field(
+        "auto", "where the loss's old log-probs come from: recompute = a forward pass of the trainer over the batch "
+        "each step; rollout = the engine's own (verl's bypass mode; with the built-in engine under full "
+        "determinism they are the trainer's bit for bit, so the run's bits do not change); auto = rollout when "
+        "full_determinism=true and rollout.backend=native, else recompute"
+    )
+    log_prob_check_freq: int = _field(
+        10, "with old log-probs from the rollout: every this many steps, and at the first step of a run or a resume, "
+        "the trainer computes them anyway and checks them against the engine's (rollout/log_prob_max_gap); 0 = never "
+        "but that first step", ge=0
+    )
     mask_truncated: bool = _field(
         False, "leave responses cut at rollout.max_tokens (finish reason 'length') out of the actor's loss: their "
         "tokens are masked out and not counted (DAPO's overlong filtering); they still take part in the advantages"

@@ -55,7 +55,7 @@ from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
-from reprorl.trainer.placement import uses_kl
+from reprorl.trainer.placement import old_log_probs_from_rollout, uses_kl
 from reprorl.trainer.parts import (
     chat_template_kwargs,
     make_datasets,
@@ -190,6 +190,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.fingerprints: FingerprintWriter | None = None
         self.step = 0
+        self._first_step = 1  # the first step this process trains (`fit` sets it past a resumed checkpoint)
         self._owns_ray = not ray.is_initialized()  # a caller's Ray (tests, a cluster) stays up
         init_ray()
         try:  # the parts started before one that fails are stopped by start_parts
@@ -347,12 +348,17 @@ class Trainer:
         temperature = cfg.rollout.temperature
         micro = {"micro_batch_size": cfg.actor.ppo_micro_batch_size,
                  "max_token_len": cfg.actor.ppo_max_token_len_per_micro_batch}  # the reference's too
-        batch["old_log_probs"] = self.parts.actor.compute_log_probs(batch, temperature=temperature, **micro)
-        if "rollout_log_probs" in batch:
+        from_rollout = old_log_probs_from_rollout(cfg)
+        if not from_rollout or self._log_prob_check_due():
+            trainer_log_probs = self.parts.actor.compute_log_probs(batch, temperature=temperature, **micro)
             # 0 when the engine's log-probs equal the trainer's bit for bit (batch-invariant paths).
-            gap = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
+            gap = (batch["rollout_log_probs"] - trainer_log_probs).abs() * mask
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
-            self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"])
+            self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"], batch["rollout_log_probs"], trainer_log_probs,
+                                     from_rollout)
+            batch["old_log_probs"] = trainer_log_probs
+        if from_rollout:  # the same bits as the trainer's under full determinism (checked on the check steps)
+            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
         if uses_kl(cfg.actor, cfg.algorithm):  # the ref group, or with LoRA the actor with its adapters off
             ref = self.parts.ref if self.parts.ref is not None else self.parts.actor
             batch["ref_log_probs"] = ref.compute_log_probs(batch, temperature=temperature, base=self.parts.ref is None,
@@ -363,13 +369,27 @@ class Trainer:
                 max_token_len=cfg.critic.ppo_max_token_len_per_micro_batch)
         metrics["timing/old_log_prob_s"] = time.perf_counter() - t0
 
-    def _check_log_prob_gap(self, gap: float) -> None:
+    def _log_prob_check_due(self) -> bool:
+        """With old log-probs from the rollout: whether this step recomputes them to check
+        (`actor.log_prob_check_freq`, and the first step this process trains)."""
+        freq = self.cfg.actor.log_prob_check_freq
+        return self.step == self._first_step or (freq > 0 and self.step % freq == 0)
+
+    def _check_log_prob_gap(self, gap: float, rollout: torch.Tensor, trainer: torch.Tensor, exact: bool) -> None:
         """Under full determinism the built-in engine's log-probs ARE the trainer's (docs/design.md,
         contract point 2): a gap means a kernel or the engine broke that, and every step
         after it would train on a mismatch, so the run stops here. vLLM's kernels are not
         ours: its gap is only reported. A gap that is not finite is left to `_require_finite`,
-        which names the non-finite log-probs (diverged weights) right after."""
-        if math.isfinite(gap) and gap != 0.0 and self.cfg.full_determinism and self.cfg.rollout.backend == "native":
+        which names the non-finite log-probs (diverged weights) right after. `exact`: the
+        run takes the engine's log-probs for the trainer's, so they must match in every bit,
+        the sign of a zero included (a gap of 0 does not show -0.0 against 0.0)."""
+        promised = self.cfg.full_determinism and self.cfg.rollout.backend == "native"
+        if promised and exact and gap == 0.0 and not torch.equal(rollout.view(torch.int32), trainer.view(torch.int32)):
+            raise DeterminismError(
+                f"step {self.step}: the engine's log-probs equal the trainer's in value but not in every bit (a zero's "
+                "sign) with actor.old_log_probs taking the engine's; set actor.old_log_probs=recompute"
+            )
+        if math.isfinite(gap) and gap != 0.0 and promised:
             raise DeterminismError(
                 f"step {self.step}: the engine's log-probs differ from the trainer's by up to {gap:.3g} "
                 "(rollout/log_prob_max_gap) with full_determinism=true and rollout.backend=native, where they are "
@@ -587,6 +607,7 @@ class Trainer:
         if start == 0 and cfg.val_before_train and self.val_set is not None:
             with self._stop_note(0):
                 self.tracker.log(0, self.validate(0))
+        self._first_step = start + 1
         progress = tqdm(range(start + 1, cfg.total_steps + 1), initial=start, total=cfg.total_steps,
                         desc="train", unit="step", dynamic_ncols=True)
         for step in progress:

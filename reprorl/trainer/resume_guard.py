@@ -43,7 +43,7 @@ SAME_BITS_KEYS = frozenset({
     "rollout.max_num_batched_tokens", "rollout.gpu_memory_utilization", "rollout.lookahead",
     "reward.num_replicas", "reward.max_num_seqs", "reward.max_error_rate",  # that one: only whether a step stops
     "model.gradient_checkpointing", "model.gpu_gradient_vectors", "data.val_batch_size", "resources.gpu_share_rollout",
-    "resources.rollout_gpus", "trainer.log_generations",
+    "resources.rollout_gpus", "trainer.log_generations", "actor.log_prob_check_freq",
 })
 """Keys whose change leaves every bit of the run as it was (batch-invariant kernels, fixed
 reduction orders, request seeds from the sample's identity). Any key ending in `timeout_s`
@@ -88,13 +88,19 @@ def result_changing(changes: dict[str, list[Any]], current: dict[str, Any]) -> l
 
     `trainer.total_steps` may change when no learning-rate schedule depends on it (both
     `constant`): a cosine schedule's every step after the resume would differ.
+    `actor.old_log_probs` may change under full determinism with the built-in engine, whose
+    log-probs are the trainer's bit for bit: there every choice gives the same numbers.
     """
     cosine = current["actor.lr_schedule"] == "cosine" or (
         current["algorithm.adv_estimator"] == "gae" and current["critic.lr_schedule"] == "cosine")
+    exact_log_probs = current["full_determinism"] and current["rollout.backend"] == "native"
     keys = []
     for key in changes:
         if key == "trainer.total_steps":
             if cosine:
+                keys.append(key)
+        elif key == "actor.old_log_probs":
+            if not exact_log_probs:
                 keys.append(key)
         elif key not in SAME_BITS_KEYS and not key.endswith("timeout_s"):
             keys.append(key)

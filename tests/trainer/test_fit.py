@@ -59,14 +59,22 @@ def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
                 "timing/reward_s", "timing/update_s", "timing/weight_sync_s", "timing/step_s", "throughput/tokens_per_s"):
         assert key in records[-1], key
     assert all(r["rollout/num_generate_calls"] == 1 for r in records)
-    # Determinism mode: the engine's log-probs ARE the trainer's, bit for bit.
-    assert all(r["rollout/log_prob_max_gap"] == 0.0 for r in records)
+    # Determinism mode: the engine's log-probs ARE the trainer's, bit for bit; the loss takes
+    # them, and the trainer checks them at the first step and every actor.log_prob_check_freq.
+    assert [r.get("rollout/log_prob_max_gap") for r in records] == [0.0, None]
 
 
 def test_reruns_are_bitwise_identical(assets, tmp_path, three_step_run):
-    b = small_config(assets, tmp_path / "b", "trainer.total_steps=3", "rollout.num_agent_workers=2")
+    """The rerun has other agent workers and recomputes the old log-probs each step, where
+    the first run takes the engine's (actor.old_log_probs=auto): the same bits either way."""
+    b = small_config(assets, tmp_path / "b", "trainer.total_steps=3", "rollout.num_agent_workers=2",
+                     "actor.old_log_probs=recompute")
     run_trainer(b)
-    assert without_timing(metrics(three_step_run)) == without_timing(metrics(b.trainer.run_dir))
+    rerun = without_timing(metrics(b.trainer.run_dir))
+    assert [r.pop("rollout/log_prob_max_gap") for r in rerun] == [0.0, 0.0, 0.0]
+    first = without_timing(metrics(three_step_run))
+    assert [r.pop("rollout/log_prob_max_gap", None) for r in first] == [0.0, None, None]  # checked at step 1
+    assert first == rerun
     result = compare_runs(three_step_run, b.trainer.run_dir)
     assert result.identical and len(result.common_steps) == 3
 
@@ -205,10 +213,19 @@ def test_a_log_prob_gap_under_full_determinism_stops_the_run():
         return SimpleNamespace(cfg=SimpleNamespace(full_determinism=full_determinism,
                                                    rollout=SimpleNamespace(backend=backend)), step=3)
 
-    Trainer._check_log_prob_gap(trainer(True, "native"), 0.0)
+    def check(t, gap, rollout=(-1.0,), trainer_log_probs=(-1.0,), exact=False):
+        Trainer._check_log_prob_gap(t, gap, torch.tensor(rollout), torch.tensor(trainer_log_probs), exact)
+
+    check(trainer(True, "native"), 0.0)
     with pytest.raises(DeterminismError, match=r"^step 3: the engine's log-probs differ from the trainer's by up to "
                                                r"0\.25 \(rollout/log_prob_max_gap\)"):
-        Trainer._check_log_prob_gap(trainer(True, "native"), 0.25)
-    Trainer._check_log_prob_gap(trainer(True, "native"), float("nan"))  # non-finite log-probs: named after
-    Trainer._check_log_prob_gap(trainer(True, "vllm"), 0.25)
-    Trainer._check_log_prob_gap(trainer(False, "native"), 0.25)
+        check(trainer(True, "native"), 0.25)
+    check(trainer(True, "native"), float("nan"))  # non-finite log-probs: named after
+    check(trainer(True, "vllm"), 0.25)
+    check(trainer(False, "native"), 0.25)
+    # Taking the engine's log-probs for the loss needs every bit: -0.0 against 0.0 is no gap,
+    # but not the same bits either.
+    check(trainer(True, "native"), 0.0, (0.0,), (-0.0,))
+    with pytest.raises(DeterminismError, match=r"^step 3: the engine's log-probs equal the trainer's in value but not "
+                                               r"in every bit"):
+        check(trainer(True, "native"), 0.0, (0.0,), (-0.0,), exact=True)

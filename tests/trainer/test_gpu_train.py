@@ -5,7 +5,10 @@ run shaped like examples/gpu_arithmetic.yaml (bf16 mixed precision, full determi
 parts on the GPU) but on a tiny random policy and 4 steps of 4 prompts x 4 samples:
 - run A (2 replicas, checkpoint every step) and its rerun B: `reprorl compare` bitwise;
 - run C with 1 replica: identical to A;
-- every step's `rollout/log_prob_max_gap` (trainer vs engine log-probs) is exactly 0.0;
+- every step's `rollout/log_prob_max_gap` (trainer vs engine log-probs) is exactly 0.0 in run A,
+  which recomputes them each step (`actor.log_prob_check_freq=1`); the others take the
+  engine's for the loss and check only at their first step, so A = B also shows that the
+  check leaves the bits alone;
 - a run SIGKILLed after step 2 (TEST_KILL_AT_STEP_ENV) and resumed: identical to A;
 - A's determinism report lists every part on cuda, with its CUDA settings, verdict "all agree".
 Each of these runs twice: full fine-tuning, and LoRA (adapters alone train, the reference is
@@ -75,7 +78,7 @@ def runs(assets, request, tmp_path_factory):
     "mode": the mode's overrides."""
     root, mode = tmp_path_factory.mktemp(f"gpu_train_{request.param}"), MODES[request.param]
     started = {
-        "a": _start(assets, root / "a", *mode),
+        "a": _start(assets, root / "a", *mode, "actor.log_prob_check_freq=1"),
         "b": _start(assets, root / "b", *mode),
         "c": _start(assets, root / "c", *mode, "rollout.num_replicas=1"),
         "killed": _start(assets, root / "killed", *mode, **{TEST_KILL_AT_STEP_ENV: "2"}),

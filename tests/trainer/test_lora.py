@@ -36,9 +36,11 @@ def records(run_dir, name):
 
 @pytest.fixture(scope="module")
 def grpo_run(assets, tmp_path_factory):
-    """3 steps of LoRA GRPO with a KL loss, a checkpoint each step: 2 replicas, 1 worker."""
+    """3 steps of LoRA GRPO with a KL loss, a checkpoint each step: 2 replicas, 1 worker; the
+    engine's log-probs checked against the trainer's every step (the runs it is compared
+    with check only their first step)."""
     cfg = lora_config(assets, tmp_path_factory.mktemp("grpo") / "run", "trainer.total_steps=3", "trainer.save_freq=1",
-                      "rollout.num_replicas=2")
+                      "rollout.num_replicas=2", "actor.log_prob_check_freq=1")
     run_trainer(cfg)
     return Path(cfg.trainer.run_dir)
 
@@ -78,7 +80,8 @@ def test_lora_resume_is_bitwise(assets, grpo_run, tmp_path):
 
 
 def test_lora_ppo_with_a_critic_reruns_bitwise(assets, tmp_path):
-    runs = [lora_config(assets, tmp_path / name, "algorithm.adv_estimator=gae") for name in ("a", "b")]
+    runs = [lora_config(assets, tmp_path / name, "algorithm.adv_estimator=gae", *extra)
+            for name, extra in (("a", ["actor.log_prob_check_freq=1"]), ("b", []))]
     for cfg in runs:
         run_trainer(cfg)
     metrics = records(runs[0].trainer.run_dir, "metrics.jsonl")

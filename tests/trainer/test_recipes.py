@@ -38,7 +38,7 @@ def test_recipe_trains_and_resumes_bitwise(assets, tmp_path, recipe):
         return load_config(None, small_run_overrides(assets, tmp_path / run, *RECIPES[recipe],
                                                      "trainer.total_steps=3", "trainer.save_freq=1", *extra))
 
-    run_trainer(config("whole"))
+    run_trainer(config("whole", "actor.log_prob_check_freq=1"))  # the resumed run checks its first step only
     run_trainer(config("resumed", f"trainer.resume={tmp_path / 'whole' / 'checkpoints' / 'step_2'}"))
     result = compare_runs(tmp_path / "whole", tmp_path / "resumed")  # the resumed run has step 3 alone
     assert result.divergence is None and result.common_steps == [3] and result.only_in_b == [], result

@@ -92,11 +92,20 @@ def test_keys_that_cannot_change_the_bits_may_change(tmp_path):
     _save(tmp_path, 2, _cfg(tmp_path))
     free = ("rollout.num_replicas=3", "rollout.num_agent_workers=2", "reward.timeout_s=5", "trainer.loggers=[jsonl]",
             "trainer.save_freq=1", "trainer.total_steps=50", "model.gradient_checkpointing=true",
-            "model.gpu_gradient_vectors=1", "trainer.experiment_name=other", f"trainer.run_dir={tmp_path}")
+            "model.gpu_gradient_vectors=1", "trainer.experiment_name=other", "actor.log_prob_check_freq=1",
+            "actor.old_log_probs=recompute", f"trainer.run_dir={tmp_path}")
     plan = plan_resume(_cfg(tmp_path, *free), tmp_path)
     assert sorted(plan.changes) == sorted(o.split("=")[0] for o in free[:-1])
-    assert all(key in SAME_BITS_KEYS or key.endswith("timeout_s") or key == "trainer.total_steps"
-               for key in plan.changes)
+    assert all(key in SAME_BITS_KEYS or key.endswith("timeout_s") or key in ("trainer.total_steps",
+               "actor.old_log_probs") for key in plan.changes)
+
+
+def test_old_log_probs_change_the_results_without_exact_engine_log_probs(tmp_path):
+    """Under full determinism the built-in engine's log-probs are the trainer's bits, so where
+    the old log-probs come from changes nothing; without it, they are other numbers."""
+    _save(tmp_path, 2, _cfg(tmp_path, "full_determinism=false"))
+    with pytest.raises(ConfigError, match=r"results: actor.old_log_probs \"auto\" -> \"rollout\"; "):
+        plan_resume(_cfg(tmp_path, "full_determinism=false", "actor.old_log_probs=rollout"), tmp_path)
 
 
 def test_total_steps_under_a_cosine_schedule_is_a_result_changing_key(tmp_path):
