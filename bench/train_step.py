@@ -40,6 +40,11 @@ CUBLAS_WORKSPACE_CONFIG is set before CUDA starts and ATEN_CPU_CAPABILITY before
 starts (full determinism needs them then), so the "off" mode runs with them too. Each step also records the engine's counters for its
 generation (steps, steps replayed from CUDA graphs, launched ahead, KV slots).
 
+Old log-probs (`--old-log-probs`, as the trainer's `actor.old_log_probs`): with determinism on,
+the engine's, which are the trainer's bit for bit; the warm-up step computes the trainer's
+anyway and records the gap (as a run's first step does). With determinism off, or with
+`--old-log-probs recompute`, the log-prob pass runs every step.
+
 `--profile`: after the timed step, each mode's log-prob pass and update run once more on
 the batch's first 4 micro-batches under torch.profiler (bench/profiling.py): kernel time by group, the share
 of the wall time the GPU is busy, the top kernels and the top host-side ops, per
@@ -95,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-gradient-vectors", type=int, default=0,
                    help="model.gpu_gradient_vectors: at most this many float32 gradient vectors on the GPU (0: all)")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
+    p.add_argument("--old-log-probs", choices=("auto", "recompute", "rollout"), default="auto",
+                   help="as actor.old_log_probs: auto takes the engine's with determinism on (the trainer's bits), "
+                        "after checking them against the trainer's in the warm-up step; recompute: the log-prob pass "
+                        "every step")
     p.add_argument("--profile", action="store_true", help="profile each mode's log-probs and update (module doc)")
     p.add_argument("--peak-tflops", type=float, default=790.0, help="the GPU's dense bf16 peak, TFLOP/s")
     args = p.parse_args(argv)
@@ -304,9 +313,15 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             batch = rollout_batch(prompts, args.n, outputs, new_tokens, pad=0)
             sync(device)
             t2 = time.perf_counter()
-            rows, log_probs = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch,
-                                                       max_token_len=args.max_token_len)
-            batch["old_log_probs"] = in_sample_order(log_probs, rows)
+            from_rollout = args.old_log_probs == "rollout" or (args.old_log_probs == "auto" and full_determinism)
+            gap = None
+            if not from_rollout or step == 1:  # the trainer's first step checks them too (actor.log_prob_check_freq)
+                rows, log_probs = worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=args.micro_batch,
+                                                           max_token_len=args.max_token_len)
+                batch["old_log_probs"] = in_sample_order(log_probs, rows)
+                gap = ((batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]).max().item()
+            if from_rollout:
+                batch["old_log_probs"] = batch["rollout_log_probs"].clone()
             sync(device)
             t3 = time.perf_counter()
             worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
@@ -319,7 +334,6 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             loop.run_until_complete(engine.wake_up())
             sync(device)
             t5 = time.perf_counter()
-            gap = ((batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * batch["response_mask"]).max().item()
             record[f"step{step}"] = {
                 "generation_s": t1 - t0, "sleep_and_batch_s": t2 - t1, "log_probs_s": t3 - t2, "update_s": t4 - t3,
                 "weight_sync_and_wake_s": t5 - t4, "step_s": t5 - t0,
@@ -334,6 +348,8 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         steps = sorted(range(2, 2 + args.timed_steps), key=lambda i: record[f"step{i}"]["step_s"])
         record["timed_step"] = steps[len(steps) // 2]  # the median (the upper one of an even count)
         record["timed"] = timed = record[f"step{record['timed_step']}"]
+        record["old_log_probs"] = "rollout" if from_rollout else "recompute"
+        record["log_prob_max_gap"] = record["step1"]["log_prob_max_gap"]  # the warm-up's check, if not every step's
         flops = update_flops(shape, samples, args.prompt_len + args.new_tokens)
         record["update_tflops"] = flops / timed["update_s"] / 1e12
         record["update_mfu"] = record["update_tflops"] / args.peak_tflops
@@ -490,7 +506,8 @@ def main(argv: list[str] | None = None) -> dict:
         times = ", ".join(f"{rec[f'step{i}']['step_s']:.2f}" for i in range(2, 2 + args.timed_steps))
         print(f"determinism {mode}: steps {times} s; median step {s['step_s']:.2f} s (generation {s['generation_s']:.2f}, log-probs "
               f"{s['log_probs_s']:.2f}, update {s['update_s']:.2f}, sync+wake {s['weight_sync_and_wake_s']:.2f}), "
-              f"update MFU {rec['update_mfu']:.1%}, peak {s['peak_gpu_gib']} GiB, log-prob gap {s['log_prob_max_gap']}")
+              f"update MFU {rec['update_mfu']:.1%}, peak {s['peak_gpu_gib']} GiB, old log-probs: {rec['old_log_probs']}, "
+              f"log-prob gap {rec['log_prob_max_gap']} (warm-up step)")
     for mode, rec in modes.items():
         peak = rec["timed"]["peak_gpu_gib"]
         if peak:
