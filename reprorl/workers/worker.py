@@ -117,6 +117,7 @@ class ShardWorker:
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._tree: GradTree | None = None  # the tree `_fold_grad` feeds, during an update's backward passes
+        self._grad_hooks: list = []  # their handles, removed at shutdown (`join`)
         self.group: dist.ProcessGroup | None = None  # set by `join`
 
     def ready(self) -> int:
@@ -148,8 +149,11 @@ class ShardWorker:
         if not self.trainable:
             return
         self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
-        for index, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(functools.partial(self._fold_grad, index))
+        # Kept to be removed at shutdown: a hook on a parameter that holds this worker is a
+        # cycle through autograd's hook table, which Python's collector cannot see, so the
+        # worker (weights, master, AdamW moments) would outlive every reference to it.
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._fold_grad, index))
+                            for index, p in enumerate(self.params)]
         start, end = self.layout.shard_range(self.rank)
         # Master weights of this rank's range, float32 whatever the model computes in (mixed
         # precision with bf16); the model's weights are their cast, written by all_gather.
@@ -404,7 +408,11 @@ class ShardWorker:
         return info
 
     def shutdown(self) -> None:
-        """Leave the process group (a Ray rank's is its process's default group: all of it)."""
+        """Leave the process group (a Ray rank's is its process's default group: all of it),
+        and drop the gradient hooks, so that a rank in the caller's process is freed with it."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group = None

@@ -276,3 +276,18 @@ def test_weight_digests_on_rank_0_are_the_drivers(tiny_policy_dir, ray_local, tm
         with FingerprintWriter(tmp_path / name) as writer:
             writer.write(1, {}, **how)
     assert (tmp_path / "driver" / FINGERPRINTS_FILE).read_bytes() == (tmp_path / "rank0" / FINGERPRINTS_FILE).read_bytes()
+
+
+def test_a_rank_in_this_process_is_freed_at_shutdown(tiny_policy_dir, in_process_group):
+    """Its gradient hooks held it through autograd's hook table, a cycle Python's collector
+    cannot see: a bench that ran one mode after another in one process kept every earlier
+    mode's weights, master and AdamW moments on the GPU (16 GiB at a Llama-3.2-1B shape)."""
+    import gc
+    import weakref
+
+    group = in_process_group("actor", tiny_policy_dir, optim=OptimArgs(lr=1e-3, total_steps=1))
+    rank = weakref.ref(group.workers[0])
+    shard = weakref.ref(group.workers[0].shard)
+    group.shutdown()
+    gc.collect()
+    assert rank() is None and shard() is None
