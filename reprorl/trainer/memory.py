@@ -116,18 +116,20 @@ def kv_cache_bytes(args: ModelArgs, dtype_bytes: int, max_num_seqs: int, max_mod
     return (slots + 1) * capacity * per_token
 
 
-def layer_activation_elems(args: ModelArgs) -> int:
+def layer_activation_elems(args: ModelArgs, batch_invariant: bool = False) -> int:
     """Elements per token one decoder layer keeps for its backward pass: six H-wide tensors
     (the layer's input, the normed input, the residual sum, its normed copy, and the two
     copies of rows moved to their front for attention), q, k, v and the attention output,
-    gate, up and their SwiGLU product (checked against measured peaks: docs/performance.md)."""
+    gate, up and their SwiGLU product (checked against measured peaks: docs/performance.md).
+    The batch-invariant kernels keep one more attention output: theirs comes out heads-first,
+    so the output projection's input is a copy (the stock kernels' is a view of SDPA's)."""
     h, i = args.hidden_size, args.intermediate_size
     q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
-    return 6 * h + 2 * q + 2 * kv + 3 * i
+    return 6 * h + (3 if batch_invariant else 2) * q + 2 * kv + 3 * i
 
 
 def activation_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int, response_len: int, *,
-                     checkpointing: bool, head: str = "causal_lm") -> int:
+                     checkpointing: bool, head: str = "causal_lm", batch_invariant: bool = False) -> int:
     """The peak of one micro-batch of `rows` x `seq_len` tokens, forward and backward, at the
     start of the backward pass: every layer's saved activations (with checkpointing, each
     layer's input only), three H-wide tensors around the backbone (the embedding, the final
@@ -136,7 +138,7 @@ def activation_bytes(args: ModelArgs, dtype_bytes: int, rows: int, seq_len: int,
     no float32 copy). With checkpointing, a layer recomputed later needs its whole set, after
     the logits' gradient is freed. (Against measured peaks: docs/performance.md.)"""
     tokens = rows * seq_len
-    layer = layer_activation_elems(args) * dtype_bytes * tokens
+    layer = layer_activation_elems(args, batch_invariant) * dtype_bytes * tokens
     around = 3 * args.hidden_size * dtype_bytes * tokens
     output = rows * response_len * args.vocab_size * dtype_bytes if head == "causal_lm" else tokens * FP32
     if checkpointing:
@@ -239,7 +241,8 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
     est.phases[f"{train.name} update"] = {
         f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32,
         f"activations ({rows} x {seq} tokens)": activation_bytes(
-            args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head),
+            args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head,
+            batch_invariant=cfg.full_determinism),
     }
     # After the sums: the rank's gradient shard, the squares `global_grad_norm` sums (a
     # temporary as large), then AdamW a chunk at a time (`step_in_chunks`: two temporaries).

@@ -62,6 +62,10 @@ def test_activations_by_hand():
     assert activation_bytes(SMALL, 4, 2, 5, 3, checkpointing=False) == layer + around + 2 * logits
     assert activation_bytes(SMALL, 4, 2, 5, 3, checkpointing=True) == 4 * 4 * tokens + around + logits + max(
         logits, layer)
+    # the batch-invariant kernels keep one more attention output (q = 4 elements a token)
+    invariant = (54 + 4) * 4 * 10
+    assert activation_bytes(SMALL, 4, 2, 5, 3, checkpointing=False, batch_invariant=True) == (
+        invariant + around + 2 * logits)
 
 
 def small_config(model_dir, *extra):
@@ -89,7 +93,7 @@ def test_the_estimate_of_a_small_run_by_hand(tiny_dir):
     # 128 samples, 32 a micro-batch: 4 leaves, at most 2 whole vectors (grad_tree.max_pending)
     assert est.phases["actor update"] == {
         "gradient sums (2 x float32)": 2 * padded * 4,
-        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False),
+        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False, batch_invariant=True),
     }
     # 2 x 64 slots (+1 spare) of 128 tokens x 1024 bytes; the last step's logits, 64 x 128 x 4
     assert est.phases["generation"] == {"KV cache (2 replica(s))": 2 * 65 * 128 * 1024,
@@ -106,7 +110,8 @@ def test_ppo_adds_the_critic_and_its_update(tiny_dir):
     assert est.resident["critic AdamW moments (float32)"] == 2 * 101 * 4096 * 4
     assert est.phases["critic update"] == {
         "gradient sums (2 x float32)": 2 * 101 * 4096 * 4,
-        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False, head="critic"),
+        "activations (32 x 72 tokens)": activation_bytes(TINY, 4, 32, 72, 8, checkpointing=False, head="critic",
+                                                            batch_invariant=True),
     }
     assert est.processes == 5  # actor, reference, critic, 2 replicas
 
