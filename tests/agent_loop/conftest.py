@@ -15,7 +15,9 @@ def pools(tiny_policy, ray_local):
     from reprorl.rollout.replica import ReplicaPool
 
     made = {n: ReplicaPool(tiny_policy, n, seed=1234, full_determinism=True, max_num_seqs=16,
-                           max_num_batched_tokens=512) for n in (1, 3)}
+                           max_num_batched_tokens=512, wait=False) for n in (1, 3)}
+    for pool in made.values():  # started together, their replicas' start-ups overlap
+        pool.wait_ready()
     yield made
     for p in made.values():
         p.shutdown()

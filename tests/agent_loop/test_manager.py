@@ -40,9 +40,11 @@ def managers(pools, tiny_policy):
 
     made = {
         (r, w): AgentLoopManager(pools[r], w, tiny_policy, max_response_length=R, sampling_params=SAMPLING,
-                                 max_turns=3)
+                                 max_turns=3, wait=False)
         for r, w in ((1, 1), (3, 1), (3, 3))
     }
+    for m in made.values():  # started together, their processes' start-ups overlap
+        m.wait_ready()
     yield made
     for m in made.values():
         m.shutdown()
