@@ -21,7 +21,7 @@
 # A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
 # FAULT_S: a test running longer dumps its stacks, 120 s).
 #   families every model family at its real shape against transformers (tests/models/test_real_shapes.py),
-#            sliding-window attention on CUDA (tests/kernels/test_sliding_window.py), and the rollout
+#            sliding-window attention on CUDA (all of tests/kernels/test_sliding_window.py), and the rollout
 #            and train-step benchmarks of the Llama-3.2-1B and Gemma-3-1B shapes beside Qwen2.5-0.5B
 #            (FAMILY_BENCH=rollout or trainstep: one of the two only)
 #   reward   the reward model on the GPU (its gpu test)
@@ -123,7 +123,9 @@ for step in $steps; do
     families)
       with_ray || echo "no .whl: the train-step bench skips" | summary
       if [ -z "${FAMILY_BENCH:-}" ]; then
-        run_tests families_gpu tests/models/test_real_shapes.py tests/kernels/test_sliding_window.py -m gpu
+        run_tests families_gpu tests/models/test_real_shapes.py -m gpu
+        # whole: its unmarked cases run on CUDA where there is one (DEV), beside the gpu ones
+        run_tests sliding_window tests/kernels/test_sliding_window.py
       fi
       if [ "${FAMILY_BENCH:-rollout}" = rollout ]; then
         timeout 330 python3 bench/rollout.py --device cuda --budget-s 280 \
