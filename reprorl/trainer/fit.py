@@ -55,7 +55,7 @@ from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
-from reprorl.trainer.placement import old_log_probs_from_rollout, uses_kl
+from reprorl.trainer.placement import uses_kl
 from reprorl.trainer.parts import (
     chat_template_kwargs,
     make_datasets,
@@ -139,6 +139,20 @@ def _require_finite(batch: Batch, keys: tuple[str, ...]) -> None:
                     f"{key} not finite in samples {rows[:8]} of {len(batch)} (diverged weights? check the "
                     "learning rates); optimizer not stepped"
                 )
+
+
+def engine_log_probs_exact(cfg: Config) -> bool:
+    """The engine's log-probs are the trainer's bit for bit by construction: the built-in
+    engine under full determinism (docs/design.md, contract point 2)."""
+    return cfg.full_determinism and cfg.rollout.backend == "native"
+
+
+def old_log_probs_from_rollout(cfg: Config) -> bool:
+    """Whether the loss's old log-probs are the engine's (`actor.old_log_probs`); `auto` takes
+    them where they are exact, which saves the trainer a forward pass over the batch a step."""
+    if cfg.actor.old_log_probs == "auto":
+        return engine_log_probs_exact(cfg)
+    return cfg.actor.old_log_probs == "rollout"
 
 
 class Trainer:
@@ -356,9 +370,8 @@ class Trainer:
             metrics["rollout/log_prob_max_gap"] = gap.max().item()
             self._check_log_prob_gap(metrics["rollout/log_prob_max_gap"], batch["rollout_log_probs"], trainer_log_probs,
                                      from_rollout)
-            batch["old_log_probs"] = trainer_log_probs
-        if from_rollout:  # the same bits as the trainer's under full determinism (checked on the check steps)
-            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
+        # From the rollout: the trainer's bits under full determinism (checked on the check steps).
+        batch["old_log_probs"] = batch["rollout_log_probs"].clone() if from_rollout else trainer_log_probs
         if uses_kl(cfg.actor, cfg.algorithm):  # the ref group, or with LoRA the actor with its adapters off
             ref = self.parts.ref if self.parts.ref is not None else self.parts.actor
             batch["ref_log_probs"] = ref.compute_log_probs(batch, temperature=temperature, base=self.parts.ref is None,
@@ -383,7 +396,7 @@ class Trainer:
         which names the non-finite log-probs (diverged weights) right after. `exact`: the
         run takes the engine's log-probs for the trainer's, so they must match in every bit,
         the sign of a zero included (a gap of 0 does not show -0.0 against 0.0)."""
-        promised = self.cfg.full_determinism and self.cfg.rollout.backend == "native"
+        promised = engine_log_probs_exact(self.cfg)
         if promised and exact and gap == 0.0 and not torch.equal(rollout.view(torch.int32), trainer.view(torch.int32)):
             raise DeterminismError(
                 f"step {self.step}: the engine's log-probs equal the trainer's in value but not in every bit (a zero's "

@@ -110,16 +110,6 @@ def uses_kl(actor: Any, algorithm: Any) -> bool:
     return actor.use_kl_loss or algorithm.use_kl_in_reward
 
 
-def old_log_probs_from_rollout(cfg: Any) -> bool:
-    """Whether the loss's old log-probs are the engine's (`actor.old_log_probs`): `auto` takes
-    them where they are the trainer's bit for bit by construction, the built-in engine under
-    full determinism, and saves the trainer a forward pass over the batch each step."""
-    mode = cfg.actor.old_log_probs
-    if mode == "auto":
-        return cfg.full_determinism and cfg.rollout.backend == "native"
-    return mode == "rollout"
-
-
 def plan_run(cfg: Any, *, lora: bool, device: str) -> Placement:
     """The placement of run `cfg` on `device` ("cpu" or "cuda", resolved: `resolve_device`),
     for the groups and pools it has: a reference group only for a KL term and not with LoRA
