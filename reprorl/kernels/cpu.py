@@ -30,7 +30,7 @@ where the row sits, what the other rows hold, or the number of threads. How:
 - +, -, *, /, sqrt, max and gathers are exact, so they never depend on the batch.
 
 The matmul and attention kernels are a small C++ extension built on first use for this
-machine (-march=native; about 40-75 s, then cached by torch in ~/.cache/torch_extensions); it
+machine (-march=native; about 25 s on 2 cores, then cached by torch in ~/.cache/torch_extensions); it
 needs a C++ compiler and ninja. `REPRORL_CPU_MARCH` builds it for another instruction set
 (`x86-64`: no vector unit beyond SSE2; `haswell`: AVX2; `skylake-avx512`): the bits are the
 same for each (tests/kernels/test_cpu_isa.py), only the speed differs.
@@ -71,24 +71,29 @@ ENV_MARCH = "REPRORL_CPU_MARCH"
 """The `-march` the CPU kernels are built for (default `native`); it changes speed, not bits."""
 
 
+# The extension's files: the bindings alone include <torch/extension.h> (cpu_tensor.h says why).
+_SOURCES = ("cpu_bindings.cpp", "cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_math.cpp")
+_HEADERS = ("cpu_kernels.h", "cpu_math.h", "cpu_tensor.h")
+
+
 @functools.cache
 def extension():
     """The CPU kernels' C++ extension (matmuls, attention, `cpu_math`'s functions), built on
     first use."""
     from torch.utils.cpp_extension import load
 
-    sources = [Path(__file__).with_name(name) for name in ("cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp",
-                                                                  "cpu_math.cpp", "cpu_kernels.h", "cpu_math.h")]
+    sources = [Path(__file__).with_name(name) for name in _SOURCES]
+    headers = [Path(__file__).with_name(name) for name in _HEADERS]
     march = os.environ.get(ENV_MARCH, "native")
     # One build per checkout, source version and instruction set: torch rebuilds an extension
     # whose sources moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
     digest = hashlib.sha256(march.encode())
-    for p in sources:
+    for p in sources + headers:
         digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
-    logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about a minute",
+    logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about half a minute",
                 ", ".join(p.name for p in sources), march)
     try:
-        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources[:4]],
+        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources],
                     verbose=False, extra_cflags=["-O3", f"-march={march}", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
@@ -136,8 +141,9 @@ def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:
             "block_cols": block_cols}
 
 
-_LINEAR_BINDING = """#include <torch/extension.h>
-torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan);
+_LINEAR_BINDING = """#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+at::Tensor mm_rows(at::Tensor a, at::Tensor b, std::vector<int64_t> plan);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm_rows", &mm_rows); }
 """
 
@@ -154,7 +160,8 @@ def build_linear_variant(name: str, flags: list[str]):
     source = Path(__file__).with_name("cpu_linear.cpp")
     binding = Path(tempfile.mkdtemp(prefix="reprorl_linear_")) / "binding.cpp"
     binding.write_text(_LINEAR_BINDING)
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    headers = b"".join(source.with_name(name).read_bytes() for name in _HEADERS)
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
     march = [] if any(f.startswith("-march=") for f in flags) else ["-march=native"]
     return load(name=f"reprorl_linear_{name}_{digest}", sources=[str(binding), str(source)], verbose=False,
                 extra_cflags=["-O3", *march, *_EXACT_CFLAGS, f"-I{source.parent}", *flags], extra_ldflags=["-fopenmp"])

@@ -54,8 +54,8 @@ void nn_attention(const T* a, const T* b, float* out, int64_t K, int64_t lda, in
 // lane), and fma(+0, v, +0) = +0 to p v's running sum, which therefore starts at j0 from the
 // +0 it would have held there.
 template <typename T>
-void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* q_start,
-                   double scale, int64_t query_block, int64_t key_block, int64_t window, torch::Tensor& out) {
+void run_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* q_start,
+                   double scale, int64_t query_block, int64_t key_block, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), Tq = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), Tk = k.size(2), group = Hq / Hkv;
   int64_t max_start = 0;
@@ -79,7 +79,7 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
 #pragma omp parallel num_threads(team_threads())
   {
     std::vector<float> acc(((CHUNK + NT_ROWS - 1) / NT_ROWS) * (COLS / NT_COLS) * NT_ROWS * NT_COLS * SUM_LANES);
@@ -113,18 +113,18 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
       for (int64_t r = 0; r < n; ++r)
         reprorl_math::softmax_row(scores.data() + r * nb + j0, probs.data() + r * nb + j0, nb - j0);
       const int64_t np = nb - j0;  // probabilities a row, from key j0
-      auto p_t = torch::from_blob(probs.data() + j0, {n, np}, {nb, 1}, f32);
+      auto p_t = at::from_blob(probs.data() + j0, {n, np}, {nb, 1}, f32);
       const T* p = nullptr;
       if constexpr (std::is_same<T, float>::value) {
         p = probs.data() + j0;
       } else {
-        torch::from_blob(probs_t.data(), {n, np}, {nb, 1}, q.options()).copy_(p_t);
+        at::from_blob(probs_t.data(), {n, np}, {nb, 1}, q.options()).copy_(p_t);
         p = probs_t.data();
       }
       nn_attention<T>(p, vals + j0 * vs2, result.data(), nk - j0, nb, vs2, D, n);
       const float* o = result.data();
       if constexpr (!std::is_same<T, float>::value) {
-        torch::from_blob(result_t.data(), {n, D}, q.options()).copy_(torch::from_blob(result.data(), {n, D}, f32));
+        at::from_blob(result_t.data(), {n, D}, q.options()).copy_(at::from_blob(result.data(), {n, D}, f32));
       }
       for (int64_t r = 0; r < n; ++r) {
         T* dst = po + ((b * Hq + h) * Tq + t0 + r) * D;
@@ -141,8 +141,8 @@ void run_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::
 }  // namespace
 
 // q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] -> [B, Hq, Tq, D] (see run_attention)
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, double scale,
-                        int64_t query_block, int64_t key_block, int64_t window) {
+at::Tensor attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_start, double scale,
+                     int64_t query_block, int64_t key_block, int64_t window) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
                   q.size(3) == k.size(3) && q.size(1) % k.size(1) == 0 && q_start.numel() == q.size(0),
               "attention: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B] expected");
@@ -152,18 +152,18 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
               "attention: key_block a multiple of the softmax's lanes expected (a window skips whole key blocks)");
   // mm_nt's tasks read a's and b's rows K apart (a separate stride for each slowed the
   // linear's register block, GCC spilling an accumulator): copy q or k whose rows are not.
-  auto rows_packed = [](torch::Tensor x) {
+  auto rows_packed = [](at::Tensor x) {
     return x.stride(3) == 1 && (x.stride(2) == x.size(3) || x.size(2) == 1) ? x : x.contiguous();
   };
   q = rows_packed(q);
   k = rows_packed(k);
   v = v.stride(3) == 1 ? v : v.contiguous();
-  const auto starts = q_start.to(torch::kCPU, torch::kInt64).contiguous();
-  auto out = torch::empty(q.sizes(), q.options());
+  const auto starts = q_start.to(at::kCPU, at::kLong).contiguous();
+  auto out = at::empty(q.sizes(), q.options());
   if (out.numel() == 0) return out;
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     run_attention<float>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, window, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     run_attention<at::BFloat16>(q, k, v, starts.data_ptr<int64_t>(), scale, query_block, key_block, window, out);
   } else {
     TORCH_CHECK(false, "attention: float32 or bfloat16 expected");

@@ -39,7 +39,7 @@
 // callers (cpu.py) check their arguments first and name the values.
 #pragma once
 
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 #include <ATen/Parallel.h>
 #include <omp.h>
 

@@ -162,7 +162,7 @@ float* scratch(std::vector<float>& buffer, size_t floats) {
 }
 
 template <typename T, int64_t NC, int64_t RV_MAX>
-void run_rows_nc(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, RowsPlan plan) {
+void run_rows_nc(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, RowsPlan plan) {
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   const int64_t vecs = (M + LANES - 1) / LANES;
   thread_local std::vector<float> packed;
@@ -322,7 +322,7 @@ void run_few_mr(const T* a, const T* b, float* out, int64_t K, int64_t N) {
 }
 
 template <typename T>
-void run_few(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
+void run_few(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   static_assert(FEW_ROWS == 8, "run_few dispatches 1..8 rows");
   const T* pa = a.data_ptr<T>();
   const T* pb = b.data_ptr<T>();
@@ -342,7 +342,7 @@ void run_few(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out)
 }
 
 template <typename T>
-void run_rows(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, RowsPlan plan) {
+void run_rows(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, RowsPlan plan) {
   if (a.size(0) <= FEW_ROWS) return run_few<T>(a, b, out);
   switch (block_vecs(a.size(0))) {
     case 1: run_rows_nc<T, rl_cols(1), 1>(a, b, out, plan); break;
@@ -358,14 +358,14 @@ void run_rows(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out
 }  // namespace
 
 // a [M, K] @ b [N, K]^T -> float32 [M, N]; plan: [kc, vecs, cols] or empty for the default.
-torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan) {
+at::Tensor mm_rows(at::Tensor a, at::Tensor b, std::vector<int64_t> plan) {
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2, "a [M, K] and b [N, K] expected");
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a and b must have one dtype");
   TORCH_CHECK(a.size(1) == b.size(1), "inner dimensions differ");
   a = a.contiguous();
   b = b.contiguous();
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
-  auto out = torch::empty({M, N}, a.options().dtype(torch::kFloat32));
+  auto out = at::empty({M, N}, a.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   if (K == 0) return out.zero_();
   RowsPlan p = default_rows_plan(M, N, K, block_cols(M), at::get_num_threads());
@@ -374,9 +374,9 @@ torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> pla
     TORCH_CHECK(plan.size() == 3 && plan[0] > 0 && plan[1] > 0 && plan[2] > 0, "plan: [kc, vecs, cols] expected");
     p = {plan[0], plan[1], plan[2]};
   }
-  if (a.scalar_type() == torch::kFloat32) {
+  if (a.scalar_type() == at::kFloat) {
     run_rows<float>(a, b, out, p);
-  } else if (a.scalar_type() == torch::kBFloat16) {
+  } else if (a.scalar_type() == at::kBFloat16) {
     run_rows<at::BFloat16>(a, b, out, p);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 expected");

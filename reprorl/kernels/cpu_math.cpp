@@ -13,7 +13,7 @@ using namespace reprorl_math;
 namespace {
 
 // The arguments as [rows, n] contiguous CPU rows of a float dtype the caller allows.
-torch::Tensor as_rows(const torch::Tensor& x) {
+at::Tensor as_rows(const at::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), "cpu_math: a CPU tensor expected");
   TORCH_CHECK(x.dim() >= 1, "cpu_math: a tensor of at least one dimension expected");
   return x.contiguous().reshape({-1, x.size(-1)});
@@ -30,10 +30,10 @@ void for_rows(int64_t rows, int64_t n, F body) {
 // body(T{}) with T the C++ type of x's dtype, float32 or float64 (a literal error
 // otherwise: cpu_kernels.h says why).
 template <typename F>
-void with_float_type(const torch::Tensor& x, F body) {
-  if (x.scalar_type() == torch::kFloat32) {
+void with_float_type(const at::Tensor& x, F body) {
+  if (x.scalar_type() == at::kFloat) {
     body(float{});
-  } else if (x.scalar_type() == torch::kFloat64) {
+  } else if (x.scalar_type() == at::kDouble) {
     body(double{});
   } else {
     TORCH_CHECK(false, "cpu_math: float32 or float64 expected");
@@ -42,9 +42,9 @@ void with_float_type(const torch::Tensor& x, F body) {
 
 // f of each entry of x (a CPU tensor of C++ type T), entries split over threads.
 template <typename T, typename F>
-torch::Tensor map_entries(torch::Tensor x, F f) {
+at::Tensor map_entries(at::Tensor x, F f) {
   x = x.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const T* src = x.data_ptr<T>();
   T* dst = out.data_ptr<T>();
   at::parallel_for(0, x.numel(), 4096, [&](int64_t b, int64_t e) {
@@ -53,16 +53,16 @@ torch::Tensor map_entries(torch::Tensor x, F f) {
   return out;
 }
 
-void check_cpu_float32(const torch::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "cpu_math: a float32 CPU tensor expected");
+void check_cpu_float32(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "cpu_math: a float32 CPU tensor expected");
 }
 
 }  // namespace
 
 // e^x entry by entry: float32 (rounded once from double) or float64.
-torch::Tensor portable_exp(torch::Tensor x) {
+at::Tensor portable_exp(at::Tensor x) {
   TORCH_CHECK(x.device().is_cpu(), "portable_exp: a CPU tensor expected");
-  torch::Tensor out;
+  at::Tensor out;
   with_float_type(x, [&](auto zero) {
     using T = decltype(zero);
     out = map_entries<T>(x, [](T v) { return exp_of(v); });
@@ -71,7 +71,7 @@ torch::Tensor portable_exp(torch::Tensor x) {
 }
 
 // log x entry by entry, float32.
-torch::Tensor portable_log(torch::Tensor x) {
+at::Tensor portable_log(at::Tensor x) {
   check_cpu_float32(x);
   return map_entries<float>(x, log_f32);
 }
@@ -79,16 +79,16 @@ torch::Tensor portable_log(torch::Tensor x) {
 // sqrt x entry by entry, float32: the IEEE square root (correctly rounded). torch's CPU
 // sqrt is not on every machine (MKL's vector math, picked by the CPU, differs between an
 // AMD EPYC and an Intel Xeon).
-torch::Tensor portable_sqrt(torch::Tensor x) {
+at::Tensor portable_sqrt(at::Tensor x) {
   check_cpu_float32(x);
   return map_entries<float>(x, [](float v) { return std::sqrt(v); });
 }
 
 // (sin x, cos x) entry by entry, float32.
-std::vector<torch::Tensor> portable_sincos(torch::Tensor x) {
+std::vector<at::Tensor> portable_sincos(at::Tensor x) {
   check_cpu_float32(x);
   x = x.contiguous();
-  auto s = torch::empty_like(x), c = torch::empty_like(x);
+  auto s = at::empty_like(x), c = at::empty_like(x);
   const float* src = x.data_ptr<float>();
   float* ps = s.data_ptr<float>();
   float* pc = c.data_ptr<float>();
@@ -99,17 +99,17 @@ std::vector<torch::Tensor> portable_sincos(torch::Tensor x) {
 }
 
 // base^e entry by entry for a positive base, float32.
-torch::Tensor portable_pow(double base, torch::Tensor e) {
+at::Tensor portable_pow(double base, at::Tensor e) {
   check_cpu_float32(e);
   const float b = static_cast<float>(base);
   return map_entries<float>(e, [b](float v) { return pow_f32(b, v); });
 }
 
 // The sum of each row over the last dimension, float32 or float64: [..., n] -> [...].
-torch::Tensor portable_row_sums(torch::Tensor x) {
+at::Tensor portable_row_sums(at::Tensor x) {
   auto rows = as_rows(x);
   const int64_t r = rows.size(0), n = rows.size(1);
-  auto out = torch::empty({r}, rows.options());
+  auto out = at::empty({r}, rows.options());
   with_float_type(rows, [&](auto zero) {
     using T = decltype(zero);
     const T* src = rows.data_ptr<T>();
@@ -122,10 +122,10 @@ torch::Tensor portable_row_sums(torch::Tensor x) {
 }
 
 // softmax over the last dimension, float32 or float64.
-torch::Tensor portable_softmax(torch::Tensor x) {
+at::Tensor portable_softmax(at::Tensor x) {
   auto rows = as_rows(x);
   const int64_t r = rows.size(0), n = rows.size(1);
-  auto out = torch::empty_like(rows);
+  auto out = at::empty_like(rows);
   with_float_type(rows, [&](auto zero) {
     using T = decltype(zero);
     const T* src = rows.data_ptr<T>();
@@ -136,11 +136,11 @@ torch::Tensor portable_softmax(torch::Tensor x) {
 }
 
 // log-softmax over the last dimension, float32: (x - max) - log(sum of e^(x - max)).
-torch::Tensor portable_log_softmax(torch::Tensor x) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "portable_log_softmax: float32 expected");
+at::Tensor portable_log_softmax(at::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "portable_log_softmax: float32 expected");
   auto rows = as_rows(x);
   const int64_t r = rows.size(0), n = rows.size(1);
-  auto out = torch::empty_like(rows);
+  auto out = at::empty_like(rows);
   const float* src = rows.data_ptr<float>();
   float* dst = out.data_ptr<float>();
   for_rows(r, n, [&](int64_t i) {

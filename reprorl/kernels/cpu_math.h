@@ -29,7 +29,7 @@
 // carry the same arithmetic. A row is one thread's from start to end.
 #pragma once
 
-#include <torch/extension.h>
+#include "cpu_tensor.h"
 
 #include <cmath>
 #include <cstdint>

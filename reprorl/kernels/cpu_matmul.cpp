@@ -1,4 +1,4 @@
-// mm_nt (attention's scores; a @ b^T) and mm_nn (a @ b) over threads (the kernels: cpu_kernels.h), and the module's bindings.
+// mm_nt (attention's scores; a @ b^T) and mm_nn (a @ b) over threads (the kernels: cpu_kernels.h).
 #include "cpu_kernels.h"
 
 namespace {
@@ -29,7 +29,7 @@ NtPlan default_nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
 }
 
 template <typename T>
-void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, NtPlan plan) {
+void run_nt(const at::Tensor& a, const at::Tensor& b, at::Tensor& out, NtPlan plan) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
   if (G == 0 || M == 0 || N == 0) return;  // (the task sizes below divide by these)
   const int64_t kc = plan.kc;
@@ -57,7 +57,7 @@ void run_nt(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out, 
 }
 
 template <typename T>
-void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) {
+void run_nn(const at::Tensor& a, const at::Tensor& b, at::Tensor& out) {
   const int64_t G = a.size(0), M = a.size(1), K = a.size(2), N = out.size(2);
   // Tasks of 4 row blocks x 2 column blocks (attention's p v: N is the head size).
   const int64_t br = NN_ROWS * 4, bc = NN_COLS * 2;
@@ -75,14 +75,14 @@ void run_nn(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& out) 
 }
 
 // plan: {kc, rows, col_blocks} for mm_nt, empty for the default; mm_nn has none.
-torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vector<int64_t>& plan = {}) {
+at::Tensor launch(at::Tensor a, at::Tensor b, bool nt, const std::vector<int64_t>& plan = {}) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0), "a [G, M, K] and b [G, ., .] expected");
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), "a and b must have one dtype");
   a = a.contiguous();
   b = b.contiguous();
   const int64_t N = nt ? b.size(1) : b.size(2);
   TORCH_CHECK((nt ? b.size(2) : b.size(1)) == a.size(2), "inner dimensions differ");
-  auto out = torch::empty({a.size(0), a.size(1), N}, a.options().dtype(torch::kFloat32));
+  auto out = at::empty({a.size(0), a.size(1), N}, a.options().dtype(at::kFloat));
   NtPlan p{};  // mm_nt's: the one given, else the default (mm_nn takes none)
   if (!plan.empty()) {
     // (cpu.matmul_nt checks a plan first and names the field; this message stays a literal, see cpu_kernels.h)
@@ -93,9 +93,9 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
   } else if (nt) {
     p = default_nt_plan(a.size(0), a.size(1), N, a.size(2));
   }
-  if (a.scalar_type() == torch::kFloat32) {
+  if (a.scalar_type() == at::kFloat) {
     nt ? run_nt<float>(a, b, out, p) : run_nn<float>(a, b, out);
-  } else if (a.scalar_type() == torch::kBFloat16) {
+  } else if (a.scalar_type() == at::kBFloat16) {
     nt ? run_nt<at::BFloat16>(a, b, out, p) : run_nn<at::BFloat16>(a, b, out);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 expected");
@@ -105,18 +105,10 @@ torch::Tensor launch(torch::Tensor a, torch::Tensor b, bool nt, const std::vecto
 
 }  // namespace
 
-// q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D], q_start [B], window (0: none) -> [B, Hq, Tq, D] (cpu_attention.cpp)
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_start, double scale,
-                        int64_t query_block, int64_t key_block, int64_t window);
-
-// a [M, K] @ b [N, K]^T -> float32 [M, N] with rows as lanes, plan [kc, vecs, cols] or empty (cpu_linear.cpp)
-torch::Tensor mm_rows(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan);
-std::vector<int64_t> rows_plan(int64_t M, int64_t N, int64_t K);
-
 // a [G, M, K], b [G, N, K] -> float32 [G, M, N]
-torch::Tensor mm_nt(torch::Tensor a, torch::Tensor b) { return launch(a, b, true); }
+at::Tensor mm_nt(at::Tensor a, at::Tensor b) { return launch(a, b, true); }
 // mm_nt with the work split given: [kc, rows, col_blocks] (the bench and the tests)
-torch::Tensor mm_nt_plan(torch::Tensor a, torch::Tensor b, std::vector<int64_t> plan) {
+at::Tensor mm_nt_plan(at::Tensor a, at::Tensor b, std::vector<int64_t> plan) {
   return launch(a, b, true, plan);
 }
 // The plan mm_nt takes for a [G, M, K] @ b [G, N, K]^T at torch's thread count, and the
@@ -126,33 +118,4 @@ std::vector<int64_t> nt_plan(int64_t G, int64_t M, int64_t N, int64_t K) {
   return {p.kc, p.rows, p.col_blocks, SUM_LANES, NT_ROWS, NT_COLS};
 }
 // a [G, M, K], b [G, K, N] -> float32 [G, M, N]
-torch::Tensor mm_nn(torch::Tensor a, torch::Tensor b) { return launch(a, b, false); }
-
-// cpu_math.cpp
-torch::Tensor portable_exp(torch::Tensor x);
-torch::Tensor portable_log(torch::Tensor x);
-torch::Tensor portable_sqrt(torch::Tensor x);
-std::vector<torch::Tensor> portable_sincos(torch::Tensor x);
-torch::Tensor portable_pow(double base, torch::Tensor e);
-torch::Tensor portable_row_sums(torch::Tensor x);
-torch::Tensor portable_softmax(torch::Tensor x);
-torch::Tensor portable_log_softmax(torch::Tensor x);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("mm_nt", &mm_nt, "a @ b^T, each entry one fixed sequence of fused multiply-adds");
-  m.def("mm_nt_plan", &mm_nt_plan, "mm_nt with its work split given: [kc, rows, col_blocks]");
-  m.def("nt_plan", &nt_plan, "mm_nt's default split and block: [kc, rows, col_blocks, SUM_LANES, NT_ROWS, NT_COLS]");
-  m.def("mm_nn", &mm_nn, "a @ b, each entry one fixed sequence of fused multiply-adds");
-  m.def("mm_rows", &mm_rows, "the linear's a @ b^T with rows as lanes: mm_nn's arithmetic, b in place");
-  m.def("rows_plan", &rows_plan, "mm_rows's default split and block: [kc, vecs, cols, LANES, block vecs, block cols]");
-  m.def("attention", &attention,
-        "causal GQA attention (in a sliding window) from mm_nt, cpu_math.h's softmax and mm_nn, one parallel region");
-  m.def("exp", &portable_exp, "e^x, float32 or float64, the same bits on any x86-64 CPU (cpu_math.h)");
-  m.def("log", &portable_log, "log x, float32, the same bits on any x86-64 CPU (cpu_math.h)");
-  m.def("sqrt", &portable_sqrt, "the IEEE square root, float32 (torch's CPU sqrt is MKL's, which differs by CPU)");
-  m.def("sincos", &portable_sincos, "(sin x, cos x), float32, the same bits on any x86-64 CPU (cpu_math.h)");
-  m.def("pow", &portable_pow, "base^e for a positive base, float32, the same bits on any x86-64 CPU (cpu_math.h)");
-  m.def("row_sums", &portable_row_sums, "sums over the last dimension in a fixed order (cpu_math.h)");
-  m.def("softmax", &portable_softmax, "softmax over the last dimension from exp and row_sums' order");
-  m.def("log_softmax", &portable_log_softmax, "log-softmax over the last dimension from exp, log and row_sums' order");
-}
+at::Tensor mm_nn(at::Tensor a, at::Tensor b) { return launch(a, b, false); }

@@ -5,7 +5,7 @@ own process, as a full-determinism run does: torch's kernels on their portable b
 (ATEN_CPU_CAPABILITY=default) and ours built for the case's -march.
 
 The kernels have one code path per vector unit (`cpu_kernels.h`: AVX-512, AVX2 with FMA,
-none), and each build is a minute or more on 2 cores, so each path is built once: the
+none), and each build is about half a minute on 2 cores, so each path is built once: the
 native build takes this CPU's widest path, x86-64 the scalar one, and haswell the AVX2 one
 where native is AVX-512 (haswell on an AVX2 CPU, or skylake-avx512 on an AVX-512 one, would
 build native's path again).
