@@ -47,8 +47,11 @@ def test_run_on_pairs_are_a_pure_function_of_their_arguments():
 
 @pytest.mark.slow
 def test_the_default_run_learns(tmp_path):
-    """The README's main job, as a user runs it: greedy validation accuracy gains >= 0.2."""
-    result = subprocess.run([sys.executable, "-m", "reprorl.cli", "train"], cwd=tmp_path,
+    """The README's main job, as a user runs it: greedy validation accuracy gains >= 0.2.
+    On the CPU even where there is a GPU (`resources.device: auto` would take it): the golden
+    digests are the CPU run's bits."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "reprorl.cli", "train"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in (tmp_path / "runs/reprorl/tiny-grpo/metrics.jsonl").read_text().splitlines()]
