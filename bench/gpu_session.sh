@@ -23,7 +23,7 @@
 #   families every model family at its real shape against transformers (tests/models/test_real_shapes.py),
 #            sliding-window attention on CUDA (all of tests/kernels/test_sliding_window.py), and the rollout
 #            and train-step benchmarks of the Llama-3.2-1B and Gemma-3-1B shapes beside Qwen2.5-0.5B
-#            (FAMILY_BENCH=rollout or trainstep: one of the two only)
+#            (FAMILY_BENCH=rollout or trainstep: one of the two only, and no tests unless FAMILY_TESTS=1)
 #   reward   the reward model on the GPU (its gpu test)
 #   example  the GPU example (examples/gpu_arithmetic.yaml): its warm start and 30 steps
 #   train    the default run on the host's CPU (its fingerprints.jsonl comes back: compare it with a run here)
@@ -122,7 +122,7 @@ for step in $steps; do
       tail -30 "$LOGS/bench_train_step.log" | summary ;;
     families)
       with_ray || echo "no .whl: the train-step bench skips" | summary
-      if [ -z "${FAMILY_BENCH:-}" ]; then
+      if [ -z "${FAMILY_BENCH:-}" ] || [ -n "${FAMILY_TESTS:-}" ]; then
         run_tests families_gpu tests/models/test_real_shapes.py -m gpu
         # whole: its unmarked cases run on CUDA where there is one (DEV), beside the gpu ones
         run_tests sliding_window tests/kernels/test_sliding_window.py
