@@ -71,7 +71,7 @@ ENV_MARCH = "REPRORL_CPU_MARCH"
 """The `-march` the CPU kernels are built for (default `native`); it changes speed, not bits."""
 
 
-# The extension's files: the bindings alone include <torch/extension.h> (cpu_tensor.h says why).
+# The extension's files: none includes <torch/extension.h> (cpu_tensor.h says why).
 _SOURCES = ("cpu_bindings.cpp", "cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_math.cpp")
 _HEADERS = ("cpu_kernels.h", "cpu_math.h", "cpu_tensor.h")
 

@@ -1,6 +1,5 @@
-// The module's Python bindings. pybind11 with torch's tensor casters, not <torch/extension.h>:
-// that header (the whole C++ frontend) took 25 s of each source file's build on 2 cores,
-// these 9 s; the kernels' files take only the tensor headers they use (cpu_tensor.h).
+// The module's Python bindings: pybind11 with torch's tensor casters, not <torch/extension.h>,
+// whose whole C++ frontend is most of a build's time (cpu_tensor.h).
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 

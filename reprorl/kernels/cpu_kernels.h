@@ -40,7 +40,6 @@
 #pragma once
 
 #include "cpu_tensor.h"
-#include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>

@@ -1,6 +1,7 @@
 // What the kernels' source files take from torch: tensors, three factories, at::parallel_for
-// and TORCH_CHECK. Not <torch/extension.h>, which cost about 25 s of every file's build on 2
-// cores (these headers: 2 s); cpu_bindings.cpp holds the Python bindings.
+// and TORCH_CHECK. Not <torch/extension.h>: parsing its C++ frontend was most of each file's
+// build, more than ten times these headers (docs/performance.md, the test suite);
+// cpu_bindings.cpp holds the Python bindings.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -117,7 +117,7 @@ class ShardWorker:
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._tree: GradTree | None = None  # the tree `_fold_grad` feeds, during an update's backward passes
-        self._grad_hooks: list = []  # their handles, removed at shutdown (`join`)
+        self._grad_hooks: list = []  # the `_fold_grad` hooks' handles (made by `join`), removed by `shutdown`
         self.group: dist.ProcessGroup | None = None  # set by `join`
 
     def ready(self) -> int:
