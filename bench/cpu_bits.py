@@ -110,7 +110,7 @@ def rollout_ops(model, examples, tokenizer, digest, prompts: int = 8, max_tokens
     import asyncio
 
     from reprorl.rollout.engine import Engine
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     ops: list[list[str]] = []
     engine = Engine(model, batch_invariant=True, eos_token_id=tokenizer.eos_token_id, max_num_seqs=prompts)

@@ -138,7 +138,7 @@ def bench_hf(path: str, batch: int, prompt_len: int, new_tokens: int) -> Timer:
 def bench_engine(path: str, batch: int, prompt_len: int, new_tokens: int, deterministic: bool) -> Timer:
     """Time `batch` concurrent requests through one `Engine`, no early stop."""
     from reprorl.rollout.engine import Engine
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     engine = Engine.from_path(
         path,
@@ -236,7 +236,7 @@ def time_hf_cuda(hf, batch: int, top_k: int) -> dict:
 
 
 def time_engine_cuda(engine, prompts: list[list[int]], seeds: list[int]) -> dict:
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     params = SamplingParams(temperature=1.0, max_tokens=GPU_NEW, ignore_eos=True)
 
@@ -267,7 +267,7 @@ def profile_engine_cuda(engine, prompts: list[list[int]], seeds: list[int], skip
     host's time between steps is in the window)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     async def run(new_tokens):
         p = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True)

@@ -199,7 +199,7 @@ def sync(device: str) -> None:
 
 def generate(loop, engine, prompts: list[list[int]], n: int, new_tokens: int, step: int) -> list:
     from reprorl.determinism import stable_hash
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=new_tokens, ignore_eos=True)
 

@@ -46,7 +46,7 @@ def set_mode(determinism: bool) -> dict[str, str]:
 
 async def measure(make, batch: int, max_tokens: int) -> dict:
     """Start an engine with `make()`, warm it up, time one batch; returns the figures."""
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     t = time.perf_counter()
     engine = make()

@@ -70,20 +70,31 @@ def process_info() -> dict[str, Any]:
     `python_hash_randomization` is whether `PYTHONHASHSEED` was unset (or "random") when
     this interpreter started: the variable acts only at start-up, so a driver that sets it
     later shows it in `env` but still hashes randomly (harmless: no seed uses `hash()`).
+    In a process that has not imported torch (an agent-loop worker: it computes nothing
+    with it), torch's keys are None rather than an import of torch just to read them.
     """
-    import torch
-
+    torch = sys.modules.get("torch")
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
+        **(_torch_switches(torch) if torch is not None else dict.fromkeys(_TORCH_KEYS)),
+        "python_hash_randomization": bool(sys.flags.hash_randomization),
+        "env": visible_env(),
+    }
+
+
+_TORCH_KEYS = ("torch_version", "deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark", "tf32_matmul",
+               "num_threads")
+
+
+def _torch_switches(torch: Any) -> dict[str, Any]:
+    return {
         "torch_version": torch.__version__,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "num_threads": torch.get_num_threads(),
-        "python_hash_randomization": bool(sys.flags.hash_randomization),
-        "env": visible_env(),
     }
 
 

@@ -4,8 +4,7 @@ import asyncio
 
 import torch
 
-from reprorl.rollout.engine import GenerateOutput
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import GenerateOutput, SamplingParams
 
 EOS = 2  # the tiny models' end-of-sequence id
 

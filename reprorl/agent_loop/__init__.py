@@ -2,6 +2,7 @@
 
 - `manager`: `AgentLoopManager.generate_sequences(batch) -> batch`, the rollout entry point
   (per-sample identity, seeds and params; workers; padding, in sample order).
+- `worker`: `AgentLoopWorker`, the Ray actor that runs a chunk's loops (no torch).
 - `single_turn`: `AgentSample` / `AgentOutput` and the single-turn loop.
 - `tool_loop`: the multi-turn loop with tool calls.
 - `tools`: the tool registry (a dict), the calculator, the tool-call format.

@@ -21,9 +21,7 @@ balancer took over. Limits: `rollout_limits`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import functools
 import itertools
 from collections.abc import Mapping
 from typing import Any
@@ -33,20 +31,17 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, SingleTurnAgentLoop
-from reprorl.agent_loop.tool_loop import ToolAgentLoop
+from reprorl.agent_loop.single_turn import AgentOutput, AgentSample
 from reprorl.agent_loop.tools import select_tools
-from reprorl.data.dataset import template_ids
-from reprorl.determinism import check_worker_env, stable_digest
-from reprorl.determinism_report import process_info
+from reprorl.agent_loop.worker import AgentLoopWorker, ShippedTokenizer
 from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
-from reprorl.rollout.load_balancer import BalancerError, LoadBalancerActor, NoReplicaError, generate_balanced
+from reprorl.rollout.load_balancer import BalancerError, LoadBalancerActor, NoReplicaError
 from reprorl.rollout.pool import wait_for_actors
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 from reprorl.supervision import (
-    PART_TIMEOUT_S, KillSwitch, PartTimeoutError, gather, get_within, replace_dead, time_limit,
+    PART_TIMEOUT_S, PartTimeoutError, gather, get_within, replace_dead, time_limit,
 )
 
 DO_SAMPLE = "__do_sample__"
@@ -206,69 +201,6 @@ def assemble(
     }
 
 
-class AgentLoopWorker:
-    """Runs agent loops for a chunk of samples; create with `ray.remote(AgentLoopWorker)`.
-
-    A row's loop is its `agent_name` column ("single_turn" or "tool") if the batch has
-    one, else `agent`. The tool loop may call the tools named in `tools` (None = every
-    tool in `TOOLS`). Every generate call goes through `generate_balanced` (the shared
-    balancer actor; retry on a dead replica; the prompt's digest as its affinity key). The
-    samples of one call run concurrently, so the replicas see them all at once and batch them.
-    """
-
-    def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer: Any,
-                 expected_env: Mapping[str, str], agent: str, max_turns: int, tools: list[str] | None = None,
-                 template_kwargs: Mapping[str, Any] | None = None):
-        """`tokenizer`: the policy's, as `load_tokenizer` gives it (the manager loads it once
-        and Ray pickles it to each worker: loading it here imported transformers' auto
-        classes, 2-4 s of a core in every worker)."""
-        check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
-        self.replicas = dict(replicas)
-        self.balancer = balancer
-        self.tokenizer = tokenizer
-        self.agent = agent
-        self.template_kwargs = dict(template_kwargs or {})
-        self.loops = {"single_turn": SingleTurnAgentLoop(),
-                      "tool": ToolAgentLoop(self.tokenizer, max_turns, select_tools(tools))}
-        self.kill_switch = KillSwitch.from_env(f"agent-loop worker {worker_id}")  # fault tests only
-
-    async def generate(self, samples: list[AgentSample],
-                       limits: tuple[float | None, float | None] = (None, None)) -> list[AgentOutput]:
-        """The loops' outputs, in the order of `samples`. `limits`: (seconds a generate
-        request may take on a replica, seconds a balancer call may take); see `rollout_limits`."""
-        return list(await asyncio.gather(*(self._run(s, limits) for s in samples)))
-
-    async def ready(self) -> bool:
-        """True once the constructor ran (surfaces start-up errors)."""
-        return True
-
-    async def set_replicas(self, replicas: Mapping[int, Any], balancer: Any = None) -> None:
-        """Route to these replica handles (the pool replaced some), through `balancer` if given
-        (the manager replaced it), from now on."""
-        self.replicas = dict(replicas)
-        self.balancer = balancer if balancer is not None else self.balancer
-
-    async def determinism_info(self) -> dict[str, Any]:
-        """Its process's determinism switches and variables (it runs no model)."""
-        return process_info()
-
-    async def _run(self, sample: AgentSample, limits: tuple[float | None, float | None]) -> AgentOutput:
-        if sample.prompt_ids is None:
-            ids = template_ids(self.tokenizer, sample.raw_prompt, self.template_kwargs)
-            sample = dataclasses.replace(sample, prompt_ids=ids)
-        generate = functools.partial(self._generate, limits=limits)
-        return await self.loops[sample.extra.get("agent_name", self.agent)].run(sample, generate)
-
-    async def _generate(self, request_id, prompt_ids, sampling_params, seed, priority, *, limits):
-        if self.kill_switch is not None:
-            self.kill_switch.see(request_id)
-        # The copies of a prompt meet on one replica, which prefills it once (prefix sharing).
-        affinity = stable_digest(np.asarray(prompt_ids, dtype=np.int64).tobytes())
-        return await generate_balanced(self.balancer, self.replicas, request_id, prompt_ids,
-                                       sampling_params, seed, priority, affinity=affinity, timeout_s=limits[0],
-                                       balancer_timeout_s=limits[1])
-
-
 def rollout_limits(part_timeout_s: float, *, num_samples: int, sample_tokens: int, max_turns: int,
                    num_replicas: int) -> tuple[float, float, float]:
     """Seconds allowed to (a generate request, a balancer call, a worker's chunk) of a rollout.
@@ -349,7 +281,7 @@ class AgentLoopManager:
         self.replicas = dict(pool.replicas)  # what the balancer and the workers route to
         # num_cpus=0: a worker mostly awaits replicas; it must not hold a CPU they need.
         self._worker = ray.remote(AgentLoopWorker).options(num_cpus=0, runtime_env=pool.runtime_env)
-        self._worker_args = (tokenizer, pool.env, agent, max_turns, tools, template_kwargs)
+        self._worker_args = (ShippedTokenizer(tokenizer), pool.env, agent, max_turns, tools, template_kwargs)
         self.workers = {i: self._start_worker(i) for i in range(num_workers)}
         self._new_worker_ids = itertools.count(num_workers)  # a replacement's id: never one used before
         self.first_worker_info: dict[str, Any] | None = None  # what a replacement must equal; set by wait_ready

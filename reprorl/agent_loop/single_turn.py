@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reprorl.determinism import request_seed
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 GenerateFn = Callable[[str, list[int], SamplingParams, int, int], Awaitable[Any]]
 

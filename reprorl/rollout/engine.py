@@ -59,8 +59,8 @@ from torch import Tensor
 from reprorl.kernels import KEY_BLOCK, select_kernels, verify_batch_invariance
 from reprorl.rollout.cuda_graphs import DecodeGraphs
 from reprorl.rollout.lookahead import Launched, Lookahead, can_launch
+from reprorl.rollout.request import GenerateOutput, SamplingParams
 from reprorl.rollout.sampling import (
-    SamplingParams,
     any_filter,
     join_tokens_and_log_probs,
     make_generator,
@@ -71,22 +71,6 @@ from reprorl.rollout.sampling import (
 from reprorl.rollout.scheduler import Chunk, Scheduler, Sequence, SlotPool, num_followers, samplers
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerateOutput:
-    """One finished request."""
-
-    request_id: str
-    token_ids: list[int]
-    """Generated tokens (a stop/eos token that ended generation is included)."""
-    log_probs: list[float] | None
-    """Per generated token, `log_softmax(logits / T)` at it (see sampling.py); None if not asked."""
-    finish_reason: str
-    """"stop" (eos or a stop token), "length" (max_tokens or the context is full) or "abort"."""
-    num_prompt_tokens: int
-    weight_version: int
-    """The weight version of the engine when the request's first forward pass ran."""
 
 
 @dataclass(frozen=True)

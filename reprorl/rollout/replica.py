@@ -35,25 +35,32 @@ Weight pushes (reprorl/rollout/weights.py): `update_weights` packs the tensors i
 host buffer per dtype in Ray's object store (every backend, any device);
 `update_weights_shared` lets each built-in replica on the trainer's GPU copy device to
 device from the trainer's own buffer (CUDA IPC), the others still from the host.
+
+This module imports torch and the engine only inside the functions that use them: Ray
+imports an actor class's module wherever one of its handles is unpickled, and the
+agent-loop workers, which hold replica handles, run no model (reprorl/agent_loop/worker.py).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-import torch
 
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
-from reprorl.models.lora import LoraSpec
-from reprorl.rollout.engine import Engine, GenerateOutput, eos_ids_from_dir
 from reprorl.rollout.pool import ReplicaPoolBase
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import GenerateOutput, SamplingParams
 from reprorl.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather
-from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid
+
+if TYPE_CHECKING:
+    import torch
+
+    from reprorl.models.lora import LoraSpec
+    from reprorl.rollout.engine import Engine
+    from reprorl.rollout.weights import PackedWeights, SharedWeights
 
 
 def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, lora: LoraSpec | None = None,
@@ -63,6 +70,7 @@ def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = No
     trainer draws them: the same bits before any push). The engine runs where its model's
     parameters are."""
     from reprorl.models.hf_io import dtype_from_name, load_model
+    from reprorl.rollout.engine import Engine, eos_ids_from_dir
 
     model, _ = load_model(model_path, kind="causal_lm", dtype=dtype_from_name(dtype), lora=lora)
     return Engine(model.to(device), eos_token_id=eos_ids_from_dir(str(model_path)), **options)
@@ -99,6 +107,8 @@ class RolloutReplica:
                              version: int) -> int:
         """Copy the weights in as `version`: a `SharedWeights` device to device from the
         trainer's buffer on this GPU (CUDA IPC), a `PackedWeights` in one copy per dtype."""
+        from reprorl.rollout.weights import PackedWeights, SharedWeights
+
         if isinstance(named_tensors, SharedWeights):
             await self._update_from_ipc(named_tensors, version)
         else:
@@ -110,6 +120,8 @@ class RolloutReplica:
     async def _update_from_ipc(self, shared: SharedWeights, version: int) -> None:
         """Open the share, copy in place (the parameters keep their addresses, so the CUDA
         graphs stay valid), wait for the copies, drop the share: the trainer may then free it."""
+        import torch
+
         packed = shared.open(self.engine.device)
         try:
             await self.engine.update_weights(packed.unpack(self.engine.device), version)
@@ -123,6 +135,8 @@ class RolloutReplica:
 
     async def gpu_uuid(self) -> str | None:
         """The UUID of this replica's GPU (None on the CPU): who can take weights over CUDA IPC."""
+        from reprorl.rollout.weights import gpu_uuid
+
         return gpu_uuid(self.engine.device) if self.engine.device.type == "cuda" else None
 
     async def weight_digests(self) -> dict[str, str]:
@@ -254,6 +268,8 @@ class ReplicaPool(ReplicaPoolBase):
         same names, so that a replica that dies can be replaced at the current version:
         between pushes, the object store holds one copy of the weights (during a push, two).
         """
+        from reprorl.rollout.weights import PackedWeights
+
         packed = named_tensors if isinstance(named_tensors, PackedWeights) else PackedWeights.pack(
             (name, t.detach().cpu()) for name, t in named_tensors)
         ref = ray.put(packed)
@@ -271,6 +287,8 @@ class ReplicaPool(ReplicaPoolBase):
         `host_weights()`, which must give this version's weights until the next push (the
         trainer changes them only between `sleep` and the next push, when the pool is idle).
         """
+        from reprorl.rollout.weights import PackedWeights
+
         names = next(iter(shares.values())).names if shares else frozenset()
         refs = {i: self.replicas[i].update_weights.remote(share, version)
                 for i, share in shares.items() if i in self.replicas}
@@ -337,6 +355,8 @@ class ReplicaPool(ReplicaPoolBase):
 
     def _bring_up(self, actor: Any) -> str:
         """Replay the kept pushes into a new replica, check it serves `self.version`, match `asleep`."""
+        from reprorl.rollout.weights import PackedWeights
+
         for k, (source, names, version) in enumerate(self._pushes):
             if callable(source):  # a device push: the trainer's weights from the host, packed once
                 source = ray.put(PackedWeights.pack((n, t.detach().cpu()) for n, t in source()))

@@ -35,7 +35,8 @@ import torch
 from reprorl.kernels import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.models.transformer import KVCache
-from reprorl.rollout.sampling import SamplingParams, draw_uniforms
+from reprorl.rollout.sampling import draw_uniforms
+from reprorl.rollout.request import SamplingParams
 
 # Uniforms drawn per call from a request's generator (one per token, see sampling.py).
 _DRAW_BLOCK = 32

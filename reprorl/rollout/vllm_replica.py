@@ -48,8 +48,8 @@ from reprorl.determinism import (
     enable_full_determinism,
     is_full_determinism,
 )
-from reprorl.rollout.engine import GenerateOutput, check_prompt
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.engine import check_prompt
+from reprorl.rollout.request import GenerateOutput, SamplingParams
 from reprorl.rollout.weights import PackedWeights
 
 logger = logging.getLogger(__name__)

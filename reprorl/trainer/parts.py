@@ -42,7 +42,7 @@ from reprorl.reward.loop import RewardLoop, WeightedFn
 from reprorl.reward.user_fn import resolve_reward_fn
 from reprorl.rollout.pool import replica_cpus
 from reprorl.rollout.replica import ReplicaPool
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 from reprorl.supervision import Restarts
 from reprorl.trainer.placement import Placement, Slot, plan_run, ray_options, reserve_gpus, resolve_device
 from reprorl.workers.group import WorkerGroup

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reprorl.protocol import Batch
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 QUESTIONS = ["What is 3*(4+5)?", "Add 12 and 30.", "Compute 7-9.", "Is 5 > 2?"]
 R = 128  # max_response_length: long enough for the random model to stumble on tool calls
@@ -178,3 +178,15 @@ def test_tool_loop_end_to_end_is_reproducible(managers, char_tokenizer):
         assert sum(m for m, _ in runs) == out["num_turns"][i]  # one model run per turn
         log_probs = out["rollout_log_probs"][i, :n]
         assert torch.equal(log_probs[torch.tensor(mask) == 0], torch.zeros(mask.count(0)))
+
+
+def test_the_workers_tokenize_route_and_run_tools_without_importing_torch(managers):
+    """An agent-loop worker runs no model: after single-turn and tool rollouts, none of its
+    processes has imported torch (its `process_info` then reports torch's keys as None)."""
+    manager = managers[(3, 3)]
+    manager.generate_sequences(_batch([0, 1], 2, step=11, agent_name="tool"))
+    manager.generate_sequences(_batch([2, 3], 1, step=12))
+    infos = manager.determinism_info()
+    assert sorted(infos) == [0, 1, 2]
+    assert [info["torch_version"] for info in infos.values()] == [None] * 3, infos
+    assert all(info["env"] for info in infos.values())  # the run's variables still reach them

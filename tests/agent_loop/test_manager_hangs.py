@@ -11,7 +11,7 @@ import signal
 import pytest
 
 from reprorl.protocol import Batch
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 pytestmark = pytest.mark.slow
 

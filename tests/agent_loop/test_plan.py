@@ -9,7 +9,7 @@ from reprorl.agent_loop.single_turn import AgentOutput
 from reprorl.determinism import request_seed
 from reprorl.errors import DataError
 from reprorl.protocol import Batch
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 TRAIN = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, max_tokens=3)
 VAL = SamplingParams(temperature=0.5, max_tokens=3)

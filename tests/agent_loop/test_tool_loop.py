@@ -9,7 +9,7 @@ import pytest
 from reprorl.agent_loop.single_turn import AgentSample, SingleTurnAgentLoop
 from reprorl.agent_loop.tool_loop import ToolAgentLoop
 from reprorl.determinism import request_seed
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 
 @dataclass

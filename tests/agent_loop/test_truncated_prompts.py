@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from reprorl.agent_loop.manager import AgentLoopWorker, plan_samples
+from reprorl.agent_loop.manager import plan_samples
+from reprorl.agent_loop.worker import AgentLoopWorker
 from reprorl.data.dataset import PromptDataset
 from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.rollout.load_balancer import LoadBalancer
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 MAX_PROMPT = 24
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=200)

@@ -178,7 +178,7 @@ def test_engine_log_probs_equal_the_trainers_forward(tiny_policy_dir, dtype, tem
     both divide by the temperature on the device)."""
     from reprorl.models.hf_io import load_model
     from reprorl.rollout.engine import Engine
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     model, _ = load_model(tiny_policy_dir, dtype=dtype)
     model = model.cuda()

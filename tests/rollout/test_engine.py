@@ -16,7 +16,7 @@ from kernel_modes import on_kernels
 from reprorl.kernels import KEY_BLOCK, CpuInvariantKernels
 from reprorl.models.hf_io import load_model
 from reprorl.rollout.engine import Engine
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 
 @pytest.fixture(scope="module")

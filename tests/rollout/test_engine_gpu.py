@@ -226,7 +226,8 @@ def test_fused_sampler_at_a_qwen_vocabulary(dtype):
     in a batch of 256, and its tokens are the host rule's away from CDF boundaries."""
     from reprorl.kernels.gpu import TritonKernels
     from reprorl.kernels.gpu.sampling import sample_rows
-    from reprorl.rollout.sampling import SamplingParams, draw_uniforms, make_generator, pack_step_params, sample_batch
+    from reprorl.rollout.sampling import draw_uniforms, make_generator, pack_step_params, sample_batch
+    from reprorl.rollout.request import SamplingParams
 
     B, V = 256, 151936
     g = torch.Generator(device="cuda").manual_seed(0)

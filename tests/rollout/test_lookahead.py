@@ -5,7 +5,8 @@ import torch
 
 from reprorl.models.arch import ModelArgs
 from reprorl.rollout.lookahead import chunks_after
-from reprorl.rollout.sampling import SamplingParams, make_generator
+from reprorl.rollout.sampling import make_generator
+from reprorl.rollout.request import SamplingParams
 from reprorl.rollout.scheduler import Scheduler, Sequence
 
 ARGS = ModelArgs(model_type="qwen2", vocab_size=32, hidden_size=8, intermediate_size=8, num_hidden_layers=1,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from reprorl.determinism import determinism_env
-from reprorl.rollout.sampling import SamplingParams
+from reprorl.rollout.request import SamplingParams
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=12)
 PROMPT = [1, 40, 41, 42, 2, 8, 1, 60, 8]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from reprorl.errors import ConfigError
+from reprorl.rollout.request import SamplingParams
 from reprorl.rollout.sampling import (
-    SamplingParams,
     _keep_mask,
     draw_uniforms,
     make_generator,

@@ -8,7 +8,8 @@ import torch
 from reprorl.kernels import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.rollout.scheduler import Scheduler, Sequence, SlotPool, samplers
-from reprorl.rollout.sampling import SamplingParams, make_generator
+from reprorl.rollout.sampling import make_generator
+from reprorl.rollout.request import SamplingParams
 
 # The KV cache's shape only: one layer, one head of 8 (no weights are made).
 ARGS = ModelArgs(model_type="qwen2", vocab_size=32, hidden_size=8, intermediate_size=8, num_hidden_layers=1,

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from reprorl.determinism import determinism_env, request_seed  # noqa: E402
 from reprorl.rollout.replica import ReplicaPool  # noqa: E402
-from reprorl.rollout.sampling import SamplingParams  # noqa: E402
+from reprorl.rollout.request import SamplingParams  # noqa: E402
 from reprorl.rollout.vllm_replica import VllmWorkerExtension, vllm_mode  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reprorl.agent_loop.manager import AgentLoopManager, AgentLoopWorker
+from reprorl.agent_loop.manager import AgentLoopManager
 from reprorl.agent_loop.tools import TOOLS, calculator, parse_tool_calls, run_tool_call
+from reprorl.agent_loop.worker import AgentLoopWorker
 from reprorl.cli import main as cli_main
 from reprorl.compare import compare_runs
 from reprorl.config import load_config

@@ -50,7 +50,7 @@ def parts(tmp_path_factory, ray_local):
 def _generate(pool, request_id):
     import ray
 
-    from reprorl.rollout.sampling import SamplingParams
+    from reprorl.rollout.request import SamplingParams
 
     replica = pool.replicas[pool.replica_ids()[0]]
     params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
