@@ -136,9 +136,18 @@ def test_critic_batches_are_checked_only_for_gae():
     load_config(None, ["algorithm.use_kl_in_reward=true", "actor.use_kl_loss=false"])
 
 
-def test_a_token_budget_replaces_the_micro_batch_count_rules():
-    # With a budget, ppo_micro_batch_size is unused: neither its divisibility nor N dividing
-    # the micro-batches is checked (any power of two gives the same bits: workers/flat.py).
+def test_any_power_of_two_worker_count_is_allowed_whatever_the_micro_batch_count():
+    # The default's 4 micro-batches a mini-batch, and the critic's 2: 8 workers leave some
+    # ranks only empty leaves of the gradient tree (workers/flat.py), with the same bits.
+    assert load_config(None, ["trainer.num_workers=8"]).trainer.num_workers == 8
+    gae = ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=64", "trainer.num_workers=4"]
+    assert load_config(None, gae).trainer.num_workers == 4
+    assert load_config(None, ["actor.ppo_mini_batch_size=12", "data.train_batch_size=12",
+                              "trainer.num_workers=2"]).trainer.num_workers == 2  # 3 micro-batches
+
+
+def test_a_token_budget_replaces_the_micro_batch_size_rule():
+    # With a budget, ppo_micro_batch_size is unused: its divisibility is not checked.
     cfg = load_config(None, ["actor.ppo_max_token_len_per_micro_batch=72", "actor.ppo_micro_batch_size=5",
                              "trainer.num_workers=8"])
     assert cfg.actor.ppo_max_token_len_per_micro_batch == 72
@@ -263,21 +272,8 @@ OVERRIDE_ERRORS = [
     ),
     (
         ["trainer.num_workers=3"],
-        "trainer.num_workers=3: expected a power of two that divides the 4 micro-batches of a mini-batch "
-        "(actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 16 * 8 / 32), so that every allowed "
-        "count gives the same bits: one of [1, 2, 4]",
-    ),
-    (
-        ["trainer.num_workers=8"],
-        "trainer.num_workers=8: expected a power of two that divides the 4 micro-batches of a mini-batch "
-        "(actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 16 * 8 / 32), so that every allowed "
-        "count gives the same bits: one of [1, 2, 4]",
-    ),
-    (
-        ["algorithm.adv_estimator=gae", "critic.ppo_micro_batch_size=64", "trainer.num_workers=4"],
-        "trainer.num_workers=4: expected a power of two that divides the 2 micro-batches of a mini-batch "
-        "(critic.ppo_mini_batch_size * rollout.n / critic.ppo_micro_batch_size = 16 * 8 / 64), so that every allowed "
-        "count gives the same bits: one of [1, 2]",
+        "trainer.num_workers=3: expected a power of two (1, 2, 4, 8, ...), so that every allowed count gives the "
+        "same bits (reprorl/workers/flat.py)",
     ),
     (
         ["actor.ppo_max_token_len_per_micro_batch=71"],
@@ -291,9 +287,9 @@ OVERRIDE_ERRORS = [
         "64 + 8 = 72: the longest sample must fit in one micro-batch",
     ),
     (
-        ["actor.ppo_max_token_len_per_micro_batch=72", "trainer.num_workers=3"],
-        "trainer.num_workers=3: expected a power of two, so that every allowed count gives the same bits "
-        "(reprorl/workers/flat.py)",
+        ["actor.ppo_max_token_len_per_micro_batch=72", "trainer.num_workers=6"],
+        "trainer.num_workers=6: expected a power of two (1, 2, 4, 8, ...), so that every allowed count gives the "
+        "same bits (reprorl/workers/flat.py)",
     ),
     (
         ["actor.ppo_max_token_len_per_micro_batch=0"],

@@ -98,9 +98,7 @@ def validate(cfg: Config) -> None:
                 f"{name}.ppo_mini_batch_size * rollout.n = {mini} * {rollout.n} = {mini * rollout.n} samples "
                 f"must be divisible by {name}.ppo_micro_batch_size={micro}"
             )
-        _check_num_workers(cfg.trainer.num_workers, mini * rollout.n // micro,
-                           f"{name}.ppo_mini_batch_size * rollout.n / {name}.ppo_micro_batch_size = "
-                           f"{mini} * {rollout.n} / {micro}")
+    _check_num_workers(cfg.trainer.num_workers)
 
 
 def reward_fn_name(spec: str | None) -> str:
@@ -193,8 +191,7 @@ def _check_sampling_varies(rollout: RolloutConfig, adv_estimator: str) -> None:
 
 
 def _check_token_budget(cfg: Config, name: str, max_token_len: int) -> None:
-    """A token budget must hold the widest sample the data allows, and the micro-batches it
-    cuts fit any power-of-two worker count (reprorl/workers/flat.py, `budget_leaves`)."""
+    """A token budget must hold the widest sample the data allows."""
     data = cfg.data
     widest = data.max_prompt_length + data.max_response_length
     if max_token_len < widest:
@@ -204,23 +201,15 @@ def _check_token_budget(cfg: Config, name: str, max_token_len: int) -> None:
             f"data.max_response_length = {data.max_prompt_length} + {data.max_response_length} = {widest}: the "
             "longest sample must fit in one micro-batch"
         )
-    num_workers = cfg.trainer.num_workers
+
+
+def _check_num_workers(num_workers: int) -> None:
+    """Each worker sums a block of the leaves of one fixed tree over a mini-batch's
+    micro-batches (reprorl/workers/flat.py); the blocks are subtrees of it, whatever the
+    micro-batches' count, when the worker count is a power of two."""
     if num_workers & (num_workers - 1):
         raise ConfigError(
-            f"trainer.num_workers={num_workers}: expected a power of two, so that every allowed count gives the same "
-            "bits (reprorl/workers/flat.py)"
+            f"trainer.num_workers={num_workers}: expected a power of two (1, 2, 4, 8, ...), so that every allowed "
+            "count gives the same bits (reprorl/workers/flat.py)"
         )
-
-
-def _check_num_workers(num_workers: int, micro_batches: int, how: str) -> None:
-    """Each worker sums a contiguous block of a mini-batch's micro-batches; the blocks are
-    subtrees of the one fixed tree over micro-batch index (reprorl/workers/flat.py) only
-    when their count is a power of two that divides the micro-batches' (`how` counts them)."""
-    if num_workers & (num_workers - 1) == 0 and micro_batches % num_workers == 0:
-        return
-    allowed = [n for n in (1 << i for i in range(micro_batches.bit_length())) if micro_batches % n == 0]
-    raise ConfigError(
-        f"trainer.num_workers={num_workers}: expected a power of two that divides the {micro_batches} "
-        f"micro-batches of a mini-batch ({how}), so that every allowed count gives the same bits: one of {allowed}"
-    )
 

@@ -356,8 +356,7 @@ class TrainerConfig:
     total_steps: int = _field(30, "training steps", ge=1)
     num_workers: int = _field(
         1, "processes in each of the actor, reference and critic worker groups (data parallel, gradient and "
-        "optimizer state sharded); a power of two that divides the micro-batches of a mini-batch (any power of two "
-        "with a token budget, ppo_max_token_len_per_micro_batch), so that every allowed count gives the same bits",
+        "optimizer state sharded); a power of two, so that every allowed count gives the same bits",
         ge=1,
     )
     test_freq: int = _field(10, "validate every this many steps; 0 = never", ge=0)

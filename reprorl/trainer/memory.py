@@ -208,11 +208,11 @@ def micro_batch_geometry(mini_samples: int, micro_batch_size: int, max_token_len
     return math.ceil(mini_samples / rows), rows
 
 
-def gradient_vectors(micro_batches: int, world_size: int, by_tokens: bool, gpu_vectors: int) -> int:
+def gradient_vectors(micro_batches: int, world_size: int, gpu_vectors: int) -> int:
     """Whole float32 gradient vectors a rank's update holds on the GPU at once (grad_tree.py's
-    `gpu_vectors_held` of this rank's leaves: a token budget lays them on a power of two,
-    `flat.budget_leaves`); one more for the exchange between ranks."""
-    leaves = max(1 << (micro_batches - 1).bit_length(), world_size) if by_tokens else micro_batches
+    `gpu_vectors_held` of this rank's leaves: the micro-batches are laid on a power of two,
+    `flat.tree_leaves`); one more for the exchange between ranks."""
+    leaves = max(1 << (micro_batches - 1).bit_length(), world_size)
     return gpu_vectors_held(max(1, leaves // world_size), gpu_vectors) + (world_size > 1)
 
 
@@ -236,8 +236,7 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
     est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
     seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
     count, rows = micro_batch_geometry(train.mini_samples, train.micro_batch_size, train.max_token_len, seq)
-    by_tokens = train.max_token_len is not None
-    vectors = gradient_vectors(count, world, by_tokens, cfg.model.gpu_gradient_vectors)
+    vectors = gradient_vectors(count, world, cfg.model.gpu_gradient_vectors)
     est.phases[f"{train.name} update"] = {
         f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32,
         f"activations ({rows} x {seq} tokens)": activation_bytes(

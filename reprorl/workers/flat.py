@@ -8,32 +8,32 @@ parameters and the AdamW moments of those elements. Every rank also holds the wh
 parameter vector for its forward passes, rebuilt after each optimizer step by an
 all-gather (exact: it only moves bytes, each shard to its place by rank index).
 
-What keeps the bits independent of N (the rule `config/checks.py` checks for `trainer.num_workers`):
+What keeps the bits independent of N (any power of two: the rule `config/checks.py`
+checks for `trainer.num_workers`):
 - Micro-batches are cut from the mini-batch by sample order (or by a token budget),
-  whatever N is; rank r takes the contiguous block `[r * M / N, (r + 1) * M / N)` of the
-  M micro-batches, and each micro-batch's gradient is computed alone, so it has the same
+  whatever N is, and each micro-batch's gradient is computed alone, so it has the same
   bits on any rank.
-- The gradients of the M micro-batches are summed in ONE binary tree over micro-batch
-  index (`tree_reduce`: the sum over [lo, hi) is the sum over [lo, mid) plus the sum over
-  [mid, hi), mid = (lo + hi) // 2). When N is a power of two that divides M, the first
-  log2(N) levels of that tree cut [0, M) exactly at the rank blocks, so each rank's block
-  is a subtree: the rank sums it locally, and `fixed_order_reduce_scatter` sums the N
-  block sums with the same tree over rank index. A collective's own reduction (ring,
-  tree, gloo's or NCCL's choice) sums in an order that changes with N, so it is never used
-  to add gradients. The worker evaluates that tree with `GradTree` (grad_tree.py): the same
-  bits, a parameter at a time as the backward pass makes them, with fewer whole vectors.
-- With a token budget (`actor.ppo_max_token_len_per_micro_batch`), a mini-batch's
-  micro-batch count M is whatever its lengths make it (workers/micro_batches.py), so N may
-  not divide it. The M micro-batches are then laid on the P leaves of the tree, P the
-  power of two >= M (`budget_leaves`): leaf s holds one when bit_reverse(s) < M, in
-  micro-batch order; the other leaves are empty and add nothing. P and the layout depend
-  on M alone. For N <= P (N divides P), the rank blocks are subtrees as above; leaf s is
-  in block r when its top log2(N) bits are r, that is when bit_reverse(s) is congruent to
-  r's (in log2 N bits) modulo N, which M / N of the M values below M are, rounded up or
-  down: the micro-batches are shared evenly for every N at once (empty leaves at the end
-  would give the first ranks all the work). For N > P, empty leaves are appended up to N: every split of the
-  tree over [0, N) above P has an all-empty right part, so the sum is that over [0, P),
-  the same bits. "Adds nothing" is exact: x + (-0.0) == x bit for bit for every float x
+- The M micro-batches are laid on the P leaves of ONE binary tree, P the power of two
+  >= M (`tree_leaves`): leaf s holds one when bit_reverse(s) < M, in micro-batch order;
+  the other leaves are empty and add nothing. P and the layout depend on M alone (when M
+  is a power of two, leaf s is micro-batch s). The tree sums them (`tree_reduce`: the sum
+  over [lo, hi) is the sum over [lo, mid) plus the sum over [mid, hi), mid = (lo + hi) //
+  2). Rank r takes the contiguous block of leaves `[r * P / N, (r + 1) * P / N)`; for
+  N <= P those blocks are subtrees, so the rank sums its block locally and
+  `fixed_order_reduce_scatter` sums the N block sums with the same tree over rank index.
+  A collective's own reduction (ring, tree, gloo's or NCCL's choice) sums in an order
+  that changes with N, so it is never used to add gradients. The worker evaluates that
+  tree with `GradTree` (grad_tree.py): the same bits, a parameter at a time as the
+  backward pass makes them, with fewer whole vectors.
+- Leaf s is in block r when its top log2(N) bits are r, that is when bit_reverse(s) is
+  congruent to r's (in log2 N bits) modulo N, which M / N of the M values below M are,
+  rounded up or down: the micro-batches are shared evenly for every N at once (empty
+  leaves at the end would give the first ranks all the work). For N > P, empty leaves are
+  appended up to N: every split of the tree over [0, N) above P has an all-empty right
+  part, so the sum is that over [0, P), the same bits. A token budget
+  (`actor.ppo_max_token_len_per_micro_batch`) makes M whatever the lengths make it
+  (workers/micro_batches.py); cut by samples, M is fixed by the config; the layout is
+  the same rule either way. "Adds nothing" is exact: x + (-0.0) == x bit for bit for every float x
   (+0.0 would turn a -0.0 into +0.0; torch does not flush subnormals unless told to), so
   an empty subtree is skipped in `tree_reduce`, and a rank whose whole block is empty sends
   -0.0 (`EMPTY_GRADIENT`) to the reduction, which is the same as leaving it out. So the
@@ -241,16 +241,16 @@ EMPTY_GRADIENT = -0.0
 float x, so it changes no bit of the sum (+0.0 would turn a -0.0 into +0.0)."""
 
 
-def budget_leaves(count: int, world_size: int) -> list[int | None]:
-    """The leaves of a mini-batch's gradient tree for `count` micro-batches cut by a token
-    budget: micro-batch index or None (empty), max(P, world_size) of them, P the power of
+def tree_leaves(count: int, world_size: int) -> list[int | None]:
+    """The leaves of a mini-batch's gradient tree for its `count` micro-batches (cut by
+    samples or by a token budget): micro-batch index or None (empty), max(P, world_size) of them, P the power of
     two >= count; leaf s < P holds one when bit_reverse(s) < count (log2 P bits), in
     micro-batch order. The sum over them has the same bits for every power-of-two
     `world_size` (module doc), and each rank's block holds count / world_size micro-batches,
     rounded up or down.
     """
     if count < 1 or world_size < 1 or world_size & (world_size - 1):
-        raise ValueError(f"budget_leaves: count={count}, world_size={world_size}; expected count >= 1 and a "
+        raise ValueError(f"tree_leaves: count={count}, world_size={world_size}; expected count >= 1 and a "
                          "power-of-two world_size")
     bits = (count - 1).bit_length()  # P = 2 ** bits
     leaves: list[int | None] = []

@@ -24,7 +24,7 @@ do on `micro_batch_size`) and not on N. A log-prob pass cuts the whole batch and
 takes a contiguous block of its micro-batches (`flat.rank_block`); its outputs come back
 in sample order (`in_sample_order`). An update cuts each mini-batch; how its micro-batch
 count, whatever it is, fits any power-of-two number of workers without changing the
-gradient's bits: `flat.budget_leaves`. Loss normalisers are the mini-batch's
+gradient's bits: `flat.tree_leaves`. Loss normalisers are the mini-batch's
 (`policy.mini_batch_norms`), so reordering the samples changes only the order of sums.
 With batch-invariant kernels (full determinism) a sample's log-probs and values are the
 bits it gets in any other cut; with stock torch kernels they differ in the last bits

@@ -59,11 +59,11 @@ from reprorl.workers.flat import (
     FlatLayout,
     all_gather_shards,
     bind_params,
-    budget_leaves,
     first_failure,
     fixed_order_reduce_scatter,
     global_grad_norm,
     rank_block,
+    tree_leaves,
 )
 from reprorl.workers.grad_tree import GradTree
 from reprorl.workers.micro_batches import Rows, micro_batch_rows, rows_tensor, take
@@ -224,10 +224,7 @@ class ShardWorker:
                 # Updates count from 1, as the trainer's steps.
                 where = f"{self.role} update {self.schedule.step + 1} (epoch {epoch}, mini-batch {m})"
                 micros = micro_batch_rows(mini, micro_batch_size, max_token_len)
-                # Cut by samples, the leaves are the micro-batches (N must divide them); by a
-                # token budget, their count is the lengths', laid out to fit any N (flat.py).
-                leaves = list(range(len(micros))) if max_token_len is None else budget_leaves(
-                    len(micros), self.world_size)
+                leaves = tree_leaves(len(micros), self.world_size)  # laid out to fit any N (flat.py)
                 steps.append(self._step(mini, micros, leaves, max_response_length, loss, where))
         self.schedule.step += 1
         return {"lr": lr, "steps": steps}

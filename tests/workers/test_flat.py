@@ -8,7 +8,7 @@ from reprorl.workers.flat import (
     EMPTY_GRADIENT,
     FlatLayout,
     bind_params,
-    budget_leaves,
+    tree_leaves,
     rank_block,
     tree_reduce,
     tree_sum,
@@ -57,36 +57,36 @@ def _ranked_tree_sum(grads, leaves, world_size, empty=EMPTY_GRADIENT):
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 6, 7, 8, 9, 13])
-def test_budget_leaves_give_the_same_bits_at_every_power_of_two_world_size(count):
-    """Any micro-batch count from a token budget: the same gradient bits at N = 1 .. 16,
+def test_tree_leaves_give_the_same_bits_at_every_power_of_two_world_size(count):
+    """Any micro-batch count (a token budget's, or a config's): the same gradient bits at N = 1 .. 16,
     -0.0 entries included (some ranks hold only empty leaves at large N)."""
     g = torch.Generator().manual_seed(count)
     grads = [torch.randn(1000, generator=g) * 10.0 ** float(torch.randint(-3, 4, (1,), generator=g))
              for _ in range(count)]
     for grad in grads:
         grad[:10] = -0.0  # a gradient entry no micro-batch moves, with its sign
-    expected = _ranked_tree_sum(grads, budget_leaves(count, 1), 1)
+    expected = _ranked_tree_sum(grads, tree_leaves(count, 1), 1)
     assert _bits(expected)[:10].eq(_bits(torch.tensor(-0.0))).all()
     for world_size in (2, 4, 8, 16):
-        leaves = budget_leaves(count, world_size)
+        leaves = tree_leaves(count, world_size)
         assert sorted(k for k in leaves if k is not None) == list(range(count)) and len(leaves) % world_size == 0
         assert torch.equal(_bits(_ranked_tree_sum(grads, leaves, world_size)), _bits(expected)), world_size
 
 
 def test_an_empty_rank_sending_plus_zero_would_flip_a_minus_zero():
     grads = [torch.full((4,), -0.0)]  # one micro-batch, 2 ranks: rank 1's only leaf is empty
-    assert _bits(_ranked_tree_sum(grads, budget_leaves(1, 2), 2)).eq(_bits(torch.tensor(-0.0))).all()
-    assert _bits(_ranked_tree_sum(grads, budget_leaves(1, 2), 2, empty=0.0)).eq(0).all()
+    assert _bits(_ranked_tree_sum(grads, tree_leaves(1, 2), 2)).eq(_bits(torch.tensor(-0.0))).all()
+    assert _bits(_ranked_tree_sum(grads, tree_leaves(1, 2), 2, empty=0.0)).eq(0).all()
 
 
-def test_budget_leaves_share_the_micro_batches_evenly_at_every_world_size():
+def test_tree_leaves_share_the_micro_batches_evenly_at_every_world_size():
     # 5 micro-batches on P = 8 leaves: leaf s holds one where bit_reverse(s) < 5.
-    assert budget_leaves(5, 1) == [0, 1, 2, None, 3, None, 4, None]
-    assert budget_leaves(5, 16) == [0, 1, 2, None, 3, None, 4, None] + [None] * 8
-    assert budget_leaves(8, 2) == list(range(8)) and budget_leaves(1, 1) == [0]
+    assert tree_leaves(5, 1) == [0, 1, 2, None, 3, None, 4, None]
+    assert tree_leaves(5, 16) == [0, 1, 2, None, 3, None, 4, None] + [None] * 8
+    assert tree_leaves(8, 2) == list(range(8)) and tree_leaves(1, 1) == [0]
     for count in range(1, 40):
         for world_size in (1, 2, 4, 8):
-            leaves = budget_leaves(count, world_size)
+            leaves = tree_leaves(count, world_size)
             per_rank = len(leaves) // world_size
             held = [sum(k is not None for k in leaves[r * per_rank:(r + 1) * per_rank]) for r in range(world_size)]
             assert max(held) - min(held) <= 1, (count, world_size, held)
@@ -94,7 +94,7 @@ def test_budget_leaves_share_the_micro_batches_evenly_at_every_world_size():
             order = [k for k in leaves if k is not None]
             assert order == list(range(count))
     with pytest.raises(ValueError, match="power-of-two world_size"):
-        budget_leaves(4, 3)
+        tree_leaves(4, 3)
 
 
 def test_a_world_size_that_is_not_a_power_of_two_would_regroup_the_sum():

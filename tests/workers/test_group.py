@@ -39,7 +39,7 @@ def batch():
 
 # A token budget of 30 cuts the batch's two mini-batches into 4 and 3 micro-batches (length
 # order): 3 fits no N by itself, so at N = 4 one rank holds an empty leaf only
-# (flat.budget_leaves); the log-prob pass's 6 micro-batches leave rank 3 of 4 without any.
+# (flat.tree_leaves); the log-prob pass's 6 micro-batches leave rank 3 of 4 without any.
 BUDGET = 30
 
 

@@ -3,7 +3,7 @@ by `reprorl compare`; checkpoints saved with one worker count and resumed with a
 worker killed in an update; a disallowed count.
 
 Each run is 3 steps of the tiny setup (2 prompts x n=2: 4 samples, micro-batches of 1, so
-4 micro-batches per mini-batch and 1, 2 and 4 workers are all allowed), a checkpoint after
+4 micro-batches per mini-batch, laid on a tree of 4 leaves), a checkpoint after
 every step. On this 2-core machine a 4-worker PPO run starts 12 worker processes: most of
 a run's time is start-up.
 """
@@ -87,26 +87,29 @@ def test_a_token_budget_trains_the_same_bits_on_one_and_two_workers(assets, root
 @pytest.mark.parametrize("algo", list(ALGOS))
 def test_eight_workers_give_one_workers_bits_past_the_micro_batch_count(assets, root, assert_bitwise_identical,
                                                                        algo):
-    """GRPO, and PPO with its critic, with a token budget of 72 tokens (the widest sample) on
-    1 and 8 workers: 4 micro-batches a mini-batch, laid on a tree of 4 leaves that 8 workers
-    extend with empty ones (flat.py), so workers 4-7 compute nothing and send -0.0; the bits
-    are one worker's. Then the 8 workers' step-1 checkpoint resumed on 2 workers: steps 2
-    and 3 are those bits too. Without a KL term: no reference group (8 or 16 processes)."""
-    def budget_overrides(run_dir, n, *extra):
-        return overrides(assets, run_dir, algo, n, "actor.ppo_max_token_len_per_micro_batch=72",
-                         "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false", *extra)
+    """1 and 8 workers: GRPO with micro-batches of one sample, PPO with its critic with a token
+    budget of 72 tokens (the widest sample). Either way 4 micro-batches a mini-batch, laid on
+    a tree of 4 leaves that 8 workers extend with empty ones (flat.py), so workers 4-7
+    compute nothing and send -0.0; the bits are one worker's. Then the 8 workers' step-1
+    checkpoint resumed on 2 workers: steps 2 and 3 are those bits too. Without a KL term: no
+    reference group (8 or 16 processes)."""
+    cut = () if algo == "grpo" else ("actor.ppo_max_token_len_per_micro_batch=72",)
+
+    def no_kl_overrides(run_dir, n, *extra):
+        return overrides(assets, run_dir, algo, n, *cut, "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+                         *extra)
 
     runs = {}
     for n in (1, 8):
-        runs[n] = root / f"{algo}-budget-no-kl-{n}"
-        assert cli.main(["train", *budget_overrides(runs[n], n)]) == 0
+        runs[n] = root / f"{algo}-no-kl-{n}"
+        assert cli.main(["train", *no_kl_overrides(runs[n], n)]) == 0
     assert_bitwise_identical(runs[1], runs[8], steps=3)
     report = (runs[8] / "determinism.txt").read_text()
     groups = ("actor", "critic") if algo == "ppo" else ("actor",)
     assert all(f"{group} worker {rank}" in report for group in groups for rank in range(8)), report
     assert "ref worker" not in report, report
-    resumed = root / f"{algo}-budget-8-then-2"
-    run_trainer(load_config(None, budget_overrides(resumed, 2, f"trainer.resume={runs[8] / 'checkpoints' / 'step_1'}")))
+    resumed = root / f"{algo}-no-kl-8-then-2"
+    run_trainer(load_config(None, no_kl_overrides(resumed, 2, f"trainer.resume={runs[8] / 'checkpoints' / 'step_1'}")))
     result = compare_runs(runs[1], resumed)  # the resumed run has no step 1 of its own
     assert result.divergence is None and result.common_steps == [2, 3] and result.only_in_b == [], result
 
@@ -174,8 +177,7 @@ def test_a_disallowed_worker_count_is_a_one_line_error_naming_the_key(assets, ro
     run_dir = root / "three"
     assert cli.main(["train", *overrides(assets, run_dir, "grpo", 3)]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        "error: trainer.num_workers=3: expected a power of two that divides the 4 micro-batches of a mini-batch "
-        "(actor.ppo_mini_batch_size * rollout.n / actor.ppo_micro_batch_size = 2 * 2 / 1), so that every allowed "
-        "count gives the same bits: one of [1, 2, 4]"
+        "error: trainer.num_workers=3: expected a power of two (1, 2, 4, 8, ...), so that every allowed count gives "
+        "the same bits (reprorl/workers/flat.py)"
     ]
     assert not run_dir.exists()  # refused before anything started
