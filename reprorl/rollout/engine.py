@@ -59,7 +59,7 @@ from torch import Tensor
 from reprorl.kernels import KEY_BLOCK, select_kernels, verify_batch_invariance
 from reprorl.rollout.cuda_graphs import DecodeGraphs
 from reprorl.rollout.lookahead import Launched, Lookahead, can_launch
-from reprorl.rollout.request import GenerateOutput, SamplingParams
+from reprorl.rollout.request import GenerateOutput, SamplingParams, check_prompt
 from reprorl.rollout.sampling import (
     any_filter,
     join_tokens_and_log_probs,
@@ -144,18 +144,6 @@ def gpu_cache_shape(args, dtype: torch.dtype, device: torch.device, max_num_seqs
             "raise gpu_memory_utilization or free GPU memory"
         )
     return 1, capacity
-
-
-def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Refuse a prompt no engine can serve: empty, no room for one new token, or an id
-    outside the vocabulary (ValueError naming the request). Every backend's generate calls it."""
-    n = len(prompt_ids)
-    if n == 0:
-        raise ValueError(f"generate({request_id!r}): empty prompt")
-    if n >= max_model_len:
-        raise ValueError(f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={max_model_len}")
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {vocab_size})")
 
 
 class Engine:

