@@ -40,8 +40,9 @@ checks for `trainer.num_workers`):
   gradient has the P-leaf tree's bits at every power-of-two N.
 - The gradient norm for clipping is a sum of per-chunk sums of squares, the chunks fixed
   by the flat layout (not by N), added in chunk order (`global_grad_norm`).
-- AdamW (`torch.optim.AdamW`, single-tensor) is elementwise: an element's update does
-  not depend on where the shard starts or ends (tests/workers/test_flat.py checks it).
+- AdamW (`optim.step_in_chunks`: torch's single-tensor AdamW op for op) is elementwise:
+  an element's update does not depend on where the shard starts or ends
+  (tests/workers/test_flat.py checks it).
 
 Why not FSDP2 (`torch.distributed.fsdp.fully_shard`, which does run on CPU with gloo in
 torch 2.13): as it comes, it reduce-scatters each micro-batch's gradient across ranks as

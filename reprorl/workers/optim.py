@@ -12,6 +12,7 @@ mini-batch of one training step uses the same learning rate.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
@@ -104,22 +105,35 @@ def exact_cos(x: float) -> float:
         return float(total)
 
 
-def make_adamw(params: Iterable[torch.nn.Parameter], args: OptimArgs) -> torch.optim.AdamW:
-    """AdamW on `params`, weight decay on every parameter (as verl).
+class AdamW:
+    """AdamW's hyper-parameters and per-parameter state, kept as `torch.optim.AdamW` keeps
+    them (`param_groups[0]`: lr, betas, eps, weight_decay; `state[param]`: step, exp_avg,
+    exp_avg_sq), and stepped by `step_in_chunks`, which is torch's single-tensor AdamW op for
+    op. Not torch's optimizer itself: nothing here calls its `step`, and its constructor
+    imports torch._dynamo (about 1.1 s of a core in every training rank)."""
 
-    The single-tensor implementation (`foreach=False`) is pinned so a checkpoint written on
-    one kind of device resumes with the same arithmetic on another.
-    """
-    return torch.optim.AdamW(
-        list(params), lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, foreach=False
-    )
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
+                 weight_decay: float, eps: float = 1e-8):
+        self.params = list(params)
+        self.param_groups = [{"params": self.params, "lr": lr, "betas": betas, "eps": eps,
+                              "weight_decay": weight_decay}]
+        self.state: defaultdict[torch.nn.Parameter, dict[str, torch.Tensor]] = defaultdict(dict)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+
+def make_adamw(params: Iterable[torch.nn.Parameter], args: OptimArgs) -> AdamW:
+    """AdamW on `params`, weight decay on every parameter (as verl), eps torch's 1e-8."""
+    return AdamW(params, lr=args.lr, betas=args.betas, weight_decay=args.weight_decay)
 
 
 STEP_CHUNK = 1 << 24
 """Elements of a parameter stepped at once by `step_in_chunks` (its temporaries: 64 MiB each in float32)."""
 
 
-def step_in_chunks(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, chunk: int = STEP_CHUNK) -> None:
+def step_in_chunks(optimizer: AdamW, param: torch.nn.Parameter, chunk: int = STEP_CHUNK) -> None:
     """One AdamW step of `param` (one of `optimizer`'s parameters, its `.grad` set), a
     `chunk` of elements at a time: torch's single-tensor AdamW (`foreach=False`) op for op,
     on views of the parameter, its gradient and its moments, so its bits but for the
@@ -134,8 +148,6 @@ def step_in_chunks(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, chun
     what torch's AdamW keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints do not
     change."""
     group, state = optimizer.param_groups[0], optimizer.state[param]
-    if group["amsgrad"] or group["maximize"]:
-        raise ValueError("step_in_chunks: AdamW without amsgrad and maximize expected (make_adamw's)")
     if not state:  # as AdamW's first step makes it (not capturable, not fused)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -158,7 +170,7 @@ def step_in_chunks(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, chun
         p.addcdiv_(m, denom, value=-step_size)
 
 
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_lr(optimizer: AdamW, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
 
@@ -197,7 +209,7 @@ def clip_grads(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 
 def guarded_step(
-    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], grad_clip: float, where: str
+    optimizer: AdamW, params: list[torch.nn.Parameter], grad_clip: float, where: str
 ) -> float:
     """Clip, then step the optimizer, then clear the gradients; return the pre-clip norm.
 
@@ -207,12 +219,12 @@ def guarded_step(
     """
     grad_norm = clip_grads(params, grad_clip)
     if not math.isfinite(grad_norm):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
     for param in params:
         if param.grad is not None:
             step_in_chunks(optimizer, param)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return grad_norm
 
 

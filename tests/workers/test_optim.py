@@ -91,7 +91,8 @@ def test_guarded_step_refuses_non_finite_gradients():
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
 def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device, monkeypatch):
     """Three steps (state made by the first) with weight decay, chunks that do not divide the
-    parameter: parameter, moments and step count equal AdamW's own, bit for bit (with
+    parameter: parameter, moments and step count equal torch's single-tensor AdamW's (the
+    state make_adamw keeps, stepped by step_in_chunks), bit for bit (with
     torch's square root: not under full determinism's CPU math, whose root is IEEE's)."""
     from reprorl.kernels import cpu_math
 
@@ -102,9 +103,10 @@ def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device, monkeypatch):
              for _ in range(3)]
     args = OptimArgs(lr=3e-4, weight_decay=0.1)
     whole, chunked = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    opt_whole, opt_chunked = make_adamw([whole], args), make_adamw([chunked], args)
+    opt_whole = torch.optim.AdamW([whole], lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, foreach=False)
+    opt_chunked = make_adamw([chunked], args)
     for step, grad in enumerate(grads):
-        set_lr(opt_whole, args.lr * (step + 1))
+        opt_whole.param_groups[0]["lr"] = args.lr * (step + 1)
         set_lr(opt_chunked, args.lr * (step + 1))
         whole.grad, chunked.grad = grad.clone(), grad.clone()
         opt_whole.step()
