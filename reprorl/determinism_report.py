@@ -77,25 +77,20 @@ def process_info() -> dict[str, Any]:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        **(_torch_switches(torch) if torch is not None else dict.fromkeys(_TORCH_KEYS)),
+        **{key: None if torch is None else read(torch) for key, read in _TORCH_SWITCHES.items()},
         "python_hash_randomization": bool(sys.flags.hash_randomization),
         "env": visible_env(),
     }
 
 
-_TORCH_KEYS = ("torch_version", "deterministic_algorithms", "cudnn_deterministic", "cudnn_benchmark", "tf32_matmul",
-               "num_threads")
-
-
-def _torch_switches(torch: Any) -> dict[str, Any]:
-    return {
-        "torch_version": torch.__version__,
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
-        "num_threads": torch.get_num_threads(),
-    }
+_TORCH_SWITCHES = {
+    "torch_version": lambda torch: torch.__version__,
+    "deterministic_algorithms": lambda torch: torch.are_deterministic_algorithms_enabled(),
+    "cudnn_deterministic": lambda torch: torch.backends.cudnn.deterministic,
+    "cudnn_benchmark": lambda torch: torch.backends.cudnn.benchmark,
+    "tf32_matmul": lambda torch: torch.backends.cuda.matmul.allow_tf32,
+    "num_threads": lambda torch: torch.get_num_threads(),
+}
 
 
 def model_part_info(*, backend: str, batch_invariant: bool, dtype: Any, num_threads: int | None = None,

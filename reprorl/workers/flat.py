@@ -33,8 +33,9 @@ checks for `trainer.num_workers`):
   part, so the sum is that over [0, P), the same bits. A token budget
   (`actor.ppo_max_token_len_per_micro_batch`) makes M whatever the lengths make it
   (workers/micro_batches.py); cut by samples, M is fixed by the config; the layout is
-  the same rule either way. "Adds nothing" is exact: x + (-0.0) == x bit for bit for every float x
-  (+0.0 would turn a -0.0 into +0.0; torch does not flush subnormals unless told to), so
+  the same rule either way. "Adds nothing" is exact: x + (-0.0) == x bit for bit for
+  every float x (+0.0 would turn a -0.0 into +0.0; torch does not flush subnormals unless
+  told to), so
   an empty subtree is skipped in `tree_reduce`, and a rank whose whole block is empty sends
   -0.0 (`EMPTY_GRADIENT`) to the reduction, which is the same as leaving it out. So the
   gradient has the P-leaf tree's bits at every power-of-two N.
@@ -244,8 +245,8 @@ float x, so it changes no bit of the sum (+0.0 would turn a -0.0 into +0.0)."""
 
 def tree_leaves(count: int, world_size: int) -> list[int | None]:
     """The leaves of a mini-batch's gradient tree for its `count` micro-batches (cut by
-    samples or by a token budget): micro-batch index or None (empty), max(P, world_size) of them, P the power of
-    two >= count; leaf s < P holds one when bit_reverse(s) < count (log2 P bits), in
+    samples or by a token budget): micro-batch index or None (empty), max(P, world_size) of
+    them, P the power of two >= count; leaf s < P holds one when bit_reverse(s) < count (log2 P bits), in
     micro-batch order. The sum over them has the same bits for every power-of-two
     `world_size` (module doc), and each rank's block holds count / world_size micro-batches,
     rounded up or down.

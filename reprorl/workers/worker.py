@@ -234,8 +234,6 @@ class ShardWorker:
         """One optimizer step on one mini-batch: `micros` its micro-batches' rows, `leaves`
         the gradient tree's leaves (micro-batch index, None: empty). flat.py says why the
         bits do not depend on N."""
-        if len(leaves) % self.world_size:
-            raise ValueError(f"{where}: {len(leaves)} micro-batches cannot be shared by {self.world_size} workers")
         per_rank = len(leaves) // self.world_size
         norms = {k: tensor_to(v, self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in mini_batch_norms(mini, max_response_length).items()}

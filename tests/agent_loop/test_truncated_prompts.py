@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from reprorl.agent_loop.manager import plan_samples
-from reprorl.agent_loop.worker import AgentLoopWorker
+from reprorl.agent_loop.worker import AgentLoopWorker, ShippedTokenizer
 from reprorl.data.dataset import PromptDataset
 from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
@@ -86,7 +86,8 @@ def test_the_engine_gets_the_truncated_prompt(tmp_path, char_tokenizer, tokenize
     assert [s.prompt_ids for s in samples] == cut and all("raw_prompt" not in s.extra for s in samples)
 
     replica = RecordingReplica(char_tokenizer, TOOL_CALL)
-    worker = AgentLoopWorker(0, {0: replica}, LoadBalancer([0]), load_tokenizer(tokenizer_dir), {}, agent, max_turns=2)
+    tokenizer = ShippedTokenizer(load_tokenizer(tokenizer_dir))
+    worker = AgentLoopWorker(0, {0: replica}, LoadBalancer([0]), tokenizer, {}, agent, max_turns=2)
     outputs = asyncio.run(worker.generate(samples))
     assert [o.prompt_ids for o in outputs] == cut
     turns = 2 if agent == "tool" else 1  # the tool loop's second turn ran

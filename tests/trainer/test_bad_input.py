@@ -26,7 +26,7 @@ import torch
 
 from reprorl.agent_loop.manager import AgentLoopManager
 from reprorl.agent_loop.tools import TOOLS, calculator, parse_tool_calls, run_tool_call
-from reprorl.agent_loop.worker import AgentLoopWorker
+from reprorl.agent_loop.worker import AgentLoopWorker, ShippedTokenizer
 from reprorl.cli import main as cli_main
 from reprorl.compare import compare_runs
 from reprorl.config import load_config
@@ -202,7 +202,7 @@ def test_the_tool_loop_calls_only_the_configured_tools(tiny_policy_dir):
     call = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": "2+3"}}</tool_call>')[0]
     by_tools = {}
     for tools in (None, ["calculator"], []):
-        worker = AgentLoopWorker(0, {}, None, load_tokenizer(tiny_policy_dir), {}, "tool", 2, tools)
+        worker = AgentLoopWorker(0, {}, None, ShippedTokenizer(load_tokenizer(tiny_policy_dir)), {}, "tool", 2, tools)
         by_tools[str(tools)] = worker.loops["tool"].tools
         by_tools[f"{tools} answer"] = run_tool_call(call, worker.loops["tool"].tools)
     assert by_tools["None"] == TOOLS and by_tools["['calculator']"] == {"calculator": calculator}
