@@ -96,9 +96,9 @@ def run_before(layers, layout, inputs):
 
 
 def run_after(layers, layout, inputs, gpu_vectors: int):
-    from reprorl.workers.grad_tree import GradTree
+    from reprorl.workers.grad_tree import GradTree, Parts
 
-    tree = GradTree(0, len(inputs), layout, layers[0].device, gpu_vectors=gpu_vectors)
+    tree = GradTree(0, len(inputs), Parts.of(layout), layers[0].device, gpu_vectors=gpu_vectors)
     active = {"on": False}
 
     def fold(index, param):

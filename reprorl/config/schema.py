@@ -90,6 +90,11 @@ class ModelConfig:
         "micro-batches waiting in pinned host memory (the same bits; about micro-batches / 2^k PCIe round trips "
         "of a vector per update)", ge=0
     )
+    shard_params: bool = _field(
+        False, "the actor's and critic's parameters sharded at rest over trainer.num_workers (ZeRO-3): each worker "
+        "keeps 1/N of the weights, gathers a decoder layer's just before its forward and backward pass and frees "
+        "them after, and keeps shard-sized gradient sums; the same bits as false, at the cost of the gathers"
+    )
 
 
 @dataclass

@@ -53,18 +53,32 @@ class PackedWeights:
     def pack(cls, named_tensors: Iterable[tuple[str, torch.Tensor]],
              device: torch.device | str = "cpu") -> PackedWeights:
         """Copy the tensors into new buffers on `device` (the host for Ray's store, the GPU to share)."""
-        tensors = [(name, t.detach()) for name, t in named_tensors]
+        tensors = list(named_tensors)
+        packed = cls.empty(tensors, device)
+        packed.write(tensors)
+        return packed
+
+    @classmethod
+    def empty(cls, named_tensors: Iterable[tuple[str, torch.Tensor]],
+              device: torch.device | str = "cpu") -> PackedWeights:
+        """Buffers on `device` with a place for each tensor, not yet written (`write`): only the
+        tensors' shapes and dtypes are read, so their storage may be elsewhere or freed."""
         sizes: dict[str, int] = {}
-        entries = []
-        for name, t in tensors:
+        entries, dtypes = [], {}
+        for name, t in named_tensors:
             key = _dtype_key(t.dtype)
+            dtypes[key] = t.dtype
             entries.append((name, key, tuple(t.shape), sizes.get(key, 0)))
             sizes[key] = sizes.get(key, 0) + t.numel()
-        dtypes = {_dtype_key(t.dtype): t.dtype for _, t in tensors}
         buffers = {key: torch.empty(size, dtype=dtypes[key], device=device) for key, size in sizes.items()}
-        for (_, key, shape, offset), (_, t) in zip(entries, tensors):
-            buffers[key][offset : offset + t.numel()].copy_(t.reshape(-1))
         return cls(tuple(entries), buffers)
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each named tensor into its place (any subset, in any order)."""
+        where = {name: (key, offset) for name, key, _, offset in self.entries}
+        for name, t in named_tensors:
+            key, offset = where[name]
+            self.buffers[key][offset : offset + t.numel()].copy_(t.detach().reshape(-1))
 
     def unpack(self, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
         """(name, view of the buffer moved to `device`) per tensor, in push order."""

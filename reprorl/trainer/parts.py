@@ -216,7 +216,8 @@ def _start_worker_groups(parts: Parts, cfg: Config, placement: Placement, lora: 
     common = {"num_workers": cfg.trainer.num_workers, "seed": cfg.seed, "full_determinism": cfg.full_determinism,
               "dtype": cfg.model.dtype, "device": placement.device,
               "gradient_checkpointing": cfg.model.gradient_checkpointing,
-              "gpu_gradient_vectors": cfg.model.gpu_gradient_vectors, "wait": False,
+              "gpu_gradient_vectors": cfg.model.gpu_gradient_vectors, "shard_params": cfg.model.shard_params,
+              "wait": False,
               "part_timeout_s": cfg.trainer.part_timeout_s}
     parts.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
                               lora=lora, **common, **_pinned(placement.actor, parts.gpus))

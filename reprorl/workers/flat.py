@@ -188,7 +188,8 @@ def exchange_pieces(received: list[torch.Tensor], send: list[torch.Tensor], grou
     """An all-to-all (rank r's `send[q]` lands in rank q's `received[r]`). Gloo has none in
     some torch versions ("Backend gloo does not support alltoall" from torch 2.11 on the GPU
     machine's CPU; 2.13 has one), so on gloo each pair of ranks sends and receives point to
-    point. The pieces are moved, never added: the bits do not depend on how."""
+    point. The pieces are moved, never added: the bits do not depend on how. Pieces may
+    differ in size (rank q's `received` pieces are all of one size, its share)."""
     if dist.get_backend(group) != "gloo":
         dist.all_to_all(received, send, group=group)
         return
@@ -199,8 +200,8 @@ def exchange_pieces(received: list[torch.Tensor], send: list[torch.Tensor], grou
             received[peer].copy_(send[peer])
             continue
         global_peer = dist.get_global_rank(group, peer)
-        ops += [dist.P2POp(dist.isend, send[peer], global_peer, group),
-                dist.P2POp(dist.irecv, received[peer], global_peer, group)]
+        ops += [dist.P2POp(op, tensor, global_peer, group)  # an empty piece is neither sent nor awaited
+                for op, tensor in ((dist.isend, send[peer]), (dist.irecv, received[peer])) if tensor.numel()]
     for work in dist.batch_isend_irecv(ops) if ops else ():
         work.wait()
 

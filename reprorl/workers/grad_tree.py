@@ -35,9 +35,29 @@ so does the padding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from reprorl.workers.flat import FlatLayout
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The ranges a `GradTree`'s vectors are fed by: part i is `[bounds[i], bounds[i + 1])`
+    of a `size`-element vector, and `[bounds[-1], size)` is padding (+0.0)."""
+
+    bounds: tuple[int, ...]
+    size: int
+
+    @classmethod
+    def of(cls, layout: FlatLayout) -> Parts:
+        """One part per parameter of a flat layout, the vector `[padded]`."""
+        return cls(tuple(layout.offsets()) + (layout.numel,), layout.padded)
+
+    @property
+    def count(self) -> int:
+        return len(self.bounds) - 1
 
 
 def _nodes(lo: int, hi: int) -> list[tuple[int, int]]:
@@ -122,23 +142,24 @@ def max_pending(count: int) -> int:
 
 
 class GradTree:
-    """The sum of leaves [lo, hi) in `tree_reduce`'s tree, fed a parameter range at a time.
+    """The sum of leaves [lo, hi) in `tree_reduce`'s tree, fed a part (`Parts`: a
+    parameter's range of the flat layout, or a piece of a shard) at a time.
 
-    Per leaf, in index order: `start_leaf(empty)`, then `add` for the parameters' gradients
+    Per leaf, in index order: `start_leaf(empty)`, then `add` for the parts' gradients
     (any order), then `finish_leaf` (it adds +0.0 for what was not added). `result()`: the
-    `[padded]` float32 sum on `device`, or None when every leaf was empty.
+    `[parts.size]` float32 sum on `device`, or None when every leaf was empty.
     """
 
-    def __init__(self, lo: int, hi: int, layout: FlatLayout, device: torch.device, gpu_vectors: int = 0) -> None:
+    def __init__(self, lo: int, hi: int, parts: Parts, device: torch.device, gpu_vectors: int = 0) -> None:
         if hi <= lo:
             raise ValueError(f"GradTree: empty leaf range [{lo}, {hi})")
-        self.layout, self.device = layout, torch.device(device)
+        self.parts, self.device = parts, torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # as tensors name it: `t.device == where` below
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.host = torch.device("cpu")
         self.pops, self.lo = tree_pops(lo, hi), lo
         self.on_host = on_host(lo, hi, gpu_vectors)
-        self.offsets = layout.offsets() + [layout.numel]
+        self.offsets = parts.bounds
         self.stack: list[torch.Tensor | None] = []
         self.leaf = lo
         self.root: torch.Tensor | None = None
@@ -152,7 +173,7 @@ class GradTree:
         del self.stack[len(self.stack) - count :]
         self.taken = taken
         self.empty = empty
-        self.done = [False] * len(self.layout.names)
+        self.done = [False] * self.parts.count
         where = self.host if self.on_host[self.leaf - self.lo] else self.device
         self.target, self.new_target = None, None
         if empty and all(t is None for t in taken):
@@ -164,7 +185,7 @@ class GradTree:
             self.new_target = where
 
     def add(self, index: int, grad: torch.Tensor | None) -> None:
-        """Parameter `index`'s gradient (any float dtype; None: +0.0) into the running sum."""
+        """Part `index`'s gradient (any float dtype; None: +0.0) into the running sum."""
         if self.empty:
             raise RuntimeError(f"GradTree.add: leaf {self.leaf} was started empty")
         start, end = self.offsets[index], self.offsets[index + 1]
@@ -177,8 +198,8 @@ class GradTree:
         """The ranges not added (unreached parameters, the padding, or all of an empty leaf),
         then push the running sum (or keep it as the root after the last leaf)."""
         ranges = [(self.offsets[i], self.offsets[i + 1]) for i, done in enumerate(self.done) if not done]
-        if self.layout.padded > self.layout.numel:
-            ranges.append((self.layout.numel, self.layout.padded))
+        if self.parts.size > self.offsets[-1]:
+            ranges.append((self.offsets[-1], self.parts.size))
         for start, end in ranges:
             zeros = None if self.empty else torch.zeros(end - start, dtype=torch.float32, device=self.device)
             self._fold(start, end, zeros)
@@ -203,7 +224,7 @@ class GradTree:
             if self.new_target is None:
                 return
             where = self.new_target
-            self.target = torch.empty(self.layout.padded, dtype=torch.float32, device=where,
+            self.target = torch.empty(self.parts.size, dtype=torch.float32, device=where,
                                       pin_memory=where.type == "cpu" and self.device.type == "cuda")
         for left in self.taken:
             if left is None:

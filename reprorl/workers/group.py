@@ -79,7 +79,7 @@ class WorkerGroup:
                  device: str = "cpu", num_gpus: float | None = None, gradient_checkpointing: bool = False,
                  gpu_gradient_vectors: int = 0, wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S,
                  lora: LoraSpec | None = None, in_process: bool = False,
-                 scheduling: Sequence[Any] | None = None) -> None:
+                 scheduling: Sequence[Any] | None = None, shard_params: bool = False) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
         the processes are asked for, before they have started: `wait_ready()` waits.
@@ -87,7 +87,9 @@ class WorkerGroup:
         `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone.
         `in_process`: its one rank in this process (module doc). `scheduling`: each rank's Ray
         scheduling strategy (on several GPUs, the bundle of rank r's GPU in the run's placement
-        group: reprorl/trainer/placement.py); None: Ray's choice."""
+        group: reprorl/trainer/placement.py); None: Ray's choice. `shard_params`: a trainable
+        group's parameters sharded at rest (units.py); every rank then takes part in reading
+        its weights."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
@@ -100,7 +102,9 @@ class WorkerGroup:
         env = {**determinism_env(seed, full_determinism), **WORKER_ENV}
         options = dict(optim=optim, dtype=dtype, seed=seed, device=device, lora=lora,
                        batch_invariant=full_determinism if batch_invariant is None else batch_invariant,
-                       gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors)
+                       gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors,
+                       shard_params=shard_params)
+        self.sharded = shard_params and optim is not None
         self.pids: dict[int, int] = {}
         self._starting: list[Any] | None = None  # the ranks' start-up answers, until `wait_ready`
         if in_process:
@@ -293,14 +297,22 @@ class WorkerGroup:
 
     # ---------------------------------------------------------------- weights and state
 
+    def _rank0(self, method: str, *args: Any) -> Any:
+        """Rank 0's answer to `method`; with parameters sharded at rest every rank is called
+        (each takes part in the gathers of the whole model)."""
+        if self.sharded:
+            return self._call(method, *args)[0]
+        return self._call_one(0, method, *args)
+
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, tensor) of every weight the rollout replicas take (with LoRA the adapters
-        alone): rank 0's, which every rank rebuilt from the shards by rank index after the last step."""
-        return self._call_one(0, "named_weights")
+        alone): rank 0's, which every rank rebuilt from the shards by rank index after the
+        last step (sharded at rest: which rank 0 gathers a unit at a time)."""
+        return self._rank0("named_weights")
 
     def weight_digests(self) -> dict[str, str]:
         """`tensor_digests(named_weights())`, computed on rank 0: only the digests travel."""
-        return self._call_one(0, "weight_digests")
+        return self._rank0("weight_digests")
 
     def gpu_uuid(self) -> str | None:
         """The UUID of rank 0's GPU (None on the CPU)."""
@@ -309,7 +321,7 @@ class WorkerGroup:
     def share_weights(self, consumers: int) -> list[SharedWeights]:
         """Rank 0's weights in a buffer on its GPU, one CUDA IPC share per consumer (a
         replica on that GPU); the buffer lives until `release_shared_weights`."""
-        return self._call_one(0, "share_weights", consumers)
+        return self._rank0("share_weights", consumers)
 
     def release_shared_weights(self) -> None:
         """Free the buffer of `share_weights`: after every consumer answered."""

@@ -1,6 +1,9 @@
 """One rank of a worker group: a process (Ray actor) that holds a whole model for its
 forward passes and, when trainable, its shard of the gradient, master weights and AdamW
-moments (the layout and the reductions: flat.py). The shard is float32 whatever the
+moments (the layout and the reductions: flat.py). With `shard_params` a trainable rank
+holds its shard of the weights alone and gathers a decoder layer's when it runs (units.py;
+the same bits): every rank then makes every pass's collectives, the rank with fewer
+micro-batches without computing, and every rank takes part in reading the weights. The shard is float32 whatever the
 model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the model's
 weights being the bf16 cast of the master after every step. `device="cuda"`: the model
 runs on the GPU Ray gave the process (the group's collectives then use NCCL), and
@@ -34,6 +37,7 @@ own range, so a run saved with N workers resumes with M.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -41,6 +45,7 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -65,7 +70,8 @@ from reprorl.workers.flat import (
     rank_block,
     tree_leaves,
 )
-from reprorl.workers.grad_tree import GradTree
+from reprorl.workers.grad_tree import GradTree, Parts
+from reprorl.workers.units import Exchange, ShardedParams
 from reprorl.workers.micro_batches import Rows, micro_batch_rows, rows_tensor, take
 from reprorl.workers.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr, step_in_chunks
 from reprorl.workers.policy import mini_batch_norms, read_stats, trim_padding
@@ -91,7 +97,7 @@ class ShardWorker:
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
                  device: str = "cpu", gradient_checkpointing: bool = False, gpu_gradient_vectors: int = 0,
-                 lora: LoraSpec | None = None) -> None:
+                 lora: LoraSpec | None = None, shard_params: bool = False) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
         torch.set_num_threads(WORKER_THREADS)
@@ -116,7 +122,9 @@ class ShardWorker:
         self.lora = lora
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
-        self._tree: GradTree | None = None  # the tree `_fold_grad` feeds, during an update's backward passes
+        self._grad_sink: GradTree | Exchange | None = None  # what `_fold_grad` feeds, during an update's backward
+        self.shard_params = shard_params and self.trainable  # a frozen group keeps its whole weights
+        self.at_rest: ShardedParams | None = None  # set by `join` with shard_params (units.py)
         self._grad_hooks: list = []  # the `_fold_grad` hooks' handles (made by `join`), removed by `shutdown`
         self.group: dist.ProcessGroup | None = None  # set by `join`
 
@@ -148,28 +156,49 @@ class ShardWorker:
         self.layout = FlatLayout.of(named, self.world_size)
         if not self.trainable:
             return
-        self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
+        if self.shard_params:  # each parameter a view of its unit's buffer, gathered when used (units.py)
+            self.flat = None
+            self.at_rest = ShardedParams(self.model, self.params, self.layout, self.rank, self.group, self.device)
+            initial = self.at_rest.local
+        else:
+            self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
+            initial = self.flat[slice(*self.layout.shard_range(self.rank))]
         # Kept to be removed at shutdown: a hook on a parameter that holds this worker is a
         # cycle through autograd's hook table, which Python's collector cannot see, so the
         # worker (weights, master, AdamW moments) would outlive every reference to it.
         self._grad_hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._fold_grad, index))
                             for index, p in enumerate(self.params)]
-        start, end = self.layout.shard_range(self.rank)
         # Master weights of this rank's range, float32 whatever the model computes in (mixed
-        # precision with bf16); the model's weights are their cast, written by all_gather.
-        self.shard = torch.nn.Parameter(self.flat[start:end].to(MASTER_DTYPE, copy=True))
+        # precision with bf16); the model's weights are their cast (`_publish_master`).
+        self.shard = torch.nn.Parameter(initial.to(MASTER_DTYPE, copy=True))
+        if self.at_rest is not None:
+            self.at_rest.set_local(self.shard)  # with a float32 model, the master itself: no second copy
         self.optimizer = make_adamw([self.shard], self.optim_args)
         args = self.optim_args
         self.schedule = LRSchedule(args.lr, args.warmup_steps, args.total_steps, args.lr_schedule)
 
     # ---------------------------------------------------------------- forward passes
 
-    def _my_micro_batches(self, batch: Batch, micro_batch_size: int, max_token_len: int | None) -> list[Rows]:
+    def _my_micro_batches(self, batch: Batch, micro_batch_size: int,
+                          max_token_len: int | None) -> tuple[list[Rows], int]:
         """This rank's contiguous block of the batch's micro-batches (`micro_batch_rows`: cut
-        without regard to the worker count)."""
+        without regard to the worker count), and the most any rank's block holds."""
         micros = micro_batch_rows(batch, micro_batch_size, max_token_len)
         start, end = rank_block(len(micros), self.rank, self.world_size)
-        return micros[start:end]
+        return micros[start:end], rank_block(len(micros), 0, self.world_size)[1]
+
+    @contextlib.contextmanager
+    def _forward_passes(self, made: int, most: int) -> Iterator[None]:
+        """Around a call's forward passes (this rank makes `made`, the busiest `most`): with
+        parameters sharded at rest, the root unit gathered, and afterwards the collectives of
+        the passes this rank lacks (units.py: every rank makes every gather)."""
+        if self.at_rest is None:
+            yield
+            return
+        with self.at_rest.root_gathered():
+            yield
+            for _ in range(most - made):
+                self.at_rest.replay_forward()
 
     def _micro_on_device(self, batch: Batch, rows: Rows) -> Batch:
         """The micro-batch `rows` of `batch` (on the host), trimmed there (`trim_padding`) and
@@ -183,12 +212,13 @@ class ShardWorker:
         """(rows, `policy.micro_batch_log_probs` of this rank's micro-batches, joined):
         the outputs' row k is sample rows[k]'s. None: it has none. `base`: with the LoRA
         adapters off (the reference policy)."""
-        mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
+        mine, most = self._my_micro_batches(batch, micro_batch_size, max_token_len)
+        with self._forward_passes(len(mine), most):
+            parts = policy.micro_batch_log_probs(
+                self.model, (self._micro_on_device(batch, rows) for rows in mine), temperature=temperature,
+                with_entropy=with_entropy, base=base)
         if not mine:
             return None
-        parts = policy.micro_batch_log_probs(
-            self.model, (self._micro_on_device(batch, rows) for rows in mine), temperature=temperature,
-            with_entropy=with_entropy, base=base)
         if with_entropy:
             return rows_tensor(mine), (torch.cat([p[0] for p in parts]).cpu(), torch.cat([p[1] for p in parts]).cpu())
         return rows_tensor(mine), torch.cat(parts).cpu()
@@ -197,10 +227,11 @@ class ShardWorker:
                        max_token_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, `critic.micro_batch_values` of this rank's micro-batches, joined), as
         `compute_log_probs`. None: it has none."""
-        mine = self._my_micro_batches(batch, micro_batch_size, max_token_len)
+        mine, most = self._my_micro_batches(batch, micro_batch_size, max_token_len)
+        with self._forward_passes(len(mine), most):
+            parts = critic.micro_batch_values(self.model, (self._micro_on_device(batch, rows) for rows in mine))
         if not mine:
             return None
-        parts = critic.micro_batch_values(self.model, (self._micro_on_device(batch, rows) for rows in mine))
         return rows_tensor(mine), torch.cat(parts).cpu()
 
     # ---------------------------------------------------------------- training
@@ -239,19 +270,24 @@ class ShardWorker:
                  for k, v in mini_batch_norms(mini, max_response_length).items()}
         stats: dict[int, dict[str, torch.Tensor]] = {}
         losses: dict[int, torch.Tensor] = {}
-        block_sum = self._block_gradient(mini, micros, leaves[self.rank * per_rank : (self.rank + 1) * per_rank],
-                                         self.rank * per_rank, norms, loss, stats, losses)
+        if self.at_rest is None:
+            block_sum = self._block_gradient(mini, micros, leaves[self.rank * per_rank : (self.rank + 1) * per_rank],
+                                             self.rank * per_rank, norms, loss, stats, losses)
+        else:
+            grad = self._round_gradient(mini, micros, leaves, norms, loss, stats, losses)
         order = sorted(stats)
         read = read_stats([{"loss": losses[k], **stats[k]} for k in order])  # one read of the device
         bad = [(k, r["loss"]) for k, r in zip(order, read) if not math.isfinite(r["loss"])]
-        failure = first_failure(bad[0] if bad else None, self.group, self.flat.device)
+        failure = first_failure(bad[0] if bad else None, self.group, self.shard.device)
         if failure is not None:
             raise NonFiniteError(f"{where}, micro-batch {failure[0]}: loss is {failure[1]}; optimizer not stepped")
 
-        if block_sum is None:  # every leaf of this rank's block is empty
-            block_sum = torch.full((self.layout.padded,), EMPTY_GRADIENT, dtype=MASTER_DTYPE, device=self.flat.device)
-        grad = fixed_order_reduce_scatter(block_sum, self.layout, self.group)  # [shard_size]
-        del block_sum
+        if self.at_rest is None:
+            if block_sum is None:  # every leaf of this rank's block is empty
+                block_sum = torch.full((self.layout.padded,), EMPTY_GRADIENT, dtype=MASTER_DTYPE,
+                                       device=self.shard.device)
+            grad = fixed_order_reduce_scatter(block_sum, self.layout, self.group)  # [shard_size]
+            del block_sum
         grad_norm = global_grad_norm(grad, self.layout, self.group)
         if not math.isfinite(grad_norm):
             raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
@@ -274,28 +310,64 @@ class ShardWorker:
         a `GradTree` as the backward pass finishes it (`_fold_grad`): grad_tree.py says why the
         bits are `tree_reduce`'s, and how few whole gradient vectors it keeps. Fills `stats`
         and `losses` (the loss tensors, read later) by micro-batch index."""
-        tree = GradTree(first, first + len(block), self.layout, self.flat.device,
+        tree = GradTree(first, first + len(block), Parts.of(self.layout), self.shard.device,
                         gpu_vectors=self.gpu_gradient_vectors)
         for k in block:
             tree.start_leaf(empty=k is None)
             if k is not None:
-                for p in self.params:  # a .grad left by anything else would be added to this leaf's
-                    p.grad = None
-                total, stats[k] = self._loss(self.model, self._micro_on_device(mini, micros[k]), norms, **loss)
-                losses[k] = total.detach()  # checked once the block is summed: no read of the device per micro-batch
-                self._tree = tree
-                try:
-                    total.backward()
-                finally:
-                    self._tree = None
+                self._backward(mini, micros[k], k, tree, norms, loss, stats, losses)
             tree.finish_leaf()
         return tree.result()
 
+    def _round_gradient(self, mini: Batch, micros: list[Rows], leaves: list[int | None], norms: dict[str, Any],
+                        loss: dict[str, Any], stats: dict[int, dict[str, torch.Tensor]],
+                        losses: dict[int, torch.Tensor]) -> torch.Tensor:
+        """With parameters sharded at rest: this rank's shard of the mini-batch's gradient,
+        `[shard_size]` float32, the leaves dealt by stride, a round of N at a time, each
+        unit's gradient sent to its owners as the backward pass finishes it (units.py says
+        why the bits are `_block_gradient`'s and the reduction's). Fills `stats` and `losses`."""
+        at_rest, n = self.at_rest, self.world_size
+        tree = GradTree(0, len(leaves) // n, at_rest.parts, self.shard.device)
+        with at_rest.root_gathered():
+            for j in range(len(leaves) // n):
+                round_leaves = leaves[j * n : (j + 1) * n]
+                empty = all(k is None for k in round_leaves)
+                tree.start_leaf(empty)
+                if not empty:
+                    k = round_leaves[self.rank]
+                    at_rest.exchange = Exchange(at_rest, tree, computing=k is not None)
+                    try:
+                        if k is None:
+                            at_rest.replay_forward()
+                            at_rest.replay_backward()
+                        else:
+                            self._backward(mini, micros[k], k, at_rest.exchange, norms, loss, stats, losses)
+                        at_rest.end_backward()
+                    finally:
+                        at_rest.exchange = None
+                tree.finish_leaf()
+        return tree.result()
+
+    def _backward(self, mini: Batch, rows: Rows, k: int, sink: GradTree | Exchange, norms: dict[str, Any],
+                  loss: dict[str, Any], stats: dict[int, dict[str, torch.Tensor]],
+                  losses: dict[int, torch.Tensor]) -> None:
+        """Micro-batch `k`'s (`rows` of `mini`) loss and backward pass, each parameter's
+        gradient going to `sink` as it is finished (`_fold_grad`)."""
+        for p in self.params:  # a .grad left by anything else would be added to this leaf's
+            p.grad = None
+        total, stats[k] = self._loss(self.model, self._micro_on_device(mini, rows), norms, **loss)
+        losses[k] = total.detach()  # checked once the gradient is summed: no read of the device per micro-batch
+        self._grad_sink = sink
+        try:
+            total.backward()
+        finally:
+            self._grad_sink = None
+
     def _fold_grad(self, index: int, param: torch.nn.Parameter) -> None:
         """Parameter `index`'s gradient, final once the backward pass has accumulated it, into
-        the update's gradient tree, then freed (outside an update, `.grad` stays as usual)."""
-        if self._tree is not None:
-            self._tree.add(index, param.grad)
+        the update's gradient sum, then freed (outside an update, `.grad` stays as usual)."""
+        if self._grad_sink is not None:
+            self._grad_sink.add(index, param.grad)
             param.grad = None
 
     # ---------------------------------------------------------------- weights and state
@@ -309,14 +381,41 @@ class ShardWorker:
         named = self.model.named_parameters()
         return [(n, p) for n, p in named if p.requires_grad] if self.lora is not None else list(named)
 
-    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """(HF name, CPU tensor) of every weight the replicas take (`pushed_weights`), the same on every rank."""
-        return [(name, p.detach().cpu().clone()) for name, p in self.pushed_weights()]
+    def named_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """(HF name, CPU tensor) of every weight the replicas take (`pushed_weights`), the same
+        on every rank. With parameters sharded at rest every rank must call it (the units are
+        gathered one after another) and rank 0 alone answers (the others: None)."""
+        taken = self._by_unit(self.pushed_weights(), lambda named: {n: p.detach().cpu().clone() for n, p in named})
+        return None if taken is None else list(taken.items())
 
-    def weight_digests(self) -> dict[str, str]:
+    def weight_digests(self) -> dict[str, str] | None:
         """`tensor_digest` of every weight, by HF name, in `named_weights` order: the step's
-        fingerprint "params" without shipping the model (the same bits as hashing `named_weights`)."""
-        return tensor_digests(self.model.named_parameters())
+        fingerprint "params" without shipping the model (the same bits as hashing
+        `named_weights`). Called as `named_weights`."""
+        named = list(self.model.named_parameters())
+        if self.at_rest is None:
+            return tensor_digests(named)
+        # A copy of each gathered unit: numpy's view of a storage (the digest's) makes it unresizable.
+        return self._by_unit(named, lambda unit: tensor_digests((n, p.detach().clone()) for n, p in unit))
+
+    def _by_unit(self, named: list[tuple[str, torch.Tensor]], take: Any) -> dict[str, Any] | None:
+        """`take` (named tensors -> {name: value}) of `named`, joined in its order. With
+        parameters sharded at rest `take` sees a unit's weights while it is gathered, a unit
+        at a time, and the weights in no unit (a frozen base); ranks other than 0 only take
+        part in the gathers (None)."""
+        if self.at_rest is None:
+            return take(named)
+        index = {name: i for i, name in enumerate(self.layout.names)}
+        unit_of = self.at_rest.plan.unit_of
+        by_unit: dict[int | None, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in named:
+            by_unit.setdefault(unit_of[index[name]] if name in index else None, []).append((name, p))
+        taken: dict[str, Any] = {}
+        for unit in [None, *range(len(self.at_rest.plan.members))]:
+            with self.at_rest.gathered(unit) if unit is not None else contextlib.nullcontext():
+                if self.rank == 0 and by_unit.get(unit):
+                    taken.update(take(by_unit[unit]))
+        return {name: taken[name] for name, _ in named} if self.rank == 0 else None
 
     def gpu_uuid(self) -> str | None:
         """The UUID of this rank's GPU (None on the CPU): replicas on it can take `share_weights`."""
@@ -330,7 +429,18 @@ class ShardWorker:
         if self.device.type != "cuda":
             raise RuntimeError(f"share_weights: {self.name} runs on {self.device}; CUDA IPC needs a GPU")
         self.release_shared_weights()  # an earlier push that was never released
-        self._shared = PackedWeights.pack(self.pushed_weights(), device=self.device)
+        pushed = self.pushed_weights()
+        packed = PackedWeights.empty(pushed, device=self.device) if self.rank == 0 else None
+
+        def write(named: list[tuple[str, torch.Tensor]]) -> dict[str, None]:
+            packed.write(named)
+            return dict.fromkeys(name for name, _ in named)
+
+        # Sharded at rest: every rank takes part in the gathers, a unit at a time (`named_weights`).
+        self._by_unit(pushed, write)
+        if packed is None:
+            return []
+        self._shared = packed
         return share(self._shared, consumers)
 
     def release_shared_weights(self) -> None:
@@ -390,7 +500,11 @@ class ShardWorker:
         self._publish_master()
 
     def _publish_master(self) -> None:
-        """Every rank's master shard, cast to the model's dtype, into the whole model (`flat`)."""
+        """Every rank's master shard, cast to the model's dtype, into the whole model (`flat`);
+        with parameters sharded at rest, into this rank's range alone (gathered when used)."""
+        if self.at_rest is not None:
+            self.at_rest.set_local(self.shard)
+            return
         all_gather_shards(self.shard.detach().to(self.flat.dtype), self.flat, self.layout, self.group)
 
     def determinism_info(self) -> dict[str, Any]:
@@ -408,6 +522,8 @@ class ShardWorker:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+        if self.at_rest is not None:
+            self.at_rest.remove_hooks()
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_reduce
-from reprorl.workers.grad_tree import GradTree, gpu_vectors_held, max_pending, on_host, pushed_spans, tree_pops
+from reprorl.workers.grad_tree import GradTree, Parts, gpu_vectors_held, max_pending, on_host, pushed_spans, tree_pops
 
 SHAPES = [(3, 5), (7,), (CHUNK + 11,), (2, 2)]  # padding after the last one
 
@@ -41,7 +41,7 @@ def plain_sum(lo: int, hi: int, leaves: list[int | None], layout: FlatLayout, dt
 
 def streamed_sum(lo: int, hi: int, leaves: list[int | None], layout: FlatLayout, dtype: torch.dtype):
     """GradTree fed each leaf's parameters in a shuffled order, unreached ones never added."""
-    tree = GradTree(lo, hi, layout, torch.device("cpu"))
+    tree = GradTree(lo, hi, Parts.of(layout), torch.device("cpu"))
     order = random.Random(lo * 100 + hi)
     for i in range(lo, hi):
         tree.start_leaf(empty=leaves[i] is None)
@@ -72,7 +72,7 @@ def test_streamed_tree_gives_the_bits_of_tree_reduce(lo, hi, dtype):
 
 def test_all_empty_leaves_sum_to_none():
     layout = FlatLayout.of([("p", torch.empty(5))], world_size=1)
-    tree = GradTree(0, 3, layout, torch.device("cpu"))
+    tree = GradTree(0, 3, Parts.of(layout), torch.device("cpu"))
     for _ in range(3):
         tree.start_leaf(empty=True)
         tree.finish_leaf()
@@ -90,7 +90,7 @@ def test_pops_and_pending_vectors_of_small_trees():
 @pytest.mark.parametrize("count", [1, 3, 8, 13])
 def test_a_tree_never_holds_more_vectors_than_max_pending(count):
     layout = FlatLayout.of([("p", torch.empty(5))], world_size=1)
-    tree = GradTree(0, count, layout, torch.device("cpu"))
+    tree = GradTree(0, count, Parts.of(layout), torch.device("cpu"))
     peak = 0
     for i in range(count):
         tree.start_leaf(empty=False)
@@ -128,7 +128,7 @@ def test_hooks_on_a_tied_model_give_the_bits_of_flattened_leaves(checkpointing):
     expected = tree_reduce(0, len(micros), flat_leaf)
     for p in params:
         p.grad = None
-    tree = GradTree(0, len(micros), layout, torch.device("cpu"))
+    tree = GradTree(0, len(micros), Parts.of(layout), torch.device("cpu"))
 
     def fold(index: int, param: torch.nn.Parameter) -> None:
         tree.add(index, param.grad)
@@ -174,7 +174,7 @@ def test_host_sums_on_cuda_give_the_same_bits_and_hold_at_most_k_vectors(count):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        tree = GradTree(0, count, layout, torch.device("cuda"), gpu_vectors=k)
+        tree = GradTree(0, count, Parts.of(layout), torch.device("cuda"), gpu_vectors=k)
         for leaf in range(count):
             tree.start_leaf(empty=False)
             for index, g in enumerate(grads[leaf]):

@@ -43,10 +43,11 @@ def batch():
 BUDGET = 30
 
 
-def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None):
+def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None, shard_params=False):
     """Log-probs, then the metrics and weights after each of 2 updates of a fresh actor
     group; with `save_to`, its shards are saved there after update 1."""
-    group = WorkerGroup("actor", num_workers, policy_dir, optim=OPTIM, seed=1, full_determinism=True)
+    group = WorkerGroup("actor", num_workers, policy_dir, optim=OPTIM, seed=1, full_determinism=True,
+                        shard_params=shard_params)
     try:
         b = batch.slice(0, len(batch))
         b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2,
@@ -97,6 +98,22 @@ def test_the_budget_cuts_micro_batch_counts_no_worker_count_divides(batch):
 def test_a_token_budget_gives_the_same_bits_at_every_worker_count(budget_runs, num_workers):
     log_probs, metrics, weights = budget_runs[1]
     got_log_probs, got_metrics, got_weights = budget_runs[num_workers]
+    assert torch.equal(got_log_probs, log_probs)
+    assert got_metrics == metrics  # every float, exactly
+    for update in range(2):
+        assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
+
+
+@pytest.mark.parametrize(("num_workers", "budget"), [(2, None), (4, None), (4, BUDGET)])
+def test_parameters_sharded_at_rest_give_the_whole_parameters_bits(tiny_policy_dir, batch, runs, budget_runs,
+                                                                    num_workers, budget):
+    """`shard_params` (workers/units.py): each rank keeps its shard of the weights and gathers
+    a layer at a time. By samples and by the token budget, whose mini-batch of 3 micro-batches
+    leaves rank 3 of 4 an empty leaf in every round (it only takes part in the collectives)
+    and whose log-prob pass gives rank 3 no micro-batch: the bits of one rank's whole weights."""
+    log_probs, metrics, weights = (runs if budget is None else budget_runs)[1]
+    got_log_probs, got_metrics, got_weights = run_actor(num_workers, tiny_policy_dir, batch, max_token_len=budget,
+                                                        shard_params=True)
     assert torch.equal(got_log_probs, log_probs)
     assert got_metrics == metrics  # every float, exactly
     for update in range(2):

@@ -127,6 +127,22 @@ def test_a_checkpoint_resumes_bitwise_with_another_worker_count(assets, root, sa
         assert result.divergence is None and result.common_steps == [2, 3] and result.only_in_b == [], result
 
 
+def test_parameters_sharded_at_rest_train_the_same_bits_and_resume_with_whole_ones(assets, root):
+    """PPO (actor, critic, reference) on 4 workers with `model.shard_params=true`: each keeps
+    a quarter of the actor's and critic's weights and gathers a layer at a time; the bits of
+    1 worker with whole weights. Its step-1 checkpoint resumed on 2 workers with whole weights:
+    steps 2 and 3 are those bits too (the shard files do not depend on it)."""
+    sharded = root / "ppo-4-sharded"
+    assert cli.main(["train", *overrides(assets, sharded, "ppo", 4, "model.shard_params=true")]) == 0
+    result = compare_runs(run(assets, root, "ppo", 1), sharded)
+    assert result.identical and result.common_steps == [1, 2, 3], result
+    resumed = root / "ppo-4-sharded-then-2"
+    run_trainer(load_config(None, overrides(assets, resumed, "ppo", 2,
+                                            f"trainer.resume={sharded / 'checkpoints' / 'step_1'}")))
+    result = compare_runs(run(assets, root, "ppo", 1), resumed)
+    assert result.divergence is None and result.common_steps == [2, 3] and result.only_in_b == [], result
+
+
 def _digests(directory: Path) -> dict[str, str]:
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(directory.rglob("*")) if p.is_file()}

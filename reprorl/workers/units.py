@@ -1,0 +1,322 @@
+"""Parameters sharded at rest (ZeRO-3 / FSDP style) over flat.py's layout, with the bits
+of the whole-parameter path (`model.shard_params`).
+
+A rank keeps the compute-dtype cast of its master shard (`local`), the range of the flat
+vector it owns, and no other weight. The trainable parameters are cut into units: one per
+decoder layer (`model.layers.<i>.`) and a root unit of the rest (embeddings, final norm,
+head, a critic's value head). Each unit has a buffer of its own, of its parameters end to
+end in layout order (parameters that are views of one flat vector could not be freed a
+unit at a time), and each parameter is a view of its unit's buffer:
+
+- `gather(u)`: each rank that owns a piece of the unit's ranges broadcasts it, in a fixed
+  order (span by span, owner by owner); a gather only moves bytes, so the weights have the
+  bits `_publish_master`'s all-gather gave the whole model. The bytes are written through
+  an alias of the buffer's storage, so autograd's version counters of the parameters (and
+  of the views it saved for backward) do not move.
+- `free(u)`: the buffer's storage is resized to 0; the tensors autograd saved still point
+  at it and see the bytes of the next gather.
+- A layer is gathered by a forward pre-hook and freed by its forward hook; when the forward
+  records a graph, that hook also puts a hook on the layer's output, which gathers the
+  layer again just before its backward (with gradient checkpointing the recomputed forward
+  then finds it gathered). The root unit is gathered for a whole pass (`root_gathered`).
+
+Gradients (`Exchange`): the micro-batches are dealt by stride: in round j rank r computes
+leaf j * N + r of flat.py's tree (`tree_leaves`), and the N leaves of a round are the
+subtree [jN, (j + 1)N), since N divides the power-of-two leaf count. As the backward pass
+finishes a unit, its gradient (float32, exact from the model's dtype) goes to the owners of
+its ranges: an all-to-all of per-owner pieces, which each owner adds over rank index in
+`tree_sum`'s tree, the round's subtree. A `GradTree` over the rounds, of shard size, adds
+the round sums: the whole tree of the whole-parameter path, the same bits, with
+log2(rounds) pending shards in place of whole vectors. A rank whose leaf of a round is
+empty makes the same collectives, in the same order, without computing (`replay_*`): it
+sends -0.0 pieces, which add nothing (flat.py's `EMPTY_GRADIENT`). A round whose leaves
+are all empty is skipped by every rank.
+
+Every collective of a pass is made by every rank in one order: gathers of the root, of the
+layers in order (forward), then for each layer in reverse order the exchange of the layer
+after it and its own gather (backward), then the exchanges of layer 0 and of the root. A
+unit's gradient must be whole when the next layer's backward starts (the backward of a
+decoder stack makes it so); a gradient that comes later raises rather than being lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, flatten, tree_sum
+from reprorl.workers.grad_tree import GradTree, Parts
+
+ROOT = 0
+"""The unit of every trainable parameter outside the decoder layers."""
+_LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """Which unit each trainable parameter is in, and where the units lie in the flat vector.
+
+    Unit 0 is the root; unit 1 + i is the decoder layer whose module is `modules[1 + i]`.
+    `members[u]`: the parameter indices (layout order); `spans[u]`: `(flat start, flat end,
+    buffer offset)` of its runs of adjacent parameters; `unit_of[p]`, `at[p]`: parameter p's
+    unit and its offset in the unit's buffer."""
+
+    members: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[tuple[int, int, int], ...], ...]
+    modules: tuple[str | None, ...]
+    unit_of: tuple[int, ...]
+    at: tuple[int, ...]
+
+    @classmethod
+    def of(cls, layout: FlatLayout) -> UnitPlan:
+        layers: dict[int, str] = {}
+        unit_of_param = []
+        for name in layout.names:
+            match = _LAYER.match(name)
+            if match is None:
+                unit_of_param.append(None)
+            else:
+                layers[int(match.group(2))] = match.group(1)
+                unit_of_param.append(int(match.group(2)))
+        order = sorted(layers)
+        index = {layer: 1 + i for i, layer in enumerate(order)}
+        units = [ROOT if u is None else index[u] for u in unit_of_param]
+        offsets = layout.offsets() + [layout.numel]
+        members: list[list[int]] = [[] for _ in range(1 + len(order))]
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in members]
+        sizes = [0] * len(members)
+        at = []
+        for p, u in enumerate(units):
+            members[u].append(p)
+            start, end = offsets[p], offsets[p + 1]
+            at.append(sizes[u])
+            sizes[u] += end - start
+            runs = spans[u]
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], end, runs[-1][2])
+            else:
+                runs.append((start, end, sum(e - s for s, e, _ in runs)))
+        return cls(members=tuple(map(tuple, members)), spans=tuple(map(tuple, spans)),
+                   modules=(None, *(layers[i] for i in order)), unit_of=tuple(units), at=tuple(at))
+
+    @property
+    def layers(self) -> range:
+        return range(1, len(self.members))
+
+    def size(self, unit: int) -> int:
+        return sum(end - start for start, end, _ in self.spans[unit])
+
+    def owner_pieces(self, unit: int, layout: FlatLayout, owner: int) -> list[tuple[int, int, int]]:
+        """`(buffer start, buffer end, shard offset)` of the unit's elements in `owner`'s shard."""
+        lo, hi = layout.shard_range(owner)
+        pieces = []
+        for start, end, at in self.spans[unit]:
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                pieces.append((at + a - start, at + b - start, a - lo))
+        return pieces
+
+
+class ShardedParams:
+    """The trainable parameters of `model` sharded at rest over `group` (module doc).
+
+    `params`: the trainable parameters in layout order (their values are the run's initial
+    weights, whole on every rank: this rank keeps its range). Call `set_local` with the
+    cast of the master shard after every optimizer step or load."""
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter], layout: FlatLayout,
+                 rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.plan, self.layout, self.rank, self.group = UnitPlan.of(layout), layout, rank, group
+        self.world = layout.world_size
+        self.device = device
+        self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
+        start, end = layout.shard_range(rank)
+        self.local = flatten([p.detach() for p in params], layout)[start:end].clone()
+        self.buffers, self.aliases = [], []
+        with torch.no_grad():
+            for u, members in enumerate(self.plan.members):
+                buffer = torch.empty(self.plan.size(u), dtype=self.local.dtype, device=device)
+                for p in members:
+                    at = self.plan.at[p]
+                    params[p].data = buffer[at : at + params[p].numel()].view(params[p].shape)
+                self.buffers.append(buffer)
+                self.aliases.append(torch.empty(0, dtype=buffer.dtype, device=device).set_(buffer.untyped_storage()))
+        self.is_gathered = [False] * len(self.buffers)
+        for u in range(len(self.buffers)):
+            self.free(u)
+        self.in_backward: set[int] = set()  # layers gathered for their backward pass
+        self.exchange: Exchange | None = None  # the round's gradient exchange, during an update
+        modules = dict(model.named_modules())
+        self._hooks = []
+        for u in self.plan.layers:
+            module = modules[self.plan.modules[u]]
+            self._hooks += [module.register_forward_pre_hook(lambda _m, _a, u=u: self.gather(u)),
+                            module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out))]
+        self._owners = [[(q, self.plan.owner_pieces(u, layout, q)) for q in range(self.world)]
+                        for u in range(len(self.buffers))]
+
+    def set_local(self, shard: torch.Tensor) -> None:
+        """This rank's range of the weights, in the model's dtype (the master shard's cast)."""
+        self.local = shard.detach().to(self.local.dtype)
+
+    # ------------------------------------------------------------------ gathers
+
+    def gather(self, unit: int) -> None:
+        """The unit's weights from their owners into its buffer (nothing if gathered)."""
+        if self.is_gathered[unit]:
+            return
+        buffer, alias = self.buffers[unit], self.aliases[unit]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        with torch.no_grad():
+            for owner, pieces in self._owners[unit]:
+                for start, end, at in pieces:
+                    piece = alias[start:end]
+                    if owner == self.rank:
+                        piece.copy_(self.local[at : at + end - start])
+                    if self.world > 1:
+                        dist.broadcast(piece, dist.get_global_rank(self.group, owner), group=self.group)
+        self.is_gathered[unit] = True
+
+    def free(self, unit: int) -> None:
+        self.buffers[unit].untyped_storage().resize_(0)
+        self.is_gathered[unit] = False
+
+    @contextlib.contextmanager
+    def gathered(self, unit: int) -> Iterator[None]:
+        """The unit gathered inside the block, freed after."""
+        self.gather(unit)
+        try:
+            yield
+        finally:
+            self.free(unit)
+
+    def root_gathered(self) -> contextlib.AbstractContextManager[None]:
+        """The root unit gathered for a pass (a step's micro-batches, or a log-prob call)."""
+        return self.gathered(ROOT)
+
+    @contextlib.contextmanager
+    def all_gathered(self) -> Iterator[None]:
+        """Every unit gathered (the whole model, for what reads it outside a pass)."""
+        try:
+            for unit in range(len(self.buffers)):
+                self.gather(unit)
+            yield
+        finally:
+            for unit in range(len(self.buffers)):
+                self.free(unit)
+
+    def _after_forward(self, unit: int, out: torch.Tensor) -> None:
+        if unit in self.in_backward:  # gradient checkpointing's recomputation, inside the backward pass
+            return
+        self.free(unit)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, u=unit: self._before_backward(u))
+
+    def _before_backward(self, unit: int) -> None:
+        if self.exchange is not None:
+            self.exchange.unit_done_before(unit)
+        self.gather(unit)
+        self.in_backward.add(unit)
+
+    def replay_forward(self) -> None:
+        """A forward pass's collectives without its compute (this rank has no micro-batch here)."""
+        for unit in self.plan.layers:
+            self.gather(unit)
+            self.free(unit)
+
+    def replay_backward(self) -> None:
+        """A backward pass's collectives without its compute (the exchange sends -0.0)."""
+        for unit in reversed(self.plan.layers):
+            self._before_backward(unit)
+
+    def end_backward(self) -> None:
+        """After a micro-batch's backward (or its replay): the last layers' and the root's
+        exchanges, and the layers freed."""
+        if self.exchange is not None:
+            self.exchange.unit_done_before(None)
+        for unit in self.in_backward:
+            self.free(unit)
+        self.in_backward.clear()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+class Exchange:
+    """One round's gradient: each unit's float32 gradient, as the backward pass folds it
+    (`add`), sent to its owners when the unit is done; the owners add the N pieces over
+    rank index and feed the sum to `tree` (a `GradTree` over the rounds, of shard size).
+    `computing=False`: this rank's leaf of the round is empty (every piece -0.0)."""
+
+    def __init__(self, at_rest: ShardedParams, tree: GradTree, computing: bool) -> None:
+        self.at_rest, self.tree, self.computing = at_rest, tree, computing
+        self.grads: dict[int, torch.Tensor] = {}
+        self.sent: set[int] = set()
+        self.pending: int | None = None  # the layer whose backward runs now
+
+    def add(self, index: int, grad: torch.Tensor) -> None:
+        """Trainable parameter `index`'s gradient of this round's micro-batch."""
+        plan = self.at_rest.plan
+        unit = plan.unit_of[index]
+        if unit in self.sent:
+            raise RuntimeError(f"the gradient of {self.at_rest.layout.names[index]} came after its unit was "
+                               "sent to its owners: this model's backward pass does not finish a layer "
+                               "before the next; model.shard_params cannot train it")
+        if unit not in self.grads:  # +0.0 for a parameter the backward pass does not reach, as GradTree
+            self.grads[unit] = torch.zeros(plan.size(unit), dtype=torch.float32, device=self.at_rest.device)
+        at = plan.at[index]
+        self.grads[unit][at : at + grad.numel()].copy_(grad.reshape(-1))  # exact: a wider float
+
+    def unit_done_before(self, layer: int | None) -> None:
+        """The backward pass reaches `layer` (None: it is over): send the layer it did before,
+        and with None the root too."""
+        if self.pending is not None:
+            self._send(self.pending)
+        self.pending = layer
+        if layer is None:
+            self._send(ROOT)
+
+    def _send(self, unit: int) -> None:
+        at_rest = self.at_rest
+        grad = self.grads.pop(unit, None)
+        if self.computing and grad is None:
+            grad = torch.zeros(at_rest.plan.size(unit), dtype=torch.float32, device=at_rest.device)
+        send, mine = [], []
+        for owner, pieces in at_rest._owners[unit]:
+            size = sum(end - start for start, end, _ in pieces)
+            if grad is None:
+                send.append(torch.full((size,), EMPTY_GRADIENT, dtype=torch.float32, device=at_rest.device))
+            else:
+                send.append(torch.cat([grad[start:end] for start, end, _ in pieces]) if pieces
+                            else grad.new_empty(0))
+            if owner == at_rest.rank:
+                mine = pieces
+        self.sent.add(unit)
+        size = sum(end - start for start, end, _ in mine)
+        received = send if at_rest.world == 1 else [torch.empty(size, device=at_rest.device)
+                                                     for _ in range(at_rest.world)]
+        if at_rest.world > 1:
+            exchange_pieces(received, send, at_rest.group)
+        if not size:  # nothing of this unit is ours
+            return
+        total = tree_sum(received)  # the round's subtree, over rank index
+        at = 0
+        for start, end, shard_offset in mine:
+            self.tree.add(at_rest.part_of[(unit, shard_offset)], total[at : at + end - start])
+            at += end - start
+
+
+def shard_parts(plan: UnitPlan, layout: FlatLayout, rank: int) -> tuple[Parts, dict[tuple[int, int], int]]:
+    """The round tree's parts: this rank's shard cut at its units' pieces (shard offsets),
+    and the part index of each `(unit, shard offset)`."""
+    pieces = sorted((at, at + end - start, unit) for unit in range(len(plan.members))
+                    for start, end, at in plan.owner_pieces(unit, layout, rank))
+    bounds = [start for start, _, _ in pieces] + ([pieces[-1][1]] if pieces else [0])
+    return Parts(tuple(bounds), layout.shard_size), {(unit, start): i for i, (start, _, unit) in enumerate(pieces)}

@@ -1,0 +1,105 @@
+"""Parameters sharded at rest (workers/units.py): the unit plan over the flat layout, one
+rank through the sharded path against the whole-parameter path (the same bits, weights
+freed between passes), and a gradient that comes after its unit was sent. Several ranks:
+test_group.py and test_train.py."""
+
+import pytest
+import torch
+
+from reprorl.workers.flat import FlatLayout
+from reprorl.workers.grad_tree import GradTree
+from reprorl.workers.optim import OptimArgs
+from reprorl.workers.policy import PolicyLossArgs, load_policy
+from reprorl.workers.units import ROOT, Exchange, UnitPlan, shard_parts
+
+OPTIM = OptimArgs(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
+# 16 samples, mini-batches of 8, micro-batches of 2: 4 micro-batches per mini-batch, 2 optimizer steps.
+STEP = {"ppo_epochs": 1, "mini_batch_size": 8, "micro_batch_size": 2, "max_response_length": 5,
+        "loss": PolicyLossArgs(entropy_coeff=0.01), "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def layout(tiny_policy_dir):
+    model = load_policy(tiny_policy_dir, trainable=True)
+    return FlatLayout.of([(n, p) for n, p in model.named_parameters() if p.requires_grad], 4)
+
+
+def test_each_parameter_is_in_one_unit_and_the_units_tile_the_flat_vector(layout):
+    plan = UnitPlan.of(layout)
+    assert plan.modules[ROOT] is None and list(plan.modules[1:]) == ["model.layers.0", "model.layers.1"]
+    for u, members in enumerate(plan.members):
+        names = [layout.names[p] for p in members]
+        if u == ROOT:
+            assert names and not any(".layers." in n for n in names), names
+        else:
+            assert all(n.startswith(f"{plan.modules[u]}.") for n in names), names
+    assert sorted(p for members in plan.members for p in members) == list(range(len(layout.names)))
+    spans = sorted((start, end) for unit in plan.spans for start, end, _ in unit)
+    assert spans[0][0] == 0 and spans[-1][1] == layout.numel
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert sum(end - start for start, end in spans) == layout.numel
+    assert [plan.size(u) for u in range(len(plan.members))] == [
+        sum(layout.offsets()[p + 1] - layout.offsets()[p] if p + 1 < len(layout.names)
+            else layout.numel - layout.offsets()[p] for p in members) for members in plan.members]
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_the_round_trees_parts_cut_each_rank_shard_at_its_units_pieces(layout, rank):
+    plan = UnitPlan.of(layout)
+    parts, part_of = shard_parts(plan, layout, rank)
+    start, end = layout.shard_range(rank)
+    real = max(0, min(end, layout.numel) - start)  # the shard's elements that are not padding
+    assert parts.size == layout.shard_size and parts.bounds[0] == 0 and parts.bounds[-1] == real
+    pieces = sorted((at, at + hi - lo) for u in range(len(plan.members)) for lo, hi, at in
+                    plan.owner_pieces(u, layout, rank))
+    assert [(parts.bounds[i], parts.bounds[i + 1]) for i in range(parts.count)] == pieces
+    assert sorted(part_of.values()) == list(range(parts.count))
+
+
+def _train(in_process_group, policy_dir, batch, **options):
+    """Log-probs, two updates' metrics, the weights and digests after them, and the shard file."""
+    group = in_process_group("actor", policy_dir, optim=OPTIM, seed=1, full_determinism=True, **options)
+    b = batch.slice(0, len(batch))
+    b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2)
+    metrics = [group.update(b, **STEP) for _ in range(2)]
+    return group, b["old_log_probs"], metrics, dict(group.named_weights()), group.weight_digests()
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_rank_sharded_at_rest_gives_the_whole_paths_bits_and_keeps_no_weight_between_passes(
+        tiny_policy_dir, in_process_group, rollout_batch, checkpointing, tmp_path):
+    batch = rollout_batch(16, 6, 5, 0)
+    _, *whole = _train(in_process_group, tiny_policy_dir, batch)
+    group, *sharded = _train(in_process_group, tiny_policy_dir, batch, shard_params=True,
+                             gradient_checkpointing=checkpointing)
+    assert torch.equal(sharded[0], whole[0])
+    assert sharded[1] == whole[1]  # every metric, exactly
+    assert sharded[2].keys() == whole[2].keys()
+    assert [k for k in whole[2] if not torch.equal(whole[2][k], sharded[2][k])] == []
+    assert sharded[3] == whole[3]
+
+    worker = group.workers[0]
+    at_rest = worker.at_rest
+    assert worker.flat is None and not any(at_rest.is_gathered)
+    assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
+    seen = []  # a layer's storage as its forward starts (this pre-hook runs after the gathering one)
+    handle = worker.model.model.layers[1].register_forward_pre_hook(
+        lambda *_: seen.append(at_rest.buffers[2].untyped_storage().nbytes()))
+    try:
+        group.compute_log_probs(batch, temperature=1.0, micro_batch_size=8)
+    finally:
+        handle.remove()
+    assert seen == [at_rest.buffers[2].numel() * 4] * 2  # float32, two micro-batches
+    assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
+
+
+def test_a_gradient_that_comes_after_its_unit_was_sent_raises(tiny_policy_dir, in_process_group):
+    group = in_process_group("actor", tiny_policy_dir, optim=OPTIM, shard_params=True)
+    at_rest = group.workers[0].at_rest
+    tree = GradTree(0, 1, at_rest.parts, torch.device("cpu"))
+    tree.start_leaf(empty=False)
+    exchange = Exchange(at_rest, tree, computing=True)
+    exchange.unit_done_before(None)  # the backward pass is over: the root is sent
+    embed = at_rest.plan.members[ROOT][0]
+    with pytest.raises(RuntimeError, match="model.embed_tokens.weight came after its unit was sent"):
+        exchange.add(embed, torch.zeros(at_rest.layout.shapes[embed]))
