@@ -17,6 +17,10 @@
 #   gputests the one-GPU training tests alone
 #   trainstep bench/train_step.py alone (TRAIN_STEP_ARGS: more arguments, e.g. "--profile --skip-trl";
 #            TRAIN_STEP_TIMEOUT: its limit, 300 s)
+#   sharded  parameters sharded at rest on one GPU: its gpu tests (tests/workers/test_units.py), then
+#            bench/train_step.py without and with --shard-params (SHARDED_ARGS: their arguments, default
+#            the 0.5B shape, determinism on, one timed step; SHARDED_TESTS=0 skips the tests); both
+#            JSONs record the weights' digest after the last step, to compare the two runs' bits
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k 'y or z'", parsed as a shell line)
 # A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
 # FAULT_S: a test running longer dumps its stacks, 120 s).
@@ -151,6 +155,20 @@ for step in $steps; do
         > "$OUT/bench_train_step.log" 2>&1
       cp "$OUT/train_step.json" "$OUT/bench_train_step.log" "$LOGS/" 2>/dev/null
       grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step.log" | tail -120 | summary ;;
+    sharded)
+      with_ray || { echo "no .whl: skipping sharded" | summary; continue; }
+      [ "${SHARDED_TESTS:-1}" = 0 ] || run_tests test_units_gpu tests/workers/test_units.py -m gpu
+      args=${SHARDED_ARGS:-"--shape 0.5b --prompts 32 --n 8 --micro-batch 16 --gradient-checkpointing --modes on --timed-steps 1 --skip-trl"}
+      for mode in whole sharded; do
+        flag=; [ $mode = sharded ] && flag=--shard-params
+        timeout ${TRAIN_STEP_TIMEOUT:-300} python3 bench/train_step.py $args $flag --out "$OUT/train_step_$mode.json" \
+          > "$LOGS/bench_train_step_$mode.log" 2>&1
+        echo "[$mode] exit $?" | summary
+        grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_$mode.log" | tail -8 | summary
+      done
+      python3 -c "import json, sys; d = [json.load(open(f)) for f in sys.argv[1:]]; \
+        print('weights after the last step, whole vs sharded:', *[m['on'].get('weights_sha256', '-')[:16] for m in \
+        [x.get('modes', x) for x in d]])" "$OUT/train_step_whole.json" "$OUT/train_step_sharded.json" 2>&1 | summary ;;
     pytest)
       with_ray || echo "no .whl: tests that need Ray skip" | summary
       eval "args=(${PYTEST_ARGS:?PYTEST_ARGS names the tests})"  # keeps a quoted -k expression whole

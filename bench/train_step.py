@@ -55,7 +55,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -99,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward")
     p.add_argument("--gpu-gradient-vectors", type=int, default=0,
                    help="model.gpu_gradient_vectors: at most this many float32 gradient vectors on the GPU (0: all)")
+    p.add_argument("--shard-params", action="store_true",
+                   help="the rank's parameters sharded at rest (model.shard_params: a layer gathered when it runs)")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
     p.add_argument("--old-log-probs", choices=("auto", "recompute", "rollout"), default="auto",
                    help="as actor.old_log_probs: auto takes the engine's with determinism on (the trainer's bits), "
@@ -288,7 +292,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     engine.scheduler.eos_token_ids = frozenset()  # random weights: every response runs to full length
     worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
                         total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing, lora=lora,
-                        gpu_gradient_vectors=args.gpu_gradient_vectors)
+                        gpu_gradient_vectors=args.gpu_gradient_vectors, shard_params=args.shard_params)
     g = torch.Generator().manual_seed(SEED)
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n
@@ -330,7 +334,8 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             sync(device)
             t4 = time.perf_counter()
             weights = worker.pushed_weights()  # copied in place, device to device (with LoRA the adapters alone)
-            loop.run_until_complete(engine.update_weights(weights, version=step))
+            with worker.at_rest.all_gathered() if worker.at_rest is not None else contextlib.nullcontext():
+                loop.run_until_complete(engine.update_weights(weights, version=step))
             loop.run_until_complete(engine.wake_up())
             sync(device)
             t5 = time.perf_counter()
@@ -350,6 +355,9 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         record["timed"] = timed = record[f"step{record['timed_step']}"]
         record["old_log_probs"] = "rollout" if from_rollout else "recompute"
         record["log_prob_max_gap"] = record["step1"]["log_prob_max_gap"]  # the warm-up's check, if not every step's
+        # The weights after the last step, to compare runs' bits (e.g. with and without --shard-params).
+        digests = worker.weight_digests()
+        record["weights_sha256"] = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
         flops = update_flops(shape, samples, args.prompt_len + args.new_tokens)
         record["update_tflops"] = flops / timed["update_s"] / 1e12
         record["update_mfu"] = record["update_tflops"] / args.peak_tflops

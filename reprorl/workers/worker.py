@@ -327,7 +327,7 @@ class ShardWorker:
         unit's gradient sent to its owners as the backward pass finishes it (units.py says
         why the bits are `_block_gradient`'s and the reduction's). Fills `stats` and `losses`."""
         at_rest, n = self.at_rest, self.world_size
-        tree = GradTree(0, len(leaves) // n, at_rest.parts, self.shard.device)
+        tree = GradTree(0, len(leaves) // n, at_rest.parts, self.shard.device, gpu_vectors=self.gpu_gradient_vectors)
         with at_rest.root_gathered():
             for j in range(len(leaves) // n):
                 round_leaves = leaves[j * n : (j + 1) * n]

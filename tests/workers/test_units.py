@@ -103,3 +103,29 @@ def test_a_gradient_that_comes_after_its_unit_was_sent_raises(tiny_policy_dir, i
     embed = at_rest.plan.members[ROOT][0]
     with pytest.raises(RuntimeError, match="model.embed_tokens.weight came after its unit was sent"):
         exchange.add(embed, torch.zeros(at_rest.layout.shapes[embed]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_on_the_gpu_one_rank_sharded_at_rest_gives_the_whole_paths_bits(tiny_policy_dir, in_process_group,
+                                                                         rollout_batch, checkpointing):
+    """bf16 on the GPU's batch-invariant kernels (the gathers and frees on the device, the
+    backward's gathers on autograd's device thread): the whole path's log-probs, metrics and
+    weights, and the weights packed for the replicas (`share_weights`, a unit at a time) too."""
+    batch = rollout_batch(16, 6, 5, 0)
+    on_gpu = dict(batch_invariant=True, device="cuda", dtype="bfloat16", gradient_checkpointing=checkpointing)
+    whole_group, *whole = _train(in_process_group, tiny_policy_dir, batch, **on_gpu)
+    group, *sharded = _train(in_process_group, tiny_policy_dir, batch, shard_params=True, **on_gpu)
+    assert torch.equal(sharded[0], whole[0])
+    assert sharded[1] == whole[1]
+    assert [k for k in whole[2] if not torch.equal(whole[2][k], sharded[2][k])] == []
+    assert sharded[3] == whole[3]
+    packed = []
+    for g in (whole_group, group):
+        g.share_weights(1)
+        packed.append(g.workers[0]._shared)
+    assert packed[0].entries == packed[1].entries
+    assert all(torch.equal(packed[0].buffers[k], packed[1].buffers[k]) for k in packed[0].buffers)
+    for g in (whole_group, group):
+        g.release_shared_weights()
