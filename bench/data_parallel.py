@@ -50,9 +50,9 @@ SAMPLES, PROMPT, RESPONSE, MICRO = 32, 32, 32, 4
 MICRO_BATCHES = SAMPLES // MICRO
 
 
-def width_512_args() -> ModelArgs:
+def width_512_args(layers: int = 2) -> ModelArgs:
     return ModelArgs(model_type="qwen2", vocab_size=128, hidden_size=512, intermediate_size=1536,
-                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                     num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                      max_position_embeddings=2048, tie_word_embeddings=True, qkv_bias=True, torch_dtype="float32",
                      eos_token_id=1, pad_token_id=0)
 

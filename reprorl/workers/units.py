@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, flatten, tree_sum
+from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, flatten, tree_reduce
 from reprorl.workers.grad_tree import GradTree, Parts
 
 ROOT = 0
@@ -134,6 +134,7 @@ class ShardedParams:
         self.plan, self.layout, self.rank, self.group = UnitPlan.of(layout), layout, rank, group
         self.world = layout.world_size
         self.device = device
+        self.param_sizes = [p.numel() for p in params]
         self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
         start, end = layout.shard_range(rank)
         self.local = flatten([p.detach() for p in params], layout)[start:end].clone()
@@ -218,10 +219,14 @@ class ShardedParams:
             out.register_hook(lambda grad, u=unit: self._before_backward(u))
 
     def _before_backward(self, unit: int) -> None:
+        """Layer `unit`'s backward is next: the layer before it in the backward pass is done,
+        so its gradient is sent and its weights freed; then this one is gathered."""
         if self.exchange is not None:
             self.exchange.unit_done_before(unit)
+        for done in self.in_backward:
+            self.free(done)
+        self.in_backward = {unit}
         self.gather(unit)
-        self.in_backward.add(unit)
 
     def replay_forward(self) -> None:
         """A forward pass's collectives without its compute (this rank has no micro-batch here)."""
@@ -258,6 +263,7 @@ class Exchange:
     def __init__(self, at_rest: ShardedParams, tree: GradTree, computing: bool) -> None:
         self.at_rest, self.tree, self.computing = at_rest, tree, computing
         self.grads: dict[int, torch.Tensor] = {}
+        self.added: dict[int, set[int]] = {}  # per unit, the parameters `add` wrote
         self.sent: set[int] = set()
         self.pending: int | None = None  # the layer whose backward runs now
 
@@ -269,10 +275,12 @@ class Exchange:
             raise RuntimeError(f"the gradient of {self.at_rest.layout.names[index]} came after its unit was "
                                "sent to its owners: this model's backward pass does not finish a layer "
                                "before the next; model.shard_params cannot train it")
-        if unit not in self.grads:  # +0.0 for a parameter the backward pass does not reach, as GradTree
-            self.grads[unit] = torch.zeros(plan.size(unit), dtype=torch.float32, device=self.at_rest.device)
+        if unit not in self.grads:
+            self.grads[unit] = torch.empty(plan.size(unit), dtype=torch.float32, device=self.at_rest.device)
+            self.added[unit] = set()
         at = plan.at[index]
         self.grads[unit][at : at + grad.numel()].copy_(grad.reshape(-1))  # exact: a wider float
+        self.added[unit].add(index)
 
     def unit_done_before(self, layer: int | None) -> None:
         """The backward pass reaches `layer` (None: it is over): send the layer it did before,
@@ -283,16 +291,28 @@ class Exchange:
         if layer is None:
             self._send(ROOT)
 
+    def _unit_gradient(self, unit: int) -> torch.Tensor:
+        """The unit's gradient: +0.0 for a parameter the backward pass did not reach, as
+        GradTree's; -0.0 everywhere when this rank computed nothing (it adds nothing)."""
+        at_rest, plan = self.at_rest, self.at_rest.plan
+        if not self.computing:
+            return torch.full((plan.size(unit),), EMPTY_GRADIENT, dtype=torch.float32, device=at_rest.device)
+        grad = self.grads.pop(unit, None)
+        added = self.added.pop(unit, set())
+        if grad is None:
+            return torch.zeros(plan.size(unit), dtype=torch.float32, device=at_rest.device)
+        for p in plan.members[unit]:
+            if p not in added:
+                grad[plan.at[p] : plan.at[p] + at_rest.param_sizes[p]].zero_()
+        return grad
+
     def _send(self, unit: int) -> None:
         at_rest = self.at_rest
-        grad = self.grads.pop(unit, None)
-        if self.computing and grad is None:
-            grad = torch.zeros(at_rest.plan.size(unit), dtype=torch.float32, device=at_rest.device)
+        grad = self._unit_gradient(unit)
         send, mine = [], []
         for owner, pieces in at_rest._owners[unit]:
-            size = sum(end - start for start, end, _ in pieces)
-            if grad is None:
-                send.append(torch.full((size,), EMPTY_GRADIENT, dtype=torch.float32, device=at_rest.device))
+            if len(pieces) == 1:  # a view: the usual case (a layer's one span, or none)
+                send.append(grad[pieces[0][0] : pieces[0][1]])
             else:
                 send.append(torch.cat([grad[start:end] for start, end, _ in pieces]) if pieces
                             else grad.new_empty(0))
@@ -306,7 +326,8 @@ class Exchange:
             exchange_pieces(received, send, at_rest.group)
         if not size:  # nothing of this unit is ours
             return
-        total = tree_sum(received)  # the round's subtree, over rank index
+        # The round's subtree, over rank index; the received pieces are ours to add into.
+        total = tree_reduce(0, at_rest.world, lambda r: received[r])
         at = 0
         for start, end, shard_offset in mine:
             self.tree.add(at_rest.part_of[(unit, shard_offset)], total[at : at + end - start])

@@ -80,6 +80,18 @@ def test_one_rank_sharded_at_rest_gives_the_whole_paths_bits_and_keeps_no_weight
 
     worker = group.workers[0]
     at_rest = worker.at_rest
+    most, gather = [0], at_rest.gather
+
+    def counting_gather(unit):  # how many units are gathered at once, at most
+        gather(unit)
+        most[0] = max(most[0], sum(at_rest.is_gathered))
+
+    at_rest.gather = counting_gather
+    b = batch.slice(0, len(batch))
+    b["old_log_probs"] = sharded[0]
+    group.update(b, **STEP)
+    assert most[0] == 2  # the root and one layer: a layer is freed before the next is gathered
+    del at_rest.gather
     assert worker.flat is None and not any(at_rest.is_gathered)
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
     seen = []  # a layer's storage as its forward starts (this pre-hook runs after the gathering one)
