@@ -7,9 +7,9 @@ node would hold, before any run. No GPU is needed; it reads config.json only.
 Shapes from bench/shapes.py (Qwen2.5-7B, 14B and 32B widths); the run: GRPO with a KL
 loss (so full fine-tuning has a reference group), 32 prompts x 8, 128 + 256 tokens,
 micro-batch 4, gradient checkpointing, bf16, the rollout replicas colocated (one a GPU),
-on 1 and 8 GPUs (one trainer rank a GPU). It is the estimate of today's worker groups:
-weights whole on every rank, float32 master weights and AdamW moments sharded over the
-ranks (ZeRO-2), not the parameters.
+on 1 and 8 GPUs (one trainer rank a GPU). On several GPUs both ways: weights whole on every
+rank with float32 master weights and AdamW moments sharded over the ranks (ZeRO-2), and
+with the parameters sharded at rest too (`model.shard_params=true`, ZeRO-3: workers/units.py).
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ RUN = ["actor.use_kl_loss=true", "data.train_batch_size=32", "rollout.n=8", "dat
        "model.gradient_checkpointing=true", "model.dtype=bfloat16", "resources.device=cuda"]
 
 
-def estimate(model_dir: Path, gpus: int, lora_rank: int) -> dict:
+def estimate(model_dir: Path, gpus: int, lora_rank: int, shard_params: bool) -> dict:
     cfg = load_config(None, [f"model.path={model_dir}", f"trainer.num_workers={gpus}", f"rollout.num_replicas={gpus}",
-                             f"model.lora_rank={lora_rank}", "model.lora_alpha=128", *RUN])
+                             f"model.lora_rank={lora_rank}", "model.lora_alpha=128",
+                             f"model.shard_params={str(shard_params).lower()}", *RUN])
     est = estimate_memory(cfg)
     return {"peak_gib": round(est.peak / GIB, 2), "peak_phase": est.peak_phase,
             "resident_gib": {k: round(v / GIB, 2) for k, v in est.resident.items()}}
@@ -52,11 +53,13 @@ def main(argv: list[str] | None = None) -> int:
             (model_dir / "config.json").write_text(json.dumps(shape_args(SHAPES[shape]).to_hf_config()))
             for lora_rank in (0, 64):
                 for gpus in args.gpus:
-                    row = {"shape": shape, "gpus": gpus, "lora_rank": lora_rank,
-                           **estimate(model_dir, gpus, lora_rank)}
-                    results.append(row)
-                    print(f"{shape:>4} {'LoRA r64' if lora_rank else 'full FT':>8} {gpus} GPU(s): "
-                          f"{row['peak_gib']:7.1f} GiB a GPU at its peak ({row['peak_phase']})", flush=True)
+                    for sharded in (False, True) if gpus > 1 else (False,):
+                        row = {"shape": shape, "gpus": gpus, "lora_rank": lora_rank, "shard_params": sharded,
+                               **estimate(model_dir, gpus, lora_rank, sharded)}
+                        results.append(row)
+                        print(f"{shape:>4} {'LoRA r64' if lora_rank else 'full FT':>8} {gpus} GPU(s)"
+                              f"{', sharded at rest' if sharded else '':<18}: "
+                              f"{row['peak_gib']:7.1f} GiB a GPU at its peak ({row['peak_phase']})", flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"run": RUN, "results": results}, indent=1))

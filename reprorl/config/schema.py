@@ -91,9 +91,10 @@ class ModelConfig:
         "of a vector per update)", ge=0
     )
     shard_params: bool = _field(
-        False, "the actor's and critic's parameters sharded at rest over trainer.num_workers (ZeRO-3): each worker "
-        "keeps 1/N of the weights, gathers a decoder layer's just before its forward and backward pass and frees "
-        "them after, and keeps shard-sized gradient sums; the same bits as false, at the cost of the gathers"
+        False, "the actor's, reference's and critic's parameters sharded at rest over trainer.num_workers (ZeRO-3): "
+        "each worker keeps 1/N of the weights, gathers a decoder layer's just before its forward and backward pass "
+        "and frees them after, and keeps shard-sized gradient sums; the same bits as false, at the cost of the "
+        "gathers"
     )
 
 

@@ -15,6 +15,11 @@ on the GPU while it sleeps), plus, per phase, what that phase adds:
   (`workers/grad_tree.py`: `max_pending` of this rank's micro-batches, or one with
   `model.gpu_gradient_vectors`) and the activations of one micro-batch (`activation_bytes`).
 
+With `model.shard_params` (workers/units.py) a group's rank keeps its shard of the weights
+alone (a trainable group's is the master's cast: nothing more with a float32 model, whose
+cast is the master), and its passes add the gathered root unit and one layer, the units'
+float32 gradients, and the sums over rounds in shard-sized vectors instead of whole ones.
+
 The peak is the largest phase, plus a CUDA context per GPU process (`CUDA_CONTEXT_BYTES`).
 LoRA (`model.lora_rank` > 0):
 the base weights are frozen in the compute dtype with no master, moments or gradient;
@@ -79,10 +84,15 @@ def param_count(args: ModelArgs, head: str = "causal_lm") -> int:
     layer += (2 * args.intermediate_size + args.hidden_size) * args.mlp_bias + 2 * args.head_dim * args.qk_norm
     layer += (q + kv) * args.qk_norm_whole  # olmo2's two norms are the same count as pre-norm's two
     layer += 2 * args.hidden_size * args.sandwich_norm  # gemma3: a norm before and after each block
-    backbone = args.vocab_size * args.hidden_size + args.num_hidden_layers * layer + args.hidden_size
+    return args.num_hidden_layers * layer + root_param_count(args, head)
+
+
+def root_param_count(args: ModelArgs, head: str = "causal_lm") -> int:
+    """The parameters outside the decoder layers (`param_count`'s heads): embeddings, final
+    norm, the head (tied: none of its own)."""
     heads = {"causal_lm": 0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size,
              "critic": args.hidden_size + 1, "reward": args.num_labels * args.hidden_size}
-    return backbone + heads[head]
+    return args.vocab_size * args.hidden_size + args.hidden_size + heads[head]
 
 
 def lora_param_count(args: ModelArgs, rank: int, target_modules: Any) -> int:
@@ -94,6 +104,13 @@ def lora_param_count(args: ModelArgs, rank: int, target_modules: Any) -> int:
         raise ConfigError(str(err)) from None
     shapes = linear_shapes(args)
     return args.num_hidden_layers * sum(rank * sum(shapes[n]) for n in names)
+
+
+def unit_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> tuple[int, int]:
+    """(root unit, one decoder layer) of the trainable parameters, as units.py cuts them
+    (with LoRA the adapters, all in the layers)."""
+    root = 0 if lora else root_param_count(args, head)
+    return root, (trainable - root) // args.num_hidden_layers
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -227,28 +244,50 @@ class TrainArgs:
 
 
 def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head: str, trainable: int,
-                    cfg: Any) -> None:
+                    cfg: Any, lora: bool = False) -> None:
     """A trainable group's master shard and AdamW moments (float32, this rank's share of the
-    padded flat vector) into `resident`, and its update phase: gradient vectors and activations."""
+    padded flat vector) into `resident`, and its update phase: gradient vectors and
+    activations (with `model.shard_params`, the module doc's parts instead of whole vectors)."""
     world, dsize = cfg.trainer.num_workers, dtype_bytes(cfg.model.dtype)
     shard = padded_size(trainable, world) // world * FP32
     est.resident[f"{train.name} master weights (float32)"] = shard
     est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
     seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
     count, rows = micro_batch_geometry(train.mini_samples, train.micro_batch_size, train.max_token_len, seq)
-    vectors = gradient_vectors(count, world, cfg.model.gpu_gradient_vectors)
-    est.phases[f"{train.name} update"] = {
-        f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32,
-        f"activations ({rows} x {seq} tokens)": activation_bytes(
-            args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head,
-            batch_invariant=cfg.full_determinism),
-    }
+    activations = {f"activations ({rows} x {seq} tokens)": activation_bytes(
+        args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head,
+        batch_invariant=cfg.full_determinism)}
+    if cfg.model.shard_params:
+        root, layer = unit_params(args, head, trainable, lora)
+        rounds = max(1 << (count - 1).bit_length(), world) // world
+        vectors = gpu_vectors_held(rounds, cfg.model.gpu_gradient_vectors)
+        est.phases[f"{train.name} update"] = {
+            f"gradient sums over rounds ({vectors} x float32 shard)": vectors * shard,
+            "gathered weights (root unit and a layer)": (root + layer) * dsize,
+            "units' gradients (float32: the root's, two layers', the pieces received)": (2 * root + 3 * layer) * FP32,
+            **activations,
+        }
+    else:
+        vectors = gradient_vectors(count, world, cfg.model.gpu_gradient_vectors)
+        est.phases[f"{train.name} update"] = {
+            f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32, **activations}
     # After the sums: the rank's gradient shard, the squares `global_grad_norm` sums (a
     # temporary as large), then AdamW a chunk at a time (`step_in_chunks`: two temporaries).
     est.phases[f"{train.name} optimizer step"] = {
         "gradient shard and its squares (float32)": 2 * shard,
         "AdamW temporaries of a chunk": 2 * min(shard, STEP_CHUNK * FP32),
     }
+
+
+def trained_weights(est: MemoryEstimate, name: str, trainable: int, cfg: Any) -> None:
+    """A trainable group's weights in the compute dtype: whole on every rank, or with
+    `model.shard_params` this rank's shard (none more with float32: the master is it)."""
+    dsize = dtype_bytes(cfg.model.dtype)
+    if not cfg.model.shard_params:
+        est.resident[name] = trainable * dsize
+    elif dsize < FP32:
+        world = cfg.trainer.num_workers
+        est.resident[f"{name} (this rank's shard)"] = padded_size(trainable, world) // world * dsize
 
 
 def dtype_bytes(name: str) -> int:
@@ -292,21 +331,29 @@ def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | 
     actor = read_model_args(m.path, "model.path")
     est = MemoryEstimate()
     total = param_count(actor)
-    est.resident["actor weights" + (" (frozen base)" if rank else "")] = total * dsize
-    trainable = total
+    trainable = lora_param_count(actor, rank, targets) if rank else total
     if rank:
-        trainable = lora_param_count(actor, rank, targets)
-        est.resident[f"actor LoRA adapters (rank {rank})"] = trainable * dsize
+        est.resident["actor weights (frozen base)"] = total * dsize
+    trained_weights(est, "actor weights" if not rank else f"actor LoRA adapters (rank {rank})", trainable, cfg)
     n = cfg.rollout.n
     mini = cfg.actor.ppo_mini_batch_size * n
     trainable_parts(est, TrainArgs("actor", mini, cfg.actor.ppo_micro_batch_size,
-                                   cfg.actor.ppo_max_token_len_per_micro_batch), actor, "causal_lm", trainable, cfg)
+                                   cfg.actor.ppo_max_token_len_per_micro_batch), actor, "causal_lm", trainable, cfg,
+                    lora=bool(rank))
     seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
     _, rows = micro_batch_geometry(mini, cfg.actor.ppo_micro_batch_size, cfg.actor.ppo_max_token_len_per_micro_batch,
                                    seq)
     est.phases["log-probs"] = {f"forward ({rows} x {seq} tokens)": forward_bytes(actor, dsize, rows, seq, response)}
+    if m.shard_params:
+        est.phases["log-probs"]["gathered weights (root unit and a layer)"] = sum(
+            unit_params(actor, "causal_lm", trainable, bool(rank))) * dsize
     if "ref" in on_gpu:  # LoRA: the base is the reference, and there is no group
-        est.resident["reference weights"] = param_count(read_model_args(m.ref_path or m.path, "model.ref_path")) * dsize
+        ref = param_count(read_model_args(m.ref_path or m.path, "model.ref_path"))
+        if m.shard_params:  # its passes gather a unit at a time, as the actor's (the log-probs phase)
+            world = cfg.trainer.num_workers
+            est.resident["reference weights (this rank's shard)"] = padded_size(ref, world) // world * dsize
+        else:
+            est.resident["reference weights"] = ref * dsize
     if "critic" in on_gpu:
         critic_parts(est, read_model_args(m.critic_path or m.path, "model.critic_path"), cfg)
     if "reward" in on_gpu:
@@ -334,7 +381,7 @@ def critic_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any) -> None:
     """The critic: its weights, master and moments, and its update (PPO with GAE only)."""
     c, a = cfg.critic, cfg.actor
     total = param_count(args, "critic")
-    est.resident["critic weights"] = total * dtype_bytes(cfg.model.dtype)
+    trained_weights(est, "critic weights", total, cfg)
     mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) * cfg.rollout.n
     budget = c.ppo_max_token_len_per_micro_batch or a.ppo_max_token_len_per_micro_batch
     trainable_parts(est, TrainArgs("critic", mini, c.ppo_micro_batch_size or a.ppo_micro_batch_size, budget),
@@ -352,7 +399,7 @@ def replace_key(cfg: Any, key: str, value: Any) -> Any:
 
 def what_fits(cfg: Any, gpu_total: int) -> list[str]:
     """Changes that would make `cfg` fit `gpu_total` bytes, each alone: the largest smaller
-    actor micro-batch that fits, gradient checkpointing, the most gradient vectors on the
+    actor micro-batch that fits, parameters sharded at rest (on several GPUs), gradient checkpointing, the most gradient vectors on the
     GPU that fit (the rest in host memory), LoRA (rank 64, when the run is not LoRA
     already); else all of those together, with one gradient vector on the GPU and the
     largest micro-batch that then fits; else none."""
@@ -366,6 +413,10 @@ def what_fits(cfg: Any, gpu_total: int) -> list[str]:
     if micro is not None:
         found.append(f"actor.ppo_micro_batch_size={micro}")
     switches = []  # (key, value) of each switch the run does not use yet
+    if not cfg.model.shard_params and cfg.trainer.num_workers > 1:
+        switches.append(("model.shard_params", True))
+        if fits(replace_key(cfg, *switches[-1])):
+            found.append("model.shard_params=true")
     if not cfg.model.gradient_checkpointing:
         switches.append(("model.gradient_checkpointing", True))
         if fits(replace_key(cfg, *switches[-1])):

@@ -56,8 +56,9 @@ takes the reduced shard into our own tree), but that rests on a private comm cla
 a backward on every rank at every round, and its shards are dim-0 slices of each parameter
 whose bounds move with N, which would change the norm's chunk order and the any-N
 checkpoints (docs/design.md has the study). Parameters are whole on every rank between
-steps (as ZeRO-2); sharding them at rest too (per-layer gathers of this layout's ranges)
-changes no bit, since gathers are exact: docs/design.md has the plan.
+steps (as ZeRO-2), unless sharded at rest (`model.shard_params`: units.py gathers a layer's
+ranges of this layout when it runs, and deals the micro-batches by stride so that each
+round of N leaves is a subtree of the same tree; no bit changes).
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ class WorkerGroup:
         `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone.
         `in_process`: its one rank in this process (module doc). `scheduling`: each rank's Ray
         scheduling strategy (on several GPUs, the bundle of rank r's GPU in the run's placement
-        group: reprorl/trainer/placement.py); None: Ray's choice. `shard_params`: a trainable
+        group: reprorl/trainer/placement.py); None: Ray's choice. `shard_params`: the
         group's parameters sharded at rest (units.py); every rank then takes part in reading
         its weights."""
         if num_workers < 1 or num_workers & (num_workers - 1):
@@ -104,7 +104,7 @@ class WorkerGroup:
                        batch_invariant=full_determinism if batch_invariant is None else batch_invariant,
                        gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors,
                        shard_params=shard_params)
-        self.sharded = shard_params and optim is not None
+        self.sharded = shard_params
         self.pids: dict[int, int] = {}
         self._starting: list[Any] | None = None  # the ranks' start-up answers, until `wait_ready`
         if in_process:

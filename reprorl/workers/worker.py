@@ -1,8 +1,8 @@
 """One rank of a worker group: a process (Ray actor) that holds a whole model for its
 forward passes and, when trainable, its shard of the gradient, master weights and AdamW
-moments (the layout and the reductions: flat.py). With `shard_params` a trainable rank
-holds its shard of the weights alone and gathers a decoder layer's when it runs (units.py;
-the same bits): every rank then makes every pass's collectives, the rank with fewer
+moments (the layout and the reductions: flat.py). With `shard_params` a rank holds its
+shard of the weights alone (a frozen group's: of every weight, in the flat layout of them
+all) and gathers a decoder layer's when it runs (units.py; the same bits): every rank then makes every pass's collectives, the rank with fewer
 micro-batches without computing, and every rank takes part in reading the weights. The shard is float32 whatever the
 model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the model's
 weights being the bf16 cast of the master after every step. `device="cuda"`: the model
@@ -123,7 +123,7 @@ class ShardWorker:
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._grad_sink: GradTree | Exchange | None = None  # what `_fold_grad` feeds, during an update's backward
-        self.shard_params = shard_params and self.trainable  # a frozen group keeps its whole weights
+        self.shard_params = shard_params
         self.at_rest: ShardedParams | None = None  # set by `join` with shard_params (units.py)
         self._grad_hooks: list = []  # the `_fold_grad` hooks' handles (made by `join`), removed by `shutdown`
         self.group: dist.ProcessGroup | None = None  # set by `join`
@@ -155,6 +155,10 @@ class ShardWorker:
         self.params = [p for _, p in named]
         self.layout = FlatLayout.of(named, self.world_size)
         if not self.trainable:
+            if self.shard_params:  # a frozen group (the reference): every weight, no master
+                every = list(self.model.named_parameters())
+                self.at_rest = ShardedParams(self.model, [p for _, p in every], FlatLayout.of(every, self.world_size),
+                                             self.rank, self.group, self.device)
             return
         if self.shard_params:  # each parameter a view of its unit's buffer, gathered when used (units.py)
             self.flat = None
@@ -405,7 +409,7 @@ class ShardWorker:
         part in the gathers (None)."""
         if self.at_rest is None:
             return take(named)
-        index = {name: i for i, name in enumerate(self.layout.names)}
+        index = {name: i for i, name in enumerate(self.at_rest.layout.names)}
         unit_of = self.at_rest.plan.unit_of
         by_unit: dict[int | None, list[tuple[str, torch.Tensor]]] = {}
         for name, p in named:

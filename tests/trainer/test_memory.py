@@ -201,6 +201,34 @@ def test_several_gpus_each_hold_one_rank_and_their_share_of_replicas(tiny_dir):
         "KV cache (6 replica(s))"]
 
 
+def test_parameters_sharded_at_rest_keep_a_shard_and_gather_a_unit(tiny_dir):
+    """4 ranks, `model.shard_params`, bfloat16: the actor's and the reference's weights are a
+    quarter of the padded 104 chunks in bf16; the actor's update holds shard-sized sums over
+    its rounds (128 samples in 4 micro-batches: 4 leaves, one round of 4, one sum), the root
+    unit and a layer gathered, and the units' float32 gradients; the log-prob pass gathers
+    the same two units."""
+    est = estimate_memory(small_config(tiny_dir, "trainer.num_workers=4", "model.shard_params=true",
+                                       "model.dtype=bfloat16"))
+    shard = 104 * 4096 // 4
+    root, layer = 128 * 128 + 128, 197_120  # embeddings (tied) and the final norm; one layer
+    assert est.resident["actor weights (this rank's shard)"] == shard * 2
+    assert est.resident["reference weights (this rank's shard)"] == shard * 2
+    assert "actor weights" not in est.resident and "reference weights" not in est.resident
+    update = est.phases["actor update"]
+    assert update["gradient sums over rounds (1 x float32 shard)"] == shard * 4
+    assert update["gathered weights (root unit and a layer)"] == (root + layer) * 2
+    assert update["units' gradients (float32: the root's, two layers', the pieces received)"] == (
+        2 * root + 3 * layer) * 4
+    assert est.phases["log-probs"]["gathered weights (root unit and a layer)"] == (root + layer) * 2
+    whole_cfg = small_config(tiny_dir, "trainer.num_workers=4", "model.dtype=bfloat16")
+    whole = estimate_memory(whole_cfg)
+    assert est.peak < whole.peak
+    assert "model.shard_params=true" in memory.what_fits(whole_cfg, (est.peak + whole.peak) // 2)
+    # float32: a trainable rank's weights are its master, nothing more
+    est = estimate_memory(small_config(tiny_dir, "trainer.num_workers=4", "model.shard_params=true"))
+    assert not any(name.startswith("actor weights") for name in est.resident)
+
+
 def test_rollout_gpus_of_their_own_are_estimated_apart(tiny_dir):
     cfg = small_config(tiny_dir, "trainer.num_workers=2", "rollout.num_replicas=4", "resources.rollout_gpus=2")
     trainer_gpu, rollout_gpu = estimate_memory(cfg), memory.estimate_rollout_gpu(cfg)

@@ -141,3 +141,17 @@ def test_on_the_gpu_one_rank_sharded_at_rest_gives_the_whole_paths_bits(tiny_pol
     assert all(torch.equal(packed[0].buffers[k], packed[1].buffers[k]) for k in packed[0].buffers)
     for g in (whole_group, group):
         g.release_shared_weights()
+
+
+def test_a_frozen_group_sharded_at_rest_gives_the_whole_log_probs_and_keeps_its_shard_alone(
+        tiny_policy_dir, in_process_group, rollout_batch):
+    """The reference (no optimizer): its shard of every weight, gathered a layer at a time."""
+    batch = rollout_batch(16, 6, 5, 0)
+    whole = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
+    sharded = in_process_group("ref", tiny_policy_dir, batch_invariant=True, shard_params=True)
+    expected = whole.compute_log_probs(batch, temperature=0.7, micro_batch_size=4)
+    assert torch.equal(sharded.compute_log_probs(batch, temperature=0.7, micro_batch_size=4), expected)
+    at_rest = sharded.workers[0].at_rest
+    assert at_rest.layout.numel == sum(p.numel() for p in sharded.workers[0].model.parameters())
+    assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
+    assert sharded.weight_digests() == whole.weight_digests()
