@@ -17,8 +17,9 @@ on the GPU while it sleeps), plus, per phase, what that phase adds:
 
 With `model.shard_params` (workers/units.py) a group's rank keeps its shard of the weights
 alone (a trainable group's is the master's cast: nothing more with a float32 model, whose
-cast is the master), and its passes add the gathered root unit and one layer, the units'
-float32 gradients, and the sums over rounds in shard-sized vectors instead of whole ones.
+cast is the master), and its passes add the gathered root unit and one layer (two on
+several ranks: the next is prefetched), the units' float32 gradients, and the sums over
+rounds in shard-sized vectors instead of whole ones.
 
 The peak is the largest phase, plus a CUDA context per GPU process (`CUDA_CONTEXT_BYTES`).
 LoRA (`model.lora_rank` > 0):
@@ -104,6 +105,16 @@ def lora_param_count(args: ModelArgs, rank: int, target_modules: Any) -> int:
         raise ConfigError(str(err)) from None
     shapes = linear_shapes(args)
     return args.num_hidden_layers * sum(rank * sum(shapes[n]) for n in names)
+
+
+def gathered_layers(world_size: int) -> int:
+    """Layers gathered at once with parameters sharded at rest: the running one, and on
+    several ranks the next, prefetched (workers/units.py)."""
+    return 1 + (world_size > 1)
+
+
+def gathered_name(world_size: int) -> str:
+    return f"gathered weights (root unit and {gathered_layers(world_size)} layer(s))"
 
 
 def unit_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> tuple[int, int]:
@@ -263,7 +274,7 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
         vectors = gpu_vectors_held(rounds, cfg.model.gpu_gradient_vectors)
         est.phases[f"{train.name} update"] = {
             f"gradient sums over rounds ({vectors} x float32 shard)": vectors * shard,
-            "gathered weights (root unit and a layer)": (root + layer) * dsize,
+            gathered_name(world): (root + gathered_layers(world) * layer) * dsize,
             "units' gradients (float32: the root's, two layers', the pieces received)": (2 * root + 3 * layer) * FP32,
             **activations,
         }
@@ -345,8 +356,9 @@ def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | 
                                    seq)
     est.phases["log-probs"] = {f"forward ({rows} x {seq} tokens)": forward_bytes(actor, dsize, rows, seq, response)}
     if m.shard_params:
-        est.phases["log-probs"]["gathered weights (root unit and a layer)"] = sum(
-            unit_params(actor, "causal_lm", trainable, bool(rank))) * dsize
+        root, layer = unit_params(actor, "causal_lm", trainable, bool(rank))
+        world = cfg.trainer.num_workers
+        est.phases["log-probs"][gathered_name(world)] = (root + gathered_layers(world) * layer) * dsize
     if "ref" in on_gpu:  # LoRA: the base is the reference, and there is no group
         ref = param_count(read_model_args(m.ref_path or m.path, "model.ref_path"))
         if m.shard_params:  # its passes gather a unit at a time, as the actor's (the log-probs phase)

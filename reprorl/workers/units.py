@@ -18,7 +18,10 @@ unit at a time), and each parameter is a view of its unit's buffer:
 - A layer is gathered by a forward pre-hook and freed by its forward hook; when the forward
   records a graph, that hook also puts a hook on the layer's output, which gathers the
   layer again just before its backward (with gradient checkpointing the recomputed forward
-  then finds it gathered). The root unit is gathered for a whole pass (`root_gathered`).
+  then finds it gathered), and it is freed when the next layer's backward starts. On
+  several ranks the next layer's gather is started (`prefetch`: asynchronous broadcasts)
+  as a layer's forward or backward starts. The root unit is gathered for a whole pass
+  (`root_gathered`).
 
 Gradients (`Exchange`): the micro-batches are dealt by stride: in round j rank r computes
 leaf j * N + r of flat.py's tree (`tree_leaves`), and the N leaves of a round are the
@@ -45,6 +48,7 @@ import contextlib
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -123,11 +127,12 @@ class UnitPlan:
 
 
 class ShardedParams:
-    """The trainable parameters of `model` sharded at rest over `group` (module doc).
+    """Parameters of `model` sharded at rest over `group` (module doc).
 
-    `params`: the trainable parameters in layout order (their values are the run's initial
-    weights, whole on every rank: this rank keeps its range). Call `set_local` with the
-    cast of the master shard after every optimizer step or load."""
+    `params`: those `layout` lays out, in its order (a trainable group's trainable ones, a
+    frozen group's every one), their values the run's initial weights, whole on every
+    rank: this rank keeps its range. A trainable rank calls `set_local` with the cast of
+    its master shard after every optimizer step or load."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter], layout: FlatLayout,
                  rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
@@ -147,7 +152,8 @@ class ShardedParams:
                     params[p].data = buffer[at : at + params[p].numel()].view(params[p].shape)
                 self.buffers.append(buffer)
                 self.aliases.append(torch.empty(0, dtype=buffer.dtype, device=device).set_(buffer.untyped_storage()))
-        self.is_gathered = [False] * len(self.buffers)
+        self.is_gathered = [False] * len(self.buffers)  # gathered, or on the way (`in_flight`)
+        self.in_flight: dict[int, list[dist.Work]] = {}  # a prefetch's broadcasts, per unit
         for u in range(len(self.buffers)):
             self.free(u)
         self.in_backward: set[int] = set()  # layers gathered for their backward pass
@@ -156,9 +162,10 @@ class ShardedParams:
         self._hooks = []
         for u in self.plan.layers:
             module = modules[self.plan.modules[u]]
-            self._hooks += [module.register_forward_pre_hook(lambda _m, _a, u=u: self.gather(u)),
+            self._hooks += [module.register_forward_pre_hook(lambda _m, _a, u=u: self._before_forward(u)),
                             module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out))]
-        self._owners = [[(q, self.plan.owner_pieces(u, layout, q)) for q in range(self.world)]
+        # Per unit, per rank: its pieces of the unit (`owner_pieces`), what gathers and exchanges move.
+        self.owners = [[(q, self.plan.owner_pieces(u, layout, q)) for q in range(self.world)]
                         for u in range(len(self.buffers))]
 
     def set_local(self, shard: torch.Tensor) -> None:
@@ -168,22 +175,37 @@ class ShardedParams:
     # ------------------------------------------------------------------ gathers
 
     def gather(self, unit: int) -> None:
-        """The unit's weights from their owners into its buffer (nothing if gathered)."""
+        """The unit's weights from their owners into its buffer, waited for (nothing if
+        gathered; the end of a `prefetch`)."""
+        if not self.is_gathered[unit]:
+            self.prefetch(unit)
+        for work in self.in_flight.pop(unit, ()):
+            work.wait()
+
+    def prefetch(self, unit: int) -> None:
+        """Start gathering the unit (its broadcasts run while this rank computes), unless
+        gathered or on the way. Every rank makes the same calls in the same order, so the
+        collectives match whatever runs when."""
         if self.is_gathered[unit]:
             return
         buffer, alias = self.buffers[unit], self.aliases[unit]
         buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        works = []
         with torch.no_grad():
-            for owner, pieces in self._owners[unit]:
+            for owner, pieces in self.owners[unit]:
                 for start, end, at in pieces:
                     piece = alias[start:end]
                     if owner == self.rank:
                         piece.copy_(self.local[at : at + end - start])
                     if self.world > 1:
-                        dist.broadcast(piece, dist.get_global_rank(self.group, owner), group=self.group)
+                        works.append(dist.broadcast(piece, dist.get_global_rank(self.group, owner),
+                                                    group=self.group, async_op=True))
+        self.in_flight[unit] = works
         self.is_gathered[unit] = True
 
     def free(self, unit: int) -> None:
+        for work in self.in_flight.pop(unit, ()):  # its bytes must land before its storage goes
+            work.wait()
         self.buffers[unit].untyped_storage().resize_(0)
         self.is_gathered[unit] = False
 
@@ -211,12 +233,28 @@ class ShardedParams:
             for unit in range(len(self.buffers)):
                 self.free(unit)
 
-    def _after_forward(self, unit: int, out: torch.Tensor) -> None:
+    def _next(self, layer: int, step: int) -> int | None:
+        """The layer `step` (+1 or -1) after `layer` when prefetching pays (several ranks), else None."""
+        nxt = layer + step
+        return nxt if self.world > 1 and nxt in self.plan.layers else None
+
+    def _before_forward(self, unit: int) -> None:
+        self.gather(unit)
+        if unit in self.in_backward:  # gradient checkpointing's recomputation: no collective
+            return
+        if (nxt := self._next(unit, +1)) is not None:
+            self.prefetch(nxt)
+
+    def _after_forward(self, unit: int, out: Any) -> None:
         if unit in self.in_backward:  # gradient checkpointing's recomputation, inside the backward pass
             return
         self.free(unit)
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad, u=unit: self._before_backward(u))
+        if not torch.is_grad_enabled():
+            return
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):  # its backward could not gather it
+            raise RuntimeError(f"{self.plan.modules[unit]} returned {type(out).__name__} without a gradient "
+                               "in a pass that records one; model.shard_params needs a layer's output tensor")
+        out.register_hook(lambda grad, u=unit: self._before_backward(u))
 
     def _before_backward(self, unit: int) -> None:
         """Layer `unit`'s backward is next: the layer before it in the backward pass is done,
@@ -227,11 +265,13 @@ class ShardedParams:
             self.free(done)
         self.in_backward = {unit}
         self.gather(unit)
+        if (nxt := self._next(unit, -1)) is not None:
+            self.prefetch(nxt)
 
     def replay_forward(self) -> None:
         """A forward pass's collectives without its compute (this rank has no micro-batch here)."""
         for unit in self.plan.layers:
-            self.gather(unit)
+            self._before_forward(unit)
             self.free(unit)
 
     def replay_backward(self) -> None:
@@ -310,7 +350,7 @@ class Exchange:
         at_rest = self.at_rest
         grad = self._unit_gradient(unit)
         send, mine = [], []
-        for owner, pieces in at_rest._owners[unit]:
+        for owner, pieces in at_rest.owners[unit]:
             if len(pieces) == 1:  # a view: the usual case (a layer's one span, or none)
                 send.append(grad[pieces[0][0] : pieces[0][1]])
             else:

@@ -205,8 +205,8 @@ def test_parameters_sharded_at_rest_keep_a_shard_and_gather_a_unit(tiny_dir):
     """4 ranks, `model.shard_params`, bfloat16: the actor's and the reference's weights are a
     quarter of the padded 104 chunks in bf16; the actor's update holds shard-sized sums over
     its rounds (128 samples in 4 micro-batches: 4 leaves, one round of 4, one sum), the root
-    unit and a layer gathered, and the units' float32 gradients; the log-prob pass gathers
-    the same two units."""
+    unit and two layers gathered (one prefetched), and the units' float32 gradients; the
+    log-prob pass gathers as many."""
     est = estimate_memory(small_config(tiny_dir, "trainer.num_workers=4", "model.shard_params=true",
                                        "model.dtype=bfloat16"))
     shard = 104 * 4096 // 4
@@ -216,10 +216,10 @@ def test_parameters_sharded_at_rest_keep_a_shard_and_gather_a_unit(tiny_dir):
     assert "actor weights" not in est.resident and "reference weights" not in est.resident
     update = est.phases["actor update"]
     assert update["gradient sums over rounds (1 x float32 shard)"] == shard * 4
-    assert update["gathered weights (root unit and a layer)"] == (root + layer) * 2
+    assert update["gathered weights (root unit and 2 layer(s))"] == (root + 2 * layer) * 2  # one prefetched
     assert update["units' gradients (float32: the root's, two layers', the pieces received)"] == (
         2 * root + 3 * layer) * 4
-    assert est.phases["log-probs"]["gathered weights (root unit and a layer)"] == (root + layer) * 2
+    assert est.phases["log-probs"]["gathered weights (root unit and 2 layer(s))"] == (root + 2 * layer) * 2
     whole_cfg = small_config(tiny_dir, "trainer.num_workers=4", "model.dtype=bfloat16")
     whole = estimate_memory(whole_cfg)
     assert est.peak < whole.peak

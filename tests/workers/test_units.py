@@ -90,7 +90,7 @@ def test_one_rank_sharded_at_rest_gives_the_whole_paths_bits_and_keeps_no_weight
     b = batch.slice(0, len(batch))
     b["old_log_probs"] = sharded[0]
     group.update(b, **STEP)
-    assert most[0] == 2  # the root and one layer: a layer is freed before the next is gathered
+    assert most[0] == 2  # the root and one layer: a layer is freed before the next is gathered (one rank: no prefetch)
     del at_rest.gather
     assert worker.flat is None and not any(at_rest.is_gathered)
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
