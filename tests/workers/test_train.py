@@ -90,7 +90,8 @@ def test_eight_workers_give_one_workers_bits_past_the_micro_batch_count(assets, 
     """1 and 8 workers: GRPO with micro-batches of one sample, PPO with its critic with a token
     budget of 72 tokens (the widest sample). Either way 4 micro-batches a mini-batch, laid on
     a tree of 4 leaves that 8 workers extend with empty ones (flat.py), so workers 4-7
-    compute nothing and send -0.0; the bits are one worker's. Then the 8 workers' step-1
+    compute nothing and send -0.0; the bits are one worker's (GRPO: with the parameters
+    sharded at rest too, workers 4-7 replaying the collectives). Then the 8 workers' step-1
     checkpoint resumed on 2 workers: steps 2 and 3 are those bits too. Without a KL term: no
     reference group (8 or 16 processes)."""
     cut = () if algo == "grpo" else ("actor.ppo_max_token_len_per_micro_batch=72",)
@@ -104,6 +105,10 @@ def test_eight_workers_give_one_workers_bits_past_the_micro_batch_count(assets, 
         runs[n] = root / f"{algo}-no-kl-{n}"
         assert cli.main(["train", *no_kl_overrides(runs[n], n)]) == 0
     assert_bitwise_identical(runs[1], runs[8], steps=3)
+    if algo == "grpo":  # and with parameters sharded at rest: workers 4-7 replay every round's collectives
+        sharded = root / f"{algo}-no-kl-8-sharded"
+        assert cli.main(["train", *no_kl_overrides(sharded, 8, "model.shard_params=true")]) == 0
+        assert_bitwise_identical(runs[1], sharded, steps=3)
     report = (runs[8] / "determinism.txt").read_text()
     groups = ("actor", "critic") if algo == "ppo" else ("actor",)
     assert all(f"{group} worker {rank}" in report for group in groups for rank in range(8)), report
