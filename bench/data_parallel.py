@@ -57,15 +57,16 @@ def width_512_args(layers: int = 2) -> ModelArgs:
                      eos_token_id=1, pad_token_id=0)
 
 
-def make_batch(seed: int = 0) -> Batch:
+def make_batch(seed: int = 0, samples: int = SAMPLES) -> Batch:
+    """`samples` random rows of PROMPT + RESPONSE tokens (vocab 128), every token real."""
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, 128, (SAMPLES, PROMPT), generator=g)
-    responses = torch.randint(3, 128, (SAMPLES, RESPONSE), generator=g)
-    mask = torch.ones(SAMPLES, PROMPT + RESPONSE, dtype=torch.long)
+    prompts = torch.randint(3, 128, (samples, PROMPT), generator=g)
+    responses = torch.randint(3, 128, (samples, RESPONSE), generator=g)
+    mask = torch.ones(samples, PROMPT + RESPONSE, dtype=torch.long)
     return Batch({
-        "prompts": prompts, "responses": responses, "response_mask": torch.ones(SAMPLES, RESPONSE, dtype=torch.long),
+        "prompts": prompts, "responses": responses, "response_mask": torch.ones(samples, RESPONSE, dtype=torch.long),
         "input_ids": torch.cat([prompts, responses], 1), "attention_mask": mask,
-        "position_ids": mask.cumsum(1) - 1, "advantages": torch.randn(SAMPLES, RESPONSE, generator=g),
+        "position_ids": mask.cumsum(1) - 1, "advantages": torch.randn(samples, RESPONSE, generator=g),
     })
 
 

@@ -34,29 +34,16 @@ from pathlib import Path
 import ray
 import torch
 
-from data_parallel import width_512_args  # noqa: E402  (bench/: the script's folder is on sys.path)
+from data_parallel import PROMPT, RESPONSE, make_batch, width_512_args  # noqa: E402  (bench/ is on sys.path)
 from reprorl.models.hf_io import save_model
 from reprorl.models.tiny import init_weights
 from reprorl.models.transformer import CausalLM
-from reprorl.protocol import Batch
 from reprorl.workers.group import WorkerGroup
 from reprorl.workers.optim import OptimArgs
 from reprorl.workers.policy import PolicyLossArgs
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sharded_params.json"
-LAYERS, SAMPLES, PROMPT, RESPONSE, MICRO = 8, 16, 32, 32, 2
-
-
-def make_batch(seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(3, 128, (SAMPLES, PROMPT), generator=g)
-    responses = torch.randint(3, 128, (SAMPLES, RESPONSE), generator=g)
-    mask = torch.ones(SAMPLES, PROMPT + RESPONSE, dtype=torch.long)
-    return Batch({
-        "prompts": prompts, "responses": responses, "response_mask": torch.ones(SAMPLES, RESPONSE, dtype=torch.long),
-        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": mask,
-        "position_ids": mask.cumsum(1) - 1, "advantages": torch.randn(SAMPLES, RESPONSE, generator=g),
-    })
+LAYERS, SAMPLES, MICRO = 8, 16, 2  # prompts and responses of 32 tokens: data_parallel.py's
 
 
 def status_mib(pid: int, key: str) -> float:
@@ -70,7 +57,7 @@ def bench(model_dir: Path, num_workers: int, sharded: bool, repeats: int) -> tup
     group = WorkerGroup("actor", num_workers, model_dir, optim=OptimArgs(lr=1e-5), seed=0, full_determinism=True,
                         shard_params=sharded)
     try:
-        batch = make_batch()
+        batch = make_batch(samples=SAMPLES)
         batch["old_log_probs"] = group.compute_log_probs(batch, temperature=1.0, micro_batch_size=MICRO)
         step = {"ppo_epochs": 1, "mini_batch_size": SAMPLES, "micro_batch_size": MICRO,
                 "max_response_length": RESPONSE, "loss": PolicyLossArgs(), "temperature": 1.0}
@@ -131,7 +118,8 @@ def main() -> None:
         peak = "/".join(f"{m:.0f}" for m in row["peak_rss_mib"])
         print(f"{n:>2} {mode:>8} {row['update_s']:>9.3f} {rest:>22} {peak:>22} {row['load_avg_1min_before']:>5.2f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    out = RESULTS if args.mmap_threshold_kib == 64 else RESULTS.with_name(f"sharded_params_mmap{args.mmap_threshold_kib}.json")
+    out = RESULTS if args.mmap_threshold_kib == 64 else RESULTS.with_name(
+        f"sharded_params_mmap{args.mmap_threshold_kib}.json")
     out.write_text(json.dumps({
         "model_parameters": numel, "layers": LAYERS, "samples": SAMPLES, "tokens": PROMPT + RESPONSE,
         "micro_batches": SAMPLES // MICRO, "cpu_count": os.cpu_count(),
