@@ -411,10 +411,10 @@ def replace_key(cfg: Any, key: str, value: Any) -> Any:
 
 def what_fits(cfg: Any, gpu_total: int) -> list[str]:
     """Changes that would make `cfg` fit `gpu_total` bytes, each alone: the largest smaller
-    actor micro-batch that fits, parameters sharded at rest (on several GPUs), gradient checkpointing, the most gradient vectors on the
-    GPU that fit (the rest in host memory), LoRA (rank 64, when the run is not LoRA
-    already); else all of those together, with one gradient vector on the GPU and the
-    largest micro-batch that then fits; else none."""
+    actor micro-batch that fits, parameters sharded at rest (on several GPUs), gradient
+    checkpointing, the most gradient vectors on the GPU that fit (the rest in host memory),
+    LoRA (rank 64, when the run is not LoRA already); else all of those together, with one
+    gradient vector on the GPU and the largest micro-batch that then fits; else none."""
     lora = 64 if cfg.model.lora_rank == 0 else None  # None: the run is LoRA already
 
     def fits(c: Any, lora_rank: int | None = None) -> bool:

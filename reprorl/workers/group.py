@@ -311,7 +311,8 @@ class WorkerGroup:
         return self._rank0("named_weights")
 
     def weight_digests(self) -> dict[str, str]:
-        """`tensor_digests(named_weights())`, computed on rank 0: only the digests travel."""
+        """`tensor_digests(named_weights())`, computed on rank 0 (sharded at rest: with every
+        rank's part in the gathers): only the digests travel."""
         return self._rank0("weight_digests")
 
     def gpu_uuid(self) -> str | None:

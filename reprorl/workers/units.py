@@ -35,11 +35,18 @@ empty makes the same collectives, in the same order, without computing (`replay_
 sends -0.0 pieces, which add nothing (flat.py's `EMPTY_GRADIENT`). A round whose leaves
 are all empty is skipped by every rank.
 
-Every collective of a pass is made by every rank in one order: gathers of the root, of the
-layers in order (forward), then for each layer in reverse order the exchange of the layer
-after it and its own gather (backward), then the exchanges of layer 0 and of the root. A
-unit's gradient must be whole when the next layer's backward starts (the backward of a
-decoder stack makes it so); a gradient that comes later raises rather than being lost.
+Every collective of a pass is made by every rank in one order, by the same hook functions
+whether the rank computes or replays: the root's gather, the layers' gathers in order
+(forward; on several ranks each started one layer early), then for each layer in reverse
+order the exchange of the layer after it and its own gather (backward; the next one's
+started), then the exchanges of the first layer and of the root. A unit's gradient must be
+whole when the next layer's backward starts (the backward of a decoder stack makes it so);
+a gradient that comes later raises rather than being lost. An error inside a pass leaves
+this rank's units freed (`reset`); its peers wait in their next collective until the
+group notices the failed rank.
+
+Nothing may take a numpy view of a parameter (`Tensor.numpy()`): that marks its storage
+unresizable and the next `free` fails; read a clone.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, flatten, tree_reduce
+from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, tree_reduce
 from reprorl.workers.grad_tree import GradTree, Parts
 
 ROOT = 0
@@ -142,7 +149,7 @@ class ShardedParams:
         self.param_sizes = [p.numel() for p in params]
         self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
         start, end = layout.shard_range(rank)
-        self.local = flatten([p.detach() for p in params], layout)[start:end].clone()
+        self.local = _range_of(params, layout, start, end)
         self.buffers, self.aliases = [], []
         with torch.no_grad():
             for u, members in enumerate(self.plan.members):
@@ -288,6 +295,13 @@ class ShardedParams:
             self.free(unit)
         self.in_backward.clear()
 
+    def reset(self) -> None:
+        """After an error inside a pass: every unit freed, no pass under way (no collective)."""
+        for unit in range(len(self.buffers)):
+            self.free(unit)
+        self.in_backward.clear()
+        self.exchange = None
+
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
@@ -360,7 +374,7 @@ class Exchange:
                 mine = pieces
         self.sent.add(unit)
         size = sum(end - start for start, end, _ in mine)
-        received = send if at_rest.world == 1 else [torch.empty(size, device=at_rest.device)
+        received = send if at_rest.world == 1 else [torch.empty(size, dtype=torch.float32, device=at_rest.device)
                                                      for _ in range(at_rest.world)]
         if at_rest.world > 1:
             exchange_pieces(received, send, at_rest.group)
@@ -372,6 +386,17 @@ class Exchange:
         for start, end, shard_offset in mine:
             self.tree.add(at_rest.part_of[(unit, shard_offset)], total[at : at + end - start])
             at += end - start
+
+
+def _range_of(params: Sequence[torch.Tensor], layout: FlatLayout, start: int, end: int) -> torch.Tensor:
+    """`[start, end)` of the parameters laid end to end, zero past the last (the padding):
+    `flatten(...)[start:end]` without the whole vector beside the whole model."""
+    out = torch.zeros(end - start, dtype=params[0].dtype, device=params[0].device)
+    for offset, p in zip(layout.offsets(), params):
+        lo, hi = max(offset, start), min(offset + p.numel(), end)
+        if lo < hi:
+            out[lo - start : hi - start] = p.detach().reshape(-1)[lo - offset : hi - offset]
+    return out
 
 
 def shard_parts(plan: UnitPlan, layout: FlatLayout, rank: int) -> tuple[Parts, dict[tuple[int, int], int]]:

@@ -2,15 +2,17 @@
 forward passes and, when trainable, its shard of the gradient, master weights and AdamW
 moments (the layout and the reductions: flat.py). With `shard_params` a rank holds its
 shard of the weights alone (a frozen group's: of every weight, in the flat layout of them
-all) and gathers a decoder layer's when it runs (units.py; the same bits): every rank then makes every pass's collectives, the rank with fewer
-micro-batches without computing, and every rank takes part in reading the weights. The shard is float32 whatever the
-model's dtype (`MASTER_DTYPE`): with a bf16 model that is mixed precision, the model's
-weights being the bf16 cast of the master after every step. `device="cuda"`: the model
-runs on the GPU Ray gave the process (the group's collectives then use NCCL), and
-`gradient_checkpointing` recomputes each decoder layer in the backward pass, and
-`gpu_gradient_vectors` = k >= 1 keeps the gradient tree's bigger pending sums in pinned host
-memory (grad_tree.py: at most k whole float32 gradient vectors on the device, whatever the
-micro-batch count; 0: all on the device).
+all) and gathers a decoder layer's when it runs (units.py; the same bits): every rank then
+makes every pass's collectives, the rank with fewer micro-batches without computing, and
+every rank takes part in reading the weights.
+
+The master shard is float32 whatever the model's dtype (`MASTER_DTYPE`): with a bf16
+model that is mixed precision, the model's weights being the bf16 cast of the master after
+every step. `device="cuda"`: the model runs on the GPU Ray gave the process (the group's
+collectives then use NCCL), and `gradient_checkpointing` recomputes each decoder layer in
+the backward pass, and `gpu_gradient_vectors` = k >= 1 keeps the gradient tree's bigger
+pending sums in pinned host memory (grad_tree.py: at most k whole float32 gradient vectors
+on the device, whatever the micro-batch count; 0: all on the device).
 
 The rank loads its model and owns it and the optimizer: the one training loop of reprorl
 (`update`). The math it runs on a micro-batch is policy.py's and critic.py's plain
@@ -45,7 +47,7 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -199,7 +201,7 @@ class ShardWorker:
         if self.at_rest is None:
             yield
             return
-        with self.at_rest.root_gathered():
+        with self.at_rest.root_gathered(), _reset_on_error(self.at_rest):
             yield
             for _ in range(most - made):
                 self.at_rest.replay_forward()
@@ -332,7 +334,7 @@ class ShardWorker:
         why the bits are `_block_gradient`'s and the reduction's). Fills `stats` and `losses`."""
         at_rest, n = self.at_rest, self.world_size
         tree = GradTree(0, len(leaves) // n, at_rest.parts, self.shard.device, gpu_vectors=self.gpu_gradient_vectors)
-        with at_rest.root_gathered():
+        with at_rest.root_gathered(), _reset_on_error(at_rest):
             for j in range(len(leaves) // n):
                 round_leaves = leaves[j * n : (j + 1) * n]
                 empty = all(k is None for k in round_leaves)
@@ -340,15 +342,13 @@ class ShardWorker:
                 if not empty:
                     k = round_leaves[self.rank]
                     at_rest.exchange = Exchange(at_rest, tree, computing=k is not None)
-                    try:
-                        if k is None:
-                            at_rest.replay_forward()
-                            at_rest.replay_backward()
-                        else:
-                            self._backward(mini, micros[k], k, at_rest.exchange, norms, loss, stats, losses)
-                        at_rest.end_backward()
-                    finally:
-                        at_rest.exchange = None
+                    if k is None:
+                        at_rest.replay_forward()
+                        at_rest.replay_backward()
+                    else:
+                        self._backward(mini, micros[k], k, at_rest.exchange, norms, loss, stats, losses)
+                    at_rest.end_backward()
+                    at_rest.exchange = None
                 tree.finish_leaf()
         return tree.result()
 
@@ -386,9 +386,10 @@ class ShardWorker:
         return [(n, p) for n, p in named if p.requires_grad] if self.lora is not None else list(named)
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """(HF name, CPU tensor) of every weight the replicas take (`pushed_weights`), the same
-        on every rank. With parameters sharded at rest every rank must call it (the units are
-        gathered one after another) and rank 0 alone answers (the others: None)."""
+        """(HF name, CPU tensor) of every weight the replicas take (`pushed_weights`): the same
+        on every rank, so the group asks rank 0. With parameters sharded at rest every rank
+        must call it (the units are gathered one after another) and rank 0 alone answers (the
+        others: None)."""
         taken = self._by_unit(self.pushed_weights(), lambda named: {n: p.detach().cpu().clone() for n, p in named})
         return None if taken is None else list(taken.items())
 
@@ -402,7 +403,8 @@ class ShardWorker:
         # A copy of each gathered unit: numpy's view of a storage (the digest's) makes it unresizable.
         return self._by_unit(named, lambda unit: tensor_digests((n, p.detach().clone()) for n, p in unit))
 
-    def _by_unit(self, named: list[tuple[str, torch.Tensor]], take: Any) -> dict[str, Any] | None:
+    def _by_unit(self, named: list[tuple[str, torch.Tensor]],
+                 take: Callable[[list[tuple[str, torch.Tensor]]], dict[str, Any]]) -> dict[str, Any] | None:
         """`take` (named tensors -> {name: value}) of `named`, joined in its order. With
         parameters sharded at rest `take` sees a unit's weights while it is gathered, a unit
         at a time, and the weights in no unit (a frozen base); ranks other than 0 only take
@@ -531,6 +533,16 @@ class ShardWorker:
         if self.group is not None and dist.is_initialized():
             dist.destroy_process_group(self.group)
         self.group = None
+
+
+@contextlib.contextmanager
+def _reset_on_error(at_rest: ShardedParams) -> Iterator[None]:
+    """On an error inside the block, `at_rest.reset()` (its units freed, no pass under way)."""
+    try:
+        yield
+    except BaseException:
+        at_rest.reset()
+        raise
 
 
 def process_group_alone(backend: str) -> dist.ProcessGroup:

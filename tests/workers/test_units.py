@@ -155,3 +155,24 @@ def test_a_frozen_group_sharded_at_rest_gives_the_whole_log_probs_and_keeps_its_
     assert at_rest.layout.numel == sum(p.numel() for p in sharded.workers[0].model.parameters())
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
     assert sharded.weight_digests() == whole.weight_digests()
+
+
+def test_an_error_inside_a_pass_leaves_every_unit_freed_and_the_next_pass_as_before(
+        tiny_policy_dir, in_process_group, rollout_batch, monkeypatch):
+    """An update that fails in its backward pass (here: the first gradient a unit takes)
+    leaves no unit gathered and no pass under way; the log-probs after it are as before."""
+    batch = rollout_batch(16, 6, 5, 0)
+    group = in_process_group("actor", tiny_policy_dir, optim=OPTIM, shard_params=True)
+    expected = group.compute_log_probs(batch, temperature=1.0, micro_batch_size=2)
+    batch["old_log_probs"] = expected
+
+    def fail(*_):
+        raise ValueError("injected")
+
+    monkeypatch.setattr(Exchange, "add", fail)
+    with pytest.raises(ValueError, match="injected"):
+        group.update(batch, **STEP)
+    at_rest = group.workers[0].at_rest
+    assert not any(at_rest.is_gathered) and not at_rest.in_backward and at_rest.exchange is None
+    assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
+    assert torch.equal(group.compute_log_probs(batch, temperature=1.0, micro_batch_size=2), expected)
