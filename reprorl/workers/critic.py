@@ -58,8 +58,10 @@ def init_value_head(model: torch.nn.Module, seed: int, std: float = 0.02) -> Non
 
 
 def load_critic(model_path: str | os.PathLike, *, seed: int, dtype: str | torch.dtype | None = None,
-                batch_invariant: bool = False, device: str | torch.device = "cpu") -> ValueModel:
-    """The value model at `model_path` (trainable), on `device` with that device's kernels.
+                batch_invariant: bool = False, device: str | torch.device = "cpu",
+                weights_on_host: bool = False) -> ValueModel:
+    """The value model at `model_path` (trainable), on `device` with that device's kernels
+    (`weights_on_host`: see `place_model`).
 
     `load_model(kind="critic")` gives a `ValueModel` (backbone + `score` head [1, H] with
     bias). When the checkpoint has no head (a policy checkpoint: the usual start),
@@ -70,7 +72,7 @@ def load_critic(model_path: str | os.PathLike, *, seed: int, dtype: str | torch.
     model, model_args = load_model(Path(model_path), kind="critic", dtype=dtype_from_name(dtype))
     if not set(VALUE_HEAD) & checkpoint_tensor_names(model_path):
         init_value_head(model, seed)  # on the host, where it loaded: the same draws on any device
-    place_model(model, model_args, device, batch_invariant)
+    place_model(model, model_args, device, batch_invariant, weights_on_host=weights_on_host)
     return model
 
 

@@ -121,26 +121,32 @@ def pad_responses(t: torch.Tensor, response_len: int) -> torch.Tensor:
 
 def load_policy(model_path: str | os.PathLike, *, trainable: bool, dtype: str | torch.dtype | None = None,
                 batch_invariant: bool = False, device: str | torch.device = "cpu",
-                lora: LoraSpec | None = None) -> CausalLM:
+                lora: LoraSpec | None = None, weights_on_host: bool = False) -> CausalLM:
     """The actor (`trainable`) or the reference policy at `model_path`, on `device` with that
     device's kernels (batch-invariant ones with `batch_invariant`, checked here). With
-    `lora`, only the adapters are trainable (load_model froze the rest)."""
+    `lora`, only the adapters are trainable (load_model froze the rest). `weights_on_host`:
+    see `place_model`."""
     model, model_args = load_model(Path(model_path), kind="causal_lm", dtype=dtype_from_name(dtype), lora=lora)
-    place_model(model, model_args, device, batch_invariant)
+    place_model(model, model_args, device, batch_invariant, weights_on_host=weights_on_host)
     if lora is None or not trainable:
         model.requires_grad_(trainable)
     return model
 
 
 def place_model(model: torch.nn.Module, model_args: ModelArgs, device: str | torch.device,
-                batch_invariant: bool) -> None:
+                batch_invariant: bool, *, weights_on_host: bool = False) -> None:
     """Move a model loaded on the host to `device` and give it that device's kernels, checked
     for batch invariance there. reprorl's models have no dropout; eval() everywhere keeps the
-    update's forward identical to the log-prob pass (the first mini-batch's ratio is exactly 1)."""
-    model.to(device)
-    first = next(model.parameters())
-    model.kernels = select_kernels(first.device, batch_invariant)
-    verify_batch_invariance(model.kernels, model_args, first.dtype, first.device)
+    update's forward identical to the log-prob pass (the first mini-batch's ratio is exactly 1).
+    `weights_on_host`: the kernels are `device`'s but the weights stay on the host, for
+    parameters sharded at rest (units.py moves a rank's range alone, so no device ever holds
+    the whole model)."""
+    if not weights_on_host:
+        model.to(device)
+        device = next(model.parameters()).device  # "cuda" resolved to its index
+    device = torch.device(device)
+    model.kernels = select_kernels(device, batch_invariant)
+    verify_batch_invariance(model.kernels, model_args, next(model.parameters()).dtype, device)
     model.eval()
 
 

@@ -138,18 +138,20 @@ class ShardedParams:
 
     `params`: those `layout` lays out, in its order (a trainable group's trainable ones, a
     frozen group's every one), their values the run's initial weights, whole on every
-    rank: this rank keeps its range. A trainable rank calls `set_local` with the cast of
-    its master shard after every optimizer step or load."""
+    rank (on the host, or on `device`): this rank keeps its range, on `device`, and the
+    model's other tensors (buffers, a LoRA run's frozen base) are moved there whole, so
+    a model loaded on the host is never whole on the device. A trainable rank calls
+    `set_local` with the cast of its master shard after every optimizer step or load."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter], layout: FlatLayout,
                  rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
         self.plan, self.layout, self.rank, self.group = UnitPlan.of(layout), layout, rank, group
         self.world = layout.world_size
-        self.device = device
+        self.device = device = torch.empty(0, device=device).device  # "cuda" resolved to its index
         self.param_sizes = [p.numel() for p in params]
         self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
         start, end = layout.shard_range(rank)
-        self.local = _range_of(params, layout, start, end)
+        self.local = _range_of(params, layout, start, end).to(device)
         self.buffers, self.aliases = [], []
         with torch.no_grad():
             for u, members in enumerate(self.plan.members):
@@ -159,10 +161,10 @@ class ShardedParams:
                     params[p].data = buffer[at : at + params[p].numel()].view(params[p].shape)
                 self.buffers.append(buffer)
                 self.aliases.append(torch.empty(0, dtype=buffer.dtype, device=device).set_(buffer.untyped_storage()))
+                buffer.untyped_storage().resize_(0)  # freed: at most one unit's bytes at a time
         self.is_gathered = [False] * len(self.buffers)  # gathered, or on the way (`in_flight`)
         self.in_flight: dict[int, list[dist.Work]] = {}  # a prefetch's broadcasts, per unit
-        for u in range(len(self.buffers)):
-            self.free(u)
+        _move_the_rest(model, device)
         self.in_backward: set[int] = set()  # layers gathered for their backward pass
         self.exchange: Exchange | None = None  # the round's gradient exchange, during an update
         modules = dict(model.named_modules())
@@ -176,8 +178,13 @@ class ShardedParams:
                         for u in range(len(self.buffers))]
 
     def set_local(self, shard: torch.Tensor) -> None:
-        """This rank's range of the weights, in the model's dtype (the master shard's cast)."""
-        self.local = shard.detach().to(self.local.dtype)
+        """This rank's range of the weights, in the model's dtype (the master shard's cast):
+        the master itself when the dtypes agree, else its cast written over the last one
+        (no second range beside it)."""
+        if shard.dtype == self.local.dtype:
+            self.local = shard.detach()
+        else:
+            self.local.copy_(shard.detach())
 
     # ------------------------------------------------------------------ gathers
 
@@ -386,6 +393,19 @@ class Exchange:
         for start, end, shard_offset in mine:
             self.tree.add(at_rest.part_of[(unit, shard_offset)], total[at : at + end - start])
             at += end - start
+
+
+def _move_the_rest(model: torch.nn.Module, device: torch.device) -> None:
+    """Every parameter and buffer of `model` not on `device` moved there (the units' are
+    views of its buffers already)."""
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if param.device != device:
+                    param.data = param.data.to(device)
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
 
 
 def _range_of(params: Sequence[torch.Tensor], layout: FlatLayout, start: int, end: int) -> torch.Tensor:

@@ -112,11 +112,12 @@ class ShardWorker:
         self.batch_invariant = batch_invariant
         if role == "critic":
             self.model = critic.load_critic(model_path, seed=seed, dtype=dtype, batch_invariant=batch_invariant,
-                                            device=self.device)
+                                            device=self.device, weights_on_host=shard_params)
             self._loss = critic.micro_batch_loss
         else:
             self.model = policy.load_policy(model_path, trainable=optim is not None, dtype=dtype,
-                                            batch_invariant=batch_invariant, device=self.device, lora=lora)
+                                            batch_invariant=batch_invariant, device=self.device, lora=lora,
+                                            weights_on_host=shard_params)  # `join` moves this rank's range
             self._loss = policy.micro_batch_loss
         self.model.model.gradient_checkpointing = gradient_checkpointing  # the backbone's layer loop
         self.optim_args = optim

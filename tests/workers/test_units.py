@@ -176,3 +176,36 @@ def test_an_error_inside_a_pass_leaves_every_unit_freed_and_the_next_pass_as_bef
     assert not any(at_rest.is_gathered) and not at_rest.in_backward and at_rest.exchange is None
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
     assert torch.equal(group.compute_log_probs(batch, temperature=1.0, micro_batch_size=2), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("role, bound", [("ref", 1.5), ("actor", 3.5)])
+def test_a_rank_sharded_at_rest_never_holds_the_whole_model_on_the_gpu_beside_its_shard(
+        tmp_path, in_process_group, role, bound):
+    """The model loads on the host and the rank moves its range alone (one rank here: the
+    whole range, W bf16 bytes). The whole path's peak is the model, its range's copy and
+    the buffers (3W and up); sharded at rest it is the range (W) and one 8th of it at a time
+    (a layer's buffer), and an actor's float32 master (2W) with it."""
+    from dataclasses import replace
+
+    from reprorl.models.hf_io import save_model
+    from reprorl.models.tiny import init_weights, tiny_args
+    from reprorl.models.transformer import CausalLM
+
+    args = replace(tiny_args(), hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+    model = CausalLM(args)
+    init_weights(model, 0)
+    path = save_model(model, args, tmp_path / "wide")
+    whole = 2 * sum(p.numel() for p in model.parameters())  # bf16 bytes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    group = in_process_group(role, path, optim=OPTIM if role == "actor" else None, device="cuda",
+                             dtype="bfloat16", batch_invariant=True, shard_params=True)
+    peak = torch.cuda.max_memory_allocated() - before
+    assert peak < bound * whole, f"{peak / whole:.2f} x the bf16 model"
+    at_rest = group.workers[0].at_rest
+    assert all(p.device.type == "cuda" for p in group.workers[0].model.parameters())
+    assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
