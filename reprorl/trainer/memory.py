@@ -25,7 +25,8 @@ The peak is the largest phase, plus a CUDA context per GPU process (`CUDA_CONTEX
 LoRA (`model.lora_rank` > 0):
 the base weights are frozen in the compute dtype with no master, moments or gradient;
 only the adapters have them, and there is no reference model (it is the base with the
-adapters off).
+adapters off). With `model.shard_params` the base is sharded too, gathered with the
+adapters' units.
 
 The estimate against measured peaks (bench/train_step.py prints both): docs/performance.md.
 Allocator fragmentation is not counted.
@@ -122,6 +123,16 @@ def unit_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> tuple
     (with LoRA the adapters, all in the layers)."""
     root = 0 if lora else root_param_count(args, head)
     return root, (trainable - root) // args.num_hidden_layers
+
+
+def gathered_bytes(args: ModelArgs, head: str, trainable: int, lora: bool, world_size: int, dsize: int) -> int:
+    """The weights a pass holds gathered with parameters sharded at rest: the root unit and
+    `gathered_layers`, of the trained weights and (LoRA) of the frozen base cut into the
+    same units."""
+    sets = [unit_params(args, head, trainable, lora)]
+    if lora:
+        sets.append(unit_params(args, head, param_count(args, head), False))
+    return sum(root + gathered_layers(world_size) * layer for root, layer in sets) * dsize
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -274,7 +285,7 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
         vectors = gpu_vectors_held(rounds, cfg.model.gpu_gradient_vectors)
         est.phases[f"{train.name} update"] = {
             f"gradient sums over rounds ({vectors} x float32 shard)": vectors * shard,
-            gathered_name(world): (root + gathered_layers(world) * layer) * dsize,
+            gathered_name(world): gathered_bytes(args, head, trainable, lora, world, dsize),
             "units' gradients (float32: the root's, two layers', the pieces received)": (2 * root + 3 * layer) * FP32,
             **activations,
         }
@@ -343,7 +354,10 @@ def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | 
     est = MemoryEstimate()
     total = param_count(actor)
     trainable = lora_param_count(actor, rank, targets) if rank else total
-    if rank:
+    world = cfg.trainer.num_workers
+    if rank and m.shard_params:  # cut into the adapters' units (workers/units.py)
+        est.resident["actor weights (frozen base, this rank's shard)"] = padded_size(total, world) // world * dsize
+    elif rank:
         est.resident["actor weights (frozen base)"] = total * dsize
     trained_weights(est, "actor weights" if not rank else f"actor LoRA adapters (rank {rank})", trainable, cfg)
     n = cfg.rollout.n
@@ -356,13 +370,11 @@ def estimate_memory(cfg: Any, gpu_total: int | None = None, *, lora_rank: int | 
                                    seq)
     est.phases["log-probs"] = {f"forward ({rows} x {seq} tokens)": forward_bytes(actor, dsize, rows, seq, response)}
     if m.shard_params:
-        root, layer = unit_params(actor, "causal_lm", trainable, bool(rank))
-        world = cfg.trainer.num_workers
-        est.phases["log-probs"][gathered_name(world)] = (root + gathered_layers(world) * layer) * dsize
+        est.phases["log-probs"][gathered_name(world)] = gathered_bytes(actor, "causal_lm", trainable, bool(rank),
+                                                                       world, dsize)
     if "ref" in on_gpu:  # LoRA: the base is the reference, and there is no group
         ref = param_count(read_model_args(m.ref_path or m.path, "model.ref_path"))
         if m.shard_params:  # its passes gather a unit at a time, as the actor's (the log-probs phase)
-            world = cfg.trainer.num_workers
             est.resident["reference weights (this rank's shard)"] = padded_size(ref, world) // world * dsize
         else:
             est.resident["reference weights"] = ref * dsize

@@ -6,7 +6,9 @@ vector it owns, and no other weight. The trainable parameters are cut into units
 decoder layer (`model.layers.<i>.`) and a root unit of the rest (embeddings, final norm,
 head, a critic's value head). Each unit has a buffer of its own, of its parameters end to
 end in layout order (parameters that are views of one flat vector could not be freed a
-unit at a time), and each parameter is a view of its unit's buffer:
+unit at a time), and each parameter is a view of its unit's buffer. A LoRA actor's frozen
+base is a second set of weights (`UnitSet`) cut into the same units, with a layout of its
+own and no master: it is gathered and freed with the adapters, and takes no gradient.
 
 - `gather(u)`: each rank that owns a piece of the unit's ranges broadcasts it, in a fixed
   order (span by span, owner by owner); a gather only moves bytes, so the weights have the
@@ -84,16 +86,14 @@ class UnitPlan:
     at: tuple[int, ...]
 
     @classmethod
-    def of(cls, layout: FlatLayout) -> UnitPlan:
-        layers: dict[int, str] = {}
+    def of(cls, layout: FlatLayout, layers: dict[int, str] | None = None) -> UnitPlan:
+        """`layers`: the decoder layers' modules by index (`layer_modules`), when they are
+        more than `layout`'s (two sets of weights cut into the same units); by default its own."""
+        layers = layer_modules(layout.names) if layers is None else layers
         unit_of_param = []
         for name in layout.names:
             match = _LAYER.match(name)
-            if match is None:
-                unit_of_param.append(None)
-            else:
-                layers[int(match.group(2))] = match.group(1)
-                unit_of_param.append(int(match.group(2)))
+            unit_of_param.append(None if match is None else int(match.group(2)))
         order = sorted(layers)
         index = {layer: 1 + i for i, layer in enumerate(order)}
         units = [ROOT if u is None else index[u] for u in unit_of_param]
@@ -133,35 +133,72 @@ class UnitPlan:
         return pieces
 
 
+def layer_modules(names: Sequence[str]) -> dict[int, str]:
+    """The decoder layers' module names by layer index, of the parameters `names`."""
+    return {int(m.group(2)): m.group(1) for m in map(_LAYER.match, names) if m is not None}
+
+
+@dataclass
+class UnitSet:
+    """Weights cut into the units: laid out end to end by `layout`, a buffer per unit (each
+    parameter a view of it, freed at rest), this rank's range of the layout in `local`, and
+    per unit, per rank, its pieces of the unit (`owner_pieces`: what gathers and exchanges move)."""
+
+    plan: UnitPlan
+    layout: FlatLayout
+    local: torch.Tensor
+    buffers: list[torch.Tensor]
+    aliases: list[torch.Tensor]  # each buffer's storage, to write through (module doc)
+    owners: list[list[tuple[int, list[tuple[int, int, int]]]]]
+
+    @classmethod
+    def bind(cls, params: Sequence[torch.nn.Parameter], layout: FlatLayout, layers: dict[int, str], rank: int,
+             device: torch.device) -> UnitSet:
+        """Make each of `params` (laid out by `layout`, whole) a view of its unit's buffer on
+        `device`, keeping this rank's range; the buffers are left freed."""
+        plan = UnitPlan.of(layout, layers)
+        local = _range_of(params, layout, *layout.shard_range(rank)).to(device)
+        buffers, aliases = [], []
+        with torch.no_grad():
+            for u, members in enumerate(plan.members):
+                buffer = torch.empty(plan.size(u), dtype=local.dtype, device=device)
+                for p in members:
+                    at = plan.at[p]
+                    params[p].data = buffer[at : at + params[p].numel()].view(params[p].shape)
+                buffers.append(buffer)
+                aliases.append(torch.empty(0, dtype=buffer.dtype, device=device).set_(buffer.untyped_storage()))
+                buffer.untyped_storage().resize_(0)  # freed: at most one unit's bytes at a time
+        owners = [[(q, plan.owner_pieces(u, layout, q)) for q in range(layout.world_size)]
+                  for u in range(len(buffers))]
+        return cls(plan, layout, local, buffers, aliases, owners)
+
+
 class ShardedParams:
     """Parameters of `model` sharded at rest over `group` (module doc).
 
     `params`: those `layout` lays out, in its order (a trainable group's trainable ones, a
     frozen group's every one), their values the run's initial weights, whole on every
-    rank (on the host, or on `device`): this rank keeps its range, on `device`, and the
-    model's other tensors (buffers, a LoRA run's frozen base) are moved there whole, so
-    a model loaded on the host is never whole on the device. A trainable rank calls
+    rank (on the host, or on `device`): this rank keeps its range, on `device`. `frozen`:
+    a LoRA actor's frozen base, cut into the same units and gathered with them (no master,
+    no gradient). The model's other tensors (buffers) are moved to `device` whole, so a
+    model loaded on the host is never whole on the device. A trainable rank calls
     `set_local` with the cast of its master shard after every optimizer step or load."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter], layout: FlatLayout,
-                 rank: int, group: dist.ProcessGroup, device: torch.device) -> None:
-        self.plan, self.layout, self.rank, self.group = UnitPlan.of(layout), layout, rank, group
-        self.world = layout.world_size
+                 rank: int, group: dist.ProcessGroup, device: torch.device,
+                 frozen: Sequence[tuple[str, torch.nn.Parameter]] = ()) -> None:
+        self.rank, self.group, self.world = rank, group, layout.world_size
         self.device = device = torch.empty(0, device=device).device  # "cuda" resolved to its index
+        frozen_layout = FlatLayout.of(list(frozen), self.world) if frozen else None
+        layers = layer_modules(list(layout.names) + (list(frozen_layout.names) if frozen else []))
+        # The weights gathered per unit: the trained set (or a frozen group's every weight) first.
+        self.sets = [UnitSet.bind(params, layout, layers, rank, device)]
+        if frozen_layout is not None:
+            self.sets.append(UnitSet.bind([p for _, p in frozen], frozen_layout, layers, rank, device))
+        trained = self.sets[0]
+        self.plan, self.layout, self.buffers, self.owners = trained.plan, layout, trained.buffers, trained.owners
         self.param_sizes = [p.numel() for p in params]
         self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
-        start, end = layout.shard_range(rank)
-        self.local = _range_of(params, layout, start, end).to(device)
-        self.buffers, self.aliases = [], []
-        with torch.no_grad():
-            for u, members in enumerate(self.plan.members):
-                buffer = torch.empty(self.plan.size(u), dtype=self.local.dtype, device=device)
-                for p in members:
-                    at = self.plan.at[p]
-                    params[p].data = buffer[at : at + params[p].numel()].view(params[p].shape)
-                self.buffers.append(buffer)
-                self.aliases.append(torch.empty(0, dtype=buffer.dtype, device=device).set_(buffer.untyped_storage()))
-                buffer.untyped_storage().resize_(0)  # freed: at most one unit's bytes at a time
         self.is_gathered = [False] * len(self.buffers)  # gathered, or on the way (`in_flight`)
         self.in_flight: dict[int, list[dist.Work]] = {}  # a prefetch's broadcasts, per unit
         _move_the_rest(model, device)
@@ -169,20 +206,28 @@ class ShardedParams:
         self.exchange: Exchange | None = None  # the round's gradient exchange, during an update
         modules = dict(model.named_modules())
         self._hooks = []
+        self._unit_by_name = {name: weights.plan.unit_of[i] for weights in self.sets
+                              for i, name in enumerate(weights.layout.names)}
         for u in self.plan.layers:
             module = modules[self.plan.modules[u]]
             self._hooks += [module.register_forward_pre_hook(lambda _m, _a, u=u: self._before_forward(u)),
                             module.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out))]
-        # Per unit, per rank: its pieces of the unit (`owner_pieces`), what gathers and exchanges move.
-        self.owners = [[(q, self.plan.owner_pieces(u, layout, q)) for q in range(self.world)]
-                        for u in range(len(self.buffers))]
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's range of the trained weights (a frozen group's: of every weight)."""
+        return self.sets[0].local
+
+    def unit_of(self, name: str) -> int | None:
+        """The unit of the parameter `name` (None: in no unit)."""
+        return self._unit_by_name.get(name)
 
     def set_local(self, shard: torch.Tensor) -> None:
         """This rank's range of the weights, in the model's dtype (the master shard's cast):
         the master itself when the dtypes agree, else its cast written over the last one
         (no second range beside it)."""
         if shard.dtype == self.local.dtype:
-            self.local = shard.detach()
+            self.sets[0].local = shard.detach()
         else:
             self.local.copy_(shard.detach())
 
@@ -202,25 +247,27 @@ class ShardedParams:
         collectives match whatever runs when."""
         if self.is_gathered[unit]:
             return
-        buffer, alias = self.buffers[unit], self.aliases[unit]
-        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
         works = []
         with torch.no_grad():
-            for owner, pieces in self.owners[unit]:
-                for start, end, at in pieces:
-                    piece = alias[start:end]
-                    if owner == self.rank:
-                        piece.copy_(self.local[at : at + end - start])
-                    if self.world > 1:
-                        works.append(dist.broadcast(piece, dist.get_global_rank(self.group, owner),
-                                                    group=self.group, async_op=True))
+            for weights in self.sets:
+                buffer, alias = weights.buffers[unit], weights.aliases[unit]
+                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+                for owner, pieces in weights.owners[unit]:
+                    for start, end, at in pieces:
+                        piece = alias[start:end]
+                        if owner == self.rank:
+                            piece.copy_(weights.local[at : at + end - start])
+                        if self.world > 1:
+                            works.append(dist.broadcast(piece, dist.get_global_rank(self.group, owner),
+                                                        group=self.group, async_op=True))
         self.in_flight[unit] = works
         self.is_gathered[unit] = True
 
     def free(self, unit: int) -> None:
         for work in self.in_flight.pop(unit, ()):  # its bytes must land before its storage goes
             work.wait()
-        self.buffers[unit].untyped_storage().resize_(0)
+        for weights in self.sets:
+            weights.buffers[unit].untyped_storage().resize_(0)
         self.is_gathered[unit] = False
 
     @contextlib.contextmanager

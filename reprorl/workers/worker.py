@@ -165,7 +165,9 @@ class ShardWorker:
             return
         if self.shard_params:  # each parameter a view of its unit's buffer, gathered when used (units.py)
             self.flat = None
-            self.at_rest = ShardedParams(self.model, self.params, self.layout, self.rank, self.group, self.device)
+            frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]  # LoRA's base
+            self.at_rest = ShardedParams(self.model, self.params, self.layout, self.rank, self.group, self.device,
+                                         frozen=frozen)
             initial = self.at_rest.local
         else:
             self.flat = bind_params(self.params, self.layout)  # [padded]: the model's parameters are views of it
@@ -412,11 +414,9 @@ class ShardWorker:
         part in the gathers (None)."""
         if self.at_rest is None:
             return take(named)
-        index = {name: i for i, name in enumerate(self.at_rest.layout.names)}
-        unit_of = self.at_rest.plan.unit_of
         by_unit: dict[int | None, list[tuple[str, torch.Tensor]]] = {}
         for name, p in named:
-            by_unit.setdefault(unit_of[index[name]] if name in index else None, []).append((name, p))
+            by_unit.setdefault(self.at_rest.unit_of(name), []).append((name, p))
         taken: dict[str, Any] = {}
         for unit in [None, *range(len(self.at_rest.plan.members))]:
             with self.at_rest.gathered(unit) if unit is not None else contextlib.nullcontext():

@@ -229,6 +229,25 @@ def test_parameters_sharded_at_rest_keep_a_shard_and_gather_a_unit(tiny_dir):
     assert not any(name.startswith("actor weights") for name in est.resident)
 
 
+def test_a_lora_runs_frozen_base_sharded_at_rest_is_a_shard_and_gathered_with_the_adapters(tiny_dir):
+    """LoRA r4 on 4 ranks, bfloat16: the base (410,752 weights, 101 chunks padded to 104) is
+    a quarter on each rank, and a pass gathers the base's root and two layers beside the
+    adapters' two layers (they have no root)."""
+    cfg = small_config(tiny_dir, "trainer.num_workers=4", "model.shard_params=true", "model.dtype=bfloat16",
+                       "model.lora_rank=4")
+    est = estimate_memory(cfg)
+    adapters = memory.lora_param_count(memory.read_model_args(tiny_dir, "model.path"), 4, cfg.model.target_modules)
+    root, layer = 128 * 128 + 128, 197_120
+    assert est.resident["actor weights (frozen base, this rank's shard)"] == 104 * 4096 // 4 * 2
+    assert "actor weights (frozen base)" not in est.resident
+    gathered = (2 * adapters // 2 + root + 2 * layer) * 2
+    assert est.phases["actor update"]["gathered weights (root unit and 2 layer(s))"] == gathered
+    assert est.phases["log-probs"]["gathered weights (root unit and 2 layer(s))"] == gathered
+    whole = estimate_memory(small_config(tiny_dir, "trainer.num_workers=4", "model.dtype=bfloat16",
+                                         "model.lora_rank=4"))
+    assert whole.resident["actor weights (frozen base)"] == 410_752 * 2
+
+
 def test_rollout_gpus_of_their_own_are_estimated_apart(tiny_dir):
     cfg = small_config(tiny_dir, "trainer.num_workers=2", "rollout.num_replicas=4", "resources.rollout_gpus=2")
     trainer_gpu, rollout_gpu = estimate_memory(cfg), memory.estimate_rollout_gpu(cfg)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from reprorl.kernels import cpu_math
+from reprorl.models.lora import LoraSpec
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_sum
 from reprorl.workers.group import WorkerError, WorkerGroup
 from reprorl.workers.micro_batches import token_budget_micro_batches
@@ -43,11 +44,11 @@ def batch():
 BUDGET = 30
 
 
-def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None, shard_params=False):
+def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None, shard_params=False, lora=None):
     """Log-probs, then the metrics and weights after each of 2 updates of a fresh actor
     group; with `save_to`, its shards are saved there after update 1."""
     group = WorkerGroup("actor", num_workers, policy_dir, optim=OPTIM, seed=1, full_determinism=True,
-                        shard_params=shard_params)
+                        shard_params=shard_params, lora=lora)
     try:
         b = batch.slice(0, len(batch))
         b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2,
@@ -117,6 +118,20 @@ def test_parameters_sharded_at_rest_give_the_whole_parameters_bits(tiny_policy_d
     assert torch.equal(got_log_probs, log_probs)
     assert got_metrics == metrics  # every float, exactly
     for update in range(2):
+        assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
+
+
+def test_a_lora_actor_sharded_at_rest_on_four_ranks_gives_one_whole_ranks_bits(tiny_policy_dir, batch, ray_local):
+    """LoRA with the frozen base sharded too (gathered with the adapters, unit by unit):
+    4 ranks by the token budget (rank 3 replays) against one rank's whole weights."""
+    lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"), seed=7)
+    log_probs, metrics, weights = run_actor(1, tiny_policy_dir, batch, max_token_len=BUDGET, lora=lora)
+    got_log_probs, got_metrics, got_weights = run_actor(4, tiny_policy_dir, batch, max_token_len=BUDGET, lora=lora,
+                                                        shard_params=True)
+    assert torch.equal(got_log_probs, log_probs)
+    assert got_metrics == metrics
+    for update in range(2):
+        assert weights[update].keys() == got_weights[update].keys()
         assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
 
 

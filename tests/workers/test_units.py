@@ -6,6 +6,7 @@ test_group.py and test_train.py."""
 import pytest
 import torch
 
+from reprorl.models.lora import LoraSpec
 from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import GradTree
 from reprorl.workers.optim import OptimArgs
@@ -103,6 +104,29 @@ def test_one_rank_sharded_at_rest_gives_the_whole_paths_bits_and_keeps_no_weight
         handle.remove()
     assert seen == [at_rest.buffers[2].numel() * 4] * 2  # float32, two micro-batches
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
+
+
+def test_a_lora_actor_sharded_at_rest_keeps_its_shard_of_the_frozen_base_alone_with_the_whole_paths_bits(
+        tiny_policy_dir, in_process_group, rollout_batch):
+    """LoRA: the adapters are the trained set; the frozen base is cut into the same units
+    and gathered with them (no master, no gradient), so at rest a rank keeps its range of
+    the base too. The whole path's bits, the base's buffers freed between passes."""
+    batch = rollout_batch(16, 6, 5, 0)
+    lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"), seed=7)
+    _, *whole = _train(in_process_group, tiny_policy_dir, batch, lora=lora)
+    group, *sharded = _train(in_process_group, tiny_policy_dir, batch, lora=lora, shard_params=True)
+    assert torch.equal(sharded[0], whole[0])
+    assert sharded[1] == whole[1]
+    assert sharded[2].keys() == whole[2].keys()  # the adapters alone (what the replicas take)
+    assert [k for k in whole[2] if not torch.equal(whole[2][k], sharded[2][k])] == []
+    assert sharded[3] == whole[3]  # every weight's digest, the base's too
+    worker = group.workers[0]
+    base = [n for n, p in worker.model.named_parameters() if not p.requires_grad]
+    trained, frozen = worker.at_rest.sets
+    assert list(frozen.layout.names) == base and frozen.plan.modules == trained.plan.modules
+    assert frozen.local.numel() == frozen.layout.shard_size
+    assert all(worker.at_rest.unit_of(n) is not None for n, _ in worker.model.named_parameters())
+    assert [b.untyped_storage().nbytes() for s in (trained, frozen) for b in s.buffers] == [0] * 2 * len(frozen.buffers)
 
 
 def test_a_gradient_that_comes_after_its_unit_was_sent_raises(tiny_policy_dir, in_process_group):
