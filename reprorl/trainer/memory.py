@@ -92,9 +92,15 @@ def param_count(args: ModelArgs, head: str = "causal_lm") -> int:
 def root_param_count(args: ModelArgs, head: str = "causal_lm") -> int:
     """The parameters outside the decoder layers (`param_count`'s heads): embeddings, final
     norm, the head (tied: none of its own)."""
+    return args.vocab_size * args.hidden_size + head_param_count(args, head)
+
+
+def head_param_count(args: ModelArgs, head: str = "causal_lm") -> int:
+    """The parameters after the decoder layers (units.py's head unit): the final norm and
+    the head (tied: none of its own)."""
     heads = {"causal_lm": 0 if args.tie_word_embeddings else args.vocab_size * args.hidden_size,
              "critic": args.hidden_size + 1, "reward": args.num_labels * args.hidden_size}
-    return args.vocab_size * args.hidden_size + args.hidden_size + heads[head]
+    return args.hidden_size + heads[head]
 
 
 def lora_param_count(args: ModelArgs, rank: int, target_modules: Any) -> int:
@@ -119,10 +125,22 @@ def gathered_name(world_size: int) -> str:
 
 
 def unit_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> tuple[int, int]:
-    """(root unit, one decoder layer) of the trainable parameters, as units.py cuts them
-    (with LoRA the adapters, all in the layers)."""
+    """(root and head units, one decoder layer) of the trainable parameters, as units.py
+    cuts them (with LoRA the adapters, all in the layers)."""
     root = 0 if lora else root_param_count(args, head)
     return root, (trainable - root) // args.num_hidden_layers
+
+
+def unit_gradient_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> int:
+    """Float32 gradient elements the units hold at most in a backward pass (units.py's
+    `Exchange`): three layers' (one done, one being sent, its received pieces), and the
+    larger of the root's and the head's, twice (with its received pieces): the head's is
+    sent before the root's exists."""
+    _, layer = unit_params(args, head, trainable, lora)
+    if lora:
+        return 3 * layer
+    head_unit = head_param_count(args, head)
+    return 2 * max(root_param_count(args, head) - head_unit, head_unit) + 3 * layer
 
 
 def gathered_bytes(args: ModelArgs, head: str, trainable: int, lora: bool, world_size: int, dsize: int) -> int:
@@ -280,13 +298,13 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
         args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head,
         batch_invariant=cfg.full_determinism)}
     if cfg.model.shard_params:
-        root, layer = unit_params(args, head, trainable, lora)
         rounds = max(1 << (count - 1).bit_length(), world) // world
         vectors = gpu_vectors_held(rounds, cfg.model.gpu_gradient_vectors)
         est.phases[f"{train.name} update"] = {
             f"gradient sums over rounds ({vectors} x float32 shard)": vectors * shard,
             gathered_name(world): gathered_bytes(args, head, trainable, lora, world, dsize),
-            "units' gradients (float32: the root's, two layers', the pieces received)": (2 * root + 3 * layer) * FP32,
+            "units' gradients (float32: the root's or the head's, two layers', the pieces received)":
+                unit_gradient_params(args, head, trainable, lora) * FP32,
             **activations,
         }
     else:

@@ -3,8 +3,9 @@ of the whole-parameter path (`model.shard_params`).
 
 A rank keeps the compute-dtype cast of its master shard (`local`), the range of the flat
 vector it owns, and no other weight. The trainable parameters are cut into units: one per
-decoder layer (`model.layers.<i>.`) and a root unit of the rest (embeddings, final norm,
-head, a critic's value head). Each unit has a buffer of its own, of its parameters end to
+decoder layer (`model.layers.<i>.`), a head unit of what runs after them (final norm, an
+untied LM head, a critic's value head) and a root unit of the rest (embeddings; tied, the
+head too). Each unit has a buffer of its own, of its parameters end to
 end in layout order (parameters that are views of one flat vector could not be freed a
 unit at a time), and each parameter is a view of its unit's buffer. A LoRA actor's frozen
 base is a second set of weights (`UnitSet`) cut into the same units, with a layout of its
@@ -22,8 +23,8 @@ own and no master: it is gathered and freed with the adapters, and takes no grad
   layer again just before its backward (with gradient checkpointing the recomputed forward
   then finds it gathered), and it is freed when the next layer's backward starts. On
   several ranks the next layer's gather is started (`prefetch`: asynchronous broadcasts)
-  as a layer's forward or backward starts. The root unit is gathered for a whole pass
-  (`root_gathered`).
+  as a layer's forward or backward starts. The root and head units are gathered for a
+  whole pass (`root_gathered`).
 
 Gradients (`Exchange`): the micro-batches are dealt by stride: in round j rank r computes
 leaf j * N + r of flat.py's tree (`tree_leaves`), and the N leaves of a round are the
@@ -38,10 +39,12 @@ sends -0.0 pieces, which add nothing (flat.py's `EMPTY_GRADIENT`). A round whose
 are all empty is skipped by every rank.
 
 Every collective of a pass is made by every rank in one order, by the same hook functions
-whether the rank computes or replays: the root's gather, the layers' gathers in order
-(forward; on several ranks each started one layer early), then for each layer in reverse
-order the exchange of the layer after it and its own gather (backward; the next one's
-started), then the exchanges of the first layer and of the root. A unit's gradient must be
+whether the rank computes or replays: the root's and the head's gathers, the layers'
+gathers in order (forward; on several ranks each started one layer early), then for each
+layer in reverse order the exchange of the unit after it (the head's, before the last
+layer) and its own gather (backward; the next one's started), then the exchanges of the
+first layer and of the root. Sending the head's gradient early means the root's float32
+gradient (the embeddings') and the head's are never held at once. A unit's gradient must be
 whole when the next layer's backward starts (the backward of a decoder stack makes it so);
 a gradient that comes later raises rather than being lost. An error inside a pass leaves
 this rank's units freed (`reset`); its peers wait in their next collective until the
@@ -66,15 +69,19 @@ from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, tr
 from reprorl.workers.grad_tree import GradTree, Parts
 
 ROOT = 0
-"""The unit of every trainable parameter outside the decoder layers."""
+"""The unit of the parameters before the decoder layers (embeddings; tied, the head too)."""
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
+_HEAD = re.compile(r"^(model\.norm|lm_head|score)\.")
+"""The parameters after the decoder layers (final norm, an untied LM head, a value or score
+head): the head unit, whose gradient is whole when the last layer's backward starts."""
 
 
 @dataclass(frozen=True)
 class UnitPlan:
     """Which unit each trainable parameter is in, and where the units lie in the flat vector.
 
-    Unit 0 is the root; unit 1 + i is the decoder layer whose module is `modules[1 + i]`.
+    Unit 0 is the root; unit 1 + i is the decoder layer whose module is `modules[1 + i]`;
+    the last unit is the head (`head`: possibly empty, as a LoRA run's adapters' is).
     `members[u]`: the parameter indices (layout order); `spans[u]`: `(flat start, flat end,
     buffer offset)` of its runs of adjacent parameters; `unit_of[p]`, `at[p]`: parameter p's
     unit and its offset in the unit's buffer."""
@@ -90,15 +97,15 @@ class UnitPlan:
         """`layers`: the decoder layers' modules by index (`layer_modules`), when they are
         more than `layout`'s (two sets of weights cut into the same units); by default its own."""
         layers = layer_modules(layout.names) if layers is None else layers
-        unit_of_param = []
-        for name in layout.names:
-            match = _LAYER.match(name)
-            unit_of_param.append(None if match is None else int(match.group(2)))
         order = sorted(layers)
         index = {layer: 1 + i for i, layer in enumerate(order)}
-        units = [ROOT if u is None else index[u] for u in unit_of_param]
+        head = 1 + len(order)
+        units = []
+        for name in layout.names:
+            match = _LAYER.match(name)
+            units.append(index[int(match.group(2))] if match else head if _HEAD.match(name) else ROOT)
         offsets = layout.offsets() + [layout.numel]
-        members: list[list[int]] = [[] for _ in range(1 + len(order))]
+        members: list[list[int]] = [[] for _ in range(head + 1)]
         spans: list[list[tuple[int, int, int]]] = [[] for _ in members]
         sizes = [0] * len(members)
         at = []
@@ -113,11 +120,15 @@ class UnitPlan:
             else:
                 runs.append((start, end, sum(e - s for s, e, _ in runs)))
         return cls(members=tuple(map(tuple, members)), spans=tuple(map(tuple, spans)),
-                   modules=(None, *(layers[i] for i in order)), unit_of=tuple(units), at=tuple(at))
+                   modules=(None, *(layers[i] for i in order), None), unit_of=tuple(units), at=tuple(at))
 
     @property
     def layers(self) -> range:
-        return range(1, len(self.members))
+        return range(1, self.head)
+
+    @property
+    def head(self) -> int:
+        return len(self.members) - 1
 
     def size(self, unit: int) -> int:
         return sum(end - start for start, end, _ in self.spans[unit])
@@ -271,28 +282,19 @@ class ShardedParams:
         self.is_gathered[unit] = False
 
     @contextlib.contextmanager
-    def gathered(self, unit: int) -> Iterator[None]:
-        """The unit gathered inside the block, freed after."""
-        self.gather(unit)
+    def gathered(self, *units: int) -> Iterator[None]:
+        """The units gathered inside the block, freed after."""
         try:
-            yield
-        finally:
-            self.free(unit)
-
-    def root_gathered(self) -> contextlib.AbstractContextManager[None]:
-        """The root unit gathered for a pass (a step's micro-batches, or a log-prob call)."""
-        return self.gathered(ROOT)
-
-    @contextlib.contextmanager
-    def all_gathered(self) -> Iterator[None]:
-        """Every unit gathered (the whole model, for what reads it outside a pass)."""
-        try:
-            for unit in range(len(self.buffers)):
+            for unit in units:
                 self.gather(unit)
             yield
         finally:
-            for unit in range(len(self.buffers)):
+            for unit in units:
                 self.free(unit)
+
+    def root_gathered(self) -> contextlib.AbstractContextManager[None]:
+        """The root and head units gathered for a pass (a step's micro-batches, or a log-prob call)."""
+        return self.gathered(ROOT, self.plan.head)
 
     def _next(self, layer: int, step: int) -> int | None:
         """The layer `step` (+1 or -1) after `layer` when prefetching pays (several ranks), else None."""
@@ -373,7 +375,9 @@ class Exchange:
         self.grads: dict[int, torch.Tensor] = {}
         self.added: dict[int, set[int]] = {}  # per unit, the parameters `add` wrote
         self.sent: set[int] = set()
-        self.pending: int | None = None  # the layer whose backward runs now
+        # The unit whose backward runs now: first the head's (its gradient is sent as the
+        # last layer's backward starts), then each layer's.
+        self.pending: int | None = at_rest.plan.head
 
     def add(self, index: int, grad: torch.Tensor) -> None:
         """Trainable parameter `index`'s gradient of this round's micro-batch."""
@@ -391,8 +395,8 @@ class Exchange:
         self.added[unit].add(index)
 
     def unit_done_before(self, layer: int | None) -> None:
-        """The backward pass reaches `layer` (None: it is over): send the layer it did before,
-        and with None the root too."""
+        """The backward pass reaches `layer` (None: it is over): send the unit it did before
+        (the head, or the layer after), and with None the root too."""
         if self.pending is not None:
             self._send(self.pending)
         self.pending = layer
@@ -416,6 +420,9 @@ class Exchange:
 
     def _send(self, unit: int) -> None:
         at_rest = self.at_rest
+        self.sent.add(unit)
+        if not at_rest.plan.size(unit):  # an empty unit (a LoRA run's adapters have no root or head)
+            return
         grad = self._unit_gradient(unit)
         send, mine = [], []
         for owner, pieces in at_rest.owners[unit]:
@@ -426,7 +433,6 @@ class Exchange:
                             else grad.new_empty(0))
             if owner == at_rest.rank:
                 mine = pieces
-        self.sent.add(unit)
         size = sum(end - start for start, end, _ in mine)
         received = send if at_rest.world == 1 else [torch.empty(size, dtype=torch.float32, device=at_rest.device)
                                                      for _ in range(at_rest.world)]

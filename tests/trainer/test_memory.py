@@ -217,8 +217,9 @@ def test_parameters_sharded_at_rest_keep_a_shard_and_gather_a_unit(tiny_dir):
     update = est.phases["actor update"]
     assert update["gradient sums over rounds (1 x float32 shard)"] == shard * 4
     assert update["gathered weights (root unit and 2 layer(s))"] == (root + 2 * layer) * 2  # one prefetched
-    assert update["units' gradients (float32: the root's, two layers', the pieces received)"] == (
-        2 * root + 3 * layer) * 4
+    # the embeddings' and their received pieces (the head's, the final norm, is sent first) and three layers'
+    assert update["units' gradients (float32: the root's or the head's, two layers', the pieces received)"] == (
+        2 * 128 * 128 + 3 * layer) * 4
     assert est.phases["log-probs"]["gathered weights (root unit and 2 layer(s))"] == (root + 2 * layer) * 2
     whole_cfg = small_config(tiny_dir, "trainer.num_workers=4", "model.dtype=bfloat16")
     whole = estimate_memory(whole_cfg)

@@ -27,11 +27,13 @@ def layout(tiny_policy_dir):
 
 def test_each_parameter_is_in_one_unit_and_the_units_tile_the_flat_vector(layout):
     plan = UnitPlan.of(layout)
-    assert plan.modules[ROOT] is None and list(plan.modules[1:]) == ["model.layers.0", "model.layers.1"]
+    assert list(plan.modules) == [None, "model.layers.0", "model.layers.1", None] and plan.head == 3
     for u, members in enumerate(plan.members):
         names = [layout.names[p] for p in members]
-        if u == ROOT:
-            assert names and not any(".layers." in n for n in names), names
+        if u == ROOT:  # tied: the head is the embeddings
+            assert names == ["model.embed_tokens.weight"]
+        elif u == plan.head:
+            assert names == ["model.norm.weight"]
         else:
             assert all(n.startswith(f"{plan.modules[u]}.") for n in names), names
     assert sorted(p for members in plan.members for p in members) == list(range(len(layout.names)))
@@ -91,7 +93,7 @@ def test_one_rank_sharded_at_rest_gives_the_whole_paths_bits_and_keeps_no_weight
     b = batch.slice(0, len(batch))
     b["old_log_probs"] = sharded[0]
     group.update(b, **STEP)
-    assert most[0] == 2  # the root and one layer: a layer is freed before the next is gathered (one rank: no prefetch)
+    assert most[0] == 3  # root, head, one layer: a layer is freed before the next is gathered (one rank: no prefetch)
     del at_rest.gather
     assert worker.flat is None and not any(at_rest.is_gathered)
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
@@ -127,6 +129,43 @@ def test_a_lora_actor_sharded_at_rest_keeps_its_shard_of_the_frozen_base_alone_w
     assert frozen.local.numel() == frozen.layout.shard_size
     assert all(worker.at_rest.unit_of(n) is not None for n, _ in worker.model.named_parameters())
     assert [b.untyped_storage().nbytes() for s in (trained, frozen) for b in s.buffers] == [0] * 2 * len(frozen.buffers)
+
+
+def test_an_untied_heads_gradient_is_sent_as_the_last_layers_backward_starts_never_beside_the_roots(
+        tmp_path, in_process_group, rollout_batch, monkeypatch):
+    """An untied LM head: the head unit (final norm, lm_head) is sent before the last layer's
+    backward, so its float32 gradient and the root's (the embeddings') are never held at
+    once; the whole path's bits."""
+    from dataclasses import replace
+
+    from reprorl.models.hf_io import save_model
+    from reprorl.models.tiny import init_weights, tiny_args
+    from reprorl.models.transformer import CausalLM
+
+    args = replace(tiny_args(), tie_word_embeddings=False)
+    model = CausalLM(args)
+    init_weights(model, 0)
+    path = save_model(model, args, tmp_path / "untied")
+    batch = rollout_batch(16, 6, 5, 0)
+    sends, send = [], Exchange._send
+
+    def recording_send(exchange, unit):
+        sends.append((unit, sorted(exchange.grads)))  # the unit sent, and the gradients held then
+        send(exchange, unit)
+
+    monkeypatch.setattr(Exchange, "_send", recording_send)
+    group, *sharded = _train(in_process_group, path, batch, shard_params=True)
+    monkeypatch.undo()
+    _, *whole = _train(in_process_group, path, batch)
+    plan = group.workers[0].at_rest.plan
+    assert [group.workers[0].at_rest.layout.names[p] for p in plan.members[plan.head]] == [
+        "model.norm.weight", "lm_head.weight"]
+    # Per micro-batch (16: two updates of two mini-batches of 4): head, layer 2, layer 1, root.
+    assert [unit for unit, _ in sends] == [plan.head, 2, 1, ROOT] * 16
+    assert all(not {plan.head, ROOT} <= set(held) for _, held in sends)  # never both at once
+    assert all(held == [unit] for unit, held in sends if unit == plan.head)
+    assert torch.equal(sharded[0], whole[0]) and sharded[1] == whole[1] and sharded[3] == whole[3]
+    assert [k for k in whole[2] if not torch.equal(whole[2][k], sharded[2][k])] == []
 
 
 def test_a_gradient_that_comes_after_its_unit_was_sent_raises(tiny_policy_dir, in_process_group):
