@@ -17,7 +17,7 @@ on the GPU while it sleeps), plus, per phase, what that phase adds:
 
 With `model.shard_params` (workers/units.py) a group's rank keeps its shard of the weights
 alone (a trainable group's is the master's cast: nothing more with a float32 model, whose
-cast is the master), and its passes add the gathered root unit and one layer (two on
+cast is the master), and its passes add the gathered root and head units and one layer (two on
 several ranks: the next is prefetched), the units' float32 gradients, and the sums over
 rounds in shard-sized vectors instead of whole ones.
 
@@ -49,6 +49,7 @@ from reprorl.trainer.placement import Placement, plan_run
 from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import gpu_vectors_held
 from reprorl.workers.optim import STEP_CHUNK
+from reprorl.workers.units import exchange_slice
 
 GIB = 2**30
 FP32 = 4
@@ -121,7 +122,7 @@ def gathered_layers(world_size: int) -> int:
 
 
 def gathered_name(world_size: int) -> str:
-    return f"gathered weights (root unit and {gathered_layers(world_size)} layer(s))"
+    return f"gathered weights (root, head and {gathered_layers(world_size)} layer(s))"
 
 
 def unit_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> tuple[int, int]:
@@ -131,20 +132,20 @@ def unit_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> tuple
     return root, (trainable - root) // args.num_hidden_layers
 
 
-def unit_gradient_params(args: ModelArgs, head: str, trainable: int, lora: bool) -> int:
+def unit_gradient_params(args: ModelArgs, head: str, trainable: int, lora: bool, world_size: int) -> int:
     """Float32 gradient elements the units hold at most in a backward pass (units.py's
-    `Exchange`): three layers' (one done, one being sent, its received pieces), and the
-    larger of the root's and the head's, twice (with its received pieces): the head's is
-    sent before the root's exists."""
-    _, layer = unit_params(args, head, trainable, lora)
-    if lora:
-        return 3 * layer
-    head_unit = head_param_count(args, head)
-    return 2 * max(root_param_count(args, head) - head_unit, head_unit) + 3 * layer
+    `Exchange`): the unit being sent (the head's first, then each layer's, then the root's,
+    the embeddings') and the layer whose backward runs, and the slices received from every
+    rank (`exchange_slice` each). The head's is sent before the root's exists."""
+    root, layer = unit_params(args, head, trainable, lora)  # root: the root and head units (none with LoRA)
+    head_unit = 0 if lora else head_param_count(args, head)
+    largest = max(root - head_unit, head_unit, layer)
+    received = world_size * exchange_slice(padded_size(trainable, world_size) // world_size)
+    return largest + layer + received
 
 
 def gathered_bytes(args: ModelArgs, head: str, trainable: int, lora: bool, world_size: int, dsize: int) -> int:
-    """The weights a pass holds gathered with parameters sharded at rest: the root unit and
+    """The weights a pass holds gathered with parameters sharded at rest: the root and head units and
     `gathered_layers`, of the trained weights and (LoRA) of the frozen base cut into the
     same units."""
     sets = [unit_params(args, head, trainable, lora)]
@@ -303,8 +304,8 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
         est.phases[f"{train.name} update"] = {
             f"gradient sums over rounds ({vectors} x float32 shard)": vectors * shard,
             gathered_name(world): gathered_bytes(args, head, trainable, lora, world, dsize),
-            "units' gradients (float32: the root's or the head's, two layers', the pieces received)":
-                unit_gradient_params(args, head, trainable, lora) * FP32,
+            "units' gradients (float32: the one sent, the layer computed, the slices received)":
+                unit_gradient_params(args, head, trainable, lora, world) * FP32,
             **activations,
         }
     else:

@@ -30,8 +30,9 @@ Gradients (`Exchange`): the micro-batches are dealt by stride: in round j rank r
 leaf j * N + r of flat.py's tree (`tree_leaves`), and the N leaves of a round are the
 subtree [jN, (j + 1)N), since N divides the power-of-two leaf count. As the backward pass
 finishes a unit, its gradient (float32, exact from the model's dtype) goes to the owners of
-its ranges: an all-to-all of per-owner pieces, which each owner adds over rank index in
-`tree_sum`'s tree, the round's subtree. A `GradTree` over the rounds, of shard size, adds
+its ranges: all-to-alls of per-owner pieces, a slice of each at a time (`MAX_SLICE`: an
+owner's receive buffer holds N slices, not N copies of its whole share of a unit), which
+each owner adds over rank index in `tree_sum`'s tree, the round's subtree. A `GradTree` over the rounds, of shard size, adds
 the round sums: the whole tree of the whole-parameter path, the same bits, with
 log2(rounds) pending shards in place of whole vectors. A rank whose leaf of a round is
 empty makes the same collectives, in the same order, without computing (`replay_*`): it
@@ -65,12 +66,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reprorl.workers.flat import EMPTY_GRADIENT, FlatLayout, exchange_pieces, tree_reduce
+from reprorl.workers.flat import CHUNK, EMPTY_GRADIENT, FlatLayout, exchange_pieces, tree_reduce
 from reprorl.workers.grad_tree import GradTree, Parts
 
 ROOT = 0
 """The unit of the parameters before the decoder layers (embeddings; tied, the head too)."""
 _LAYER = re.compile(r"^(.*?\blayers\.(\d+))\.")
+MAX_SLICE = 1 << 24
+"""Elements an owner takes from each rank in one exchange of a unit's gradient, at most:
+its receive buffer holds N of them (float32), 512 MiB on 8 ranks, whatever the unit's
+size (a 7B model's embeddings, 545M elements, on one owner would need 16 GiB at once)."""
 _HEAD = re.compile(r"^(model\.norm|lm_head|score)\.")
 """The parameters after the decoder layers (final norm, an untied LM head, a value or score
 head): the head unit, whose gradient is whole when the last layer's backward starts."""
@@ -133,6 +138,15 @@ class UnitPlan:
     def size(self, unit: int) -> int:
         return sum(end - start for start, end, _ in self.spans[unit])
 
+    def exchange_slices(self, unit: int, layout: FlatLayout) -> list[list[tuple[int, int, int] | None]]:
+        """The exchanges of the unit's gradient, in order: in each, per owner, the slice of
+        its pieces it takes (`owner_pieces`' form) or None. Each piece is cut into slices of
+        at most `exchange_slice` elements, and exchange k takes every owner's k-th slice."""
+        most = exchange_slice(layout.shard_size)
+        slices = [[(a, min(a + most, end), at + a - start) for start, end, at in self.owner_pieces(unit, layout, q)
+                   for a in range(start, end, most)] for q in range(layout.world_size)]
+        return [[cut[k] if k < len(cut) else None for cut in slices] for k in range(max(map(len, slices)))]
+
     def owner_pieces(self, unit: int, layout: FlatLayout, owner: int) -> list[tuple[int, int, int]]:
         """`(buffer start, buffer end, shard offset)` of the unit's elements in `owner`'s shard."""
         lo, hi = layout.shard_range(owner)
@@ -183,6 +197,25 @@ class UnitSet:
                   for u in range(len(buffers))]
         return cls(plan, layout, local, buffers, aliases, owners)
 
+    def start_gather(self, unit: int, rank: int, group: dist.ProcessGroup) -> list[dist.Work]:
+        """Allocate the unit's buffer and start its broadcasts, owner by owner, piece by piece."""
+        buffer, alias = self.buffers[unit], self.aliases[unit]
+        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        works = []
+        with torch.no_grad():
+            for owner, pieces in self.owners[unit]:
+                for start, end, at in pieces:
+                    piece = alias[start:end]
+                    if owner == rank:
+                        piece.copy_(self.local[at : at + end - start])
+                    if self.layout.world_size > 1:
+                        works.append(dist.broadcast(piece, dist.get_global_rank(group, owner), group=group,
+                                                    async_op=True))
+        return works
+
+    def free(self, unit: int) -> None:
+        self.buffers[unit].untyped_storage().resize_(0)
+
 
 class ShardedParams:
     """Parameters of `model` sharded at rest over `group` (module doc).
@@ -210,6 +243,7 @@ class ShardedParams:
         self.plan, self.layout, self.buffers, self.owners = trained.plan, layout, trained.buffers, trained.owners
         self.param_sizes = [p.numel() for p in params]
         self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
+        self.slices = [self.plan.exchange_slices(u, layout) for u in range(len(self.buffers))]
         self.is_gathered = [False] * len(self.buffers)  # gathered, or on the way (`in_flight`)
         self.in_flight: dict[int, list[dist.Work]] = {}  # a prefetch's broadcasts, per unit
         _move_the_rest(model, device)
@@ -217,8 +251,8 @@ class ShardedParams:
         self.exchange: Exchange | None = None  # the round's gradient exchange, during an update
         modules = dict(model.named_modules())
         self._hooks = []
-        self._unit_by_name = {name: weights.plan.unit_of[i] for weights in self.sets
-                              for i, name in enumerate(weights.layout.names)}
+        self._places = {name: (s, weights.plan.unit_of[i]) for s, weights in enumerate(self.sets)
+                        for i, name in enumerate(weights.layout.names)}
         for u in self.plan.layers:
             module = modules[self.plan.modules[u]]
             self._hooks += [module.register_forward_pre_hook(lambda _m, _a, u=u: self._before_forward(u)),
@@ -229,9 +263,9 @@ class ShardedParams:
         """This rank's range of the trained weights (a frozen group's: of every weight)."""
         return self.sets[0].local
 
-    def unit_of(self, name: str) -> int | None:
-        """The unit of the parameter `name` (None: in no unit)."""
-        return self._unit_by_name.get(name)
+    def place_of(self, name: str) -> tuple[int, int] | None:
+        """(index in `sets`, unit) of the parameter `name` (None: in no unit)."""
+        return self._places.get(name)
 
     def set_local(self, shard: torch.Tensor) -> None:
         """This rank's range of the weights, in the model's dtype (the master shard's cast):
@@ -258,27 +292,15 @@ class ShardedParams:
         collectives match whatever runs when."""
         if self.is_gathered[unit]:
             return
-        works = []
-        with torch.no_grad():
-            for weights in self.sets:
-                buffer, alias = weights.buffers[unit], weights.aliases[unit]
-                buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-                for owner, pieces in weights.owners[unit]:
-                    for start, end, at in pieces:
-                        piece = alias[start:end]
-                        if owner == self.rank:
-                            piece.copy_(weights.local[at : at + end - start])
-                        if self.world > 1:
-                            works.append(dist.broadcast(piece, dist.get_global_rank(self.group, owner),
-                                                        group=self.group, async_op=True))
-        self.in_flight[unit] = works
+        self.in_flight[unit] = [work for weights in self.sets for work in weights.start_gather(unit, self.rank,
+                                                                                                self.group)]
         self.is_gathered[unit] = True
 
     def free(self, unit: int) -> None:
         for work in self.in_flight.pop(unit, ()):  # its bytes must land before its storage goes
             work.wait()
         for weights in self.sets:
-            weights.buffers[unit].untyped_storage().resize_(0)
+            weights.free(unit)
         self.is_gathered[unit] = False
 
     @contextlib.contextmanager
@@ -291,6 +313,22 @@ class ShardedParams:
         finally:
             for unit in units:
                 self.free(unit)
+
+    def all_gathered(self) -> contextlib.AbstractContextManager[None]:
+        """Every unit gathered: the whole model at once (bench/train_step.py hands it to an engine in place)."""
+        return self.gathered(*range(len(self.buffers)))
+
+    @contextlib.contextmanager
+    def reading(self, unit: int, sets: Sequence[int]) -> Iterator[None]:
+        """Outside a pass: the unit's weights of `sets` (indices of `self.sets`) gathered
+        inside the block, freed after; every rank calls it with the same arguments."""
+        try:
+            for work in [work for i in sets for work in self.sets[i].start_gather(unit, self.rank, self.group)]:
+                work.wait()
+            yield
+        finally:
+            for i in sets:
+                self.sets[i].free(unit)
 
     def root_gathered(self) -> contextlib.AbstractContextManager[None]:
         """The root and head units gathered for a pass (a step's micro-batches, or a log-prob call)."""
@@ -424,28 +462,18 @@ class Exchange:
         if not at_rest.plan.size(unit):  # an empty unit (a LoRA run's adapters have no root or head)
             return
         grad = self._unit_gradient(unit)
-        send, mine = [], []
-        for owner, pieces in at_rest.owners[unit]:
-            if len(pieces) == 1:  # a view: the usual case (a layer's one span, or none)
-                send.append(grad[pieces[0][0] : pieces[0][1]])
-            else:
-                send.append(torch.cat([grad[start:end] for start, end, _ in pieces]) if pieces
-                            else grad.new_empty(0))
-            if owner == at_rest.rank:
-                mine = pieces
-        size = sum(end - start for start, end, _ in mine)
-        received = send if at_rest.world == 1 else [torch.empty(size, dtype=torch.float32, device=at_rest.device)
-                                                     for _ in range(at_rest.world)]
-        if at_rest.world > 1:
-            exchange_pieces(received, send, at_rest.group)
-        if not size:  # nothing of this unit is ours
-            return
-        # The round's subtree, over rank index; the received pieces are ours to add into.
-        total = tree_reduce(0, at_rest.world, lambda r: received[r])
-        at = 0
-        for start, end, shard_offset in mine:
-            self.tree.add(at_rest.part_of[(unit, shard_offset)], total[at : at + end - start])
-            at += end - start
+        for slices in at_rest.slices[unit]:  # a slice of each owner's pieces at a time (`MAX_SLICE`)
+            send = [grad[piece[0] : piece[1]] if piece else grad.new_empty(0) for piece in slices]
+            mine = slices[at_rest.rank]
+            size = mine[1] - mine[0] if mine else 0
+            received = send if at_rest.world == 1 else [
+                torch.empty(size, dtype=torch.float32, device=at_rest.device) for _ in range(at_rest.world)]
+            if at_rest.world > 1:
+                exchange_pieces(received, send, at_rest.group)
+            if mine:
+                # The round's subtree, over rank index; the received pieces are ours to add into.
+                total = tree_reduce(0, at_rest.world, lambda r: received[r])
+                self.tree.add(at_rest.part_of[(unit, mine[2])], total)
 
 
 def _move_the_rest(model: torch.nn.Module, device: torch.device) -> None:
@@ -472,10 +500,17 @@ def _range_of(params: Sequence[torch.Tensor], layout: FlatLayout, start: int, en
     return out
 
 
+def exchange_slice(shard_size: int) -> int:
+    """Elements of an exchange slice (`UnitPlan.exchange_slices`): `MAX_SLICE`, or an 8th of
+    a small shard (whole chunks), so that the tests' small models take several too."""
+    return min(MAX_SLICE, max(CHUNK, shard_size // 8 // CHUNK * CHUNK))
+
+
 def shard_parts(plan: UnitPlan, layout: FlatLayout, rank: int) -> tuple[Parts, dict[tuple[int, int], int]]:
-    """The round tree's parts: this rank's shard cut at its units' pieces (shard offsets),
-    and the part index of each `(unit, shard offset)`."""
+    """The round tree's parts: this rank's shard cut at its slices of the units
+    (`exchange_slices`; shard offsets), and the part index of each `(unit, shard offset)`."""
     pieces = sorted((at, at + end - start, unit) for unit in range(len(plan.members))
-                    for start, end, at in plan.owner_pieces(unit, layout, rank))
+                    for slices in plan.exchange_slices(unit, layout) if (mine := slices[rank]) is not None
+                    for start, end, at in [mine])
     bounds = [start for start, _, _ in pieces] + ([pieces[-1][1]] if pieces else [0])
     return Parts(tuple(bounds), layout.shard_size), {(unit, start): i for i, (start, _, unit) in enumerate(pieces)}

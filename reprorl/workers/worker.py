@@ -409,19 +409,22 @@ class ShardWorker:
     def _by_unit(self, named: list[tuple[str, torch.Tensor]],
                  take: Callable[[list[tuple[str, torch.Tensor]]], dict[str, Any]]) -> dict[str, Any] | None:
         """`take` (named tensors -> {name: value}) of `named`, joined in its order. With
-        parameters sharded at rest `take` sees a unit's weights while it is gathered, a unit
-        at a time, and the weights in no unit (a frozen base); ranks other than 0 only take
-        part in the gathers (None)."""
+        parameters sharded at rest `take` sees a unit's weights of `named` while they are
+        gathered, a unit at a time (with LoRA the adapters without their base when `named`
+        has no base weight); ranks other than 0 only take part in the gathers (None)."""
         if self.at_rest is None:
             return take(named)
-        by_unit: dict[int | None, list[tuple[str, torch.Tensor]]] = {}
-        for name, p in named:
-            by_unit.setdefault(self.at_rest.unit_of(name), []).append((name, p))
-        taken: dict[str, Any] = {}
-        for unit in [None, *range(len(self.at_rest.plan.members))]:
-            with self.at_rest.gathered(unit) if unit is not None else contextlib.nullcontext():
-                if self.rank == 0 and by_unit.get(unit):
-                    taken.update(take(by_unit[unit]))
+        by_place: dict[tuple[int, int] | None, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in named:  # the same names on every rank, so the same gathers
+            by_place.setdefault(self.at_rest.place_of(name), []).append((name, p))
+        taken: dict[str, Any] = take(by_place.pop(None)) if None in by_place and self.rank == 0 else {}
+        for unit in range(len(self.at_rest.plan.members)):
+            sets = [s for s in range(len(self.at_rest.sets)) if (s, unit) in by_place]
+            if not sets:
+                continue
+            with self.at_rest.reading(unit, sets):
+                if self.rank == 0:
+                    taken.update(take([item for s in sets for item in by_place[(s, unit)]]))
         return {name: taken[name] for name, _ in named} if self.rank == 0 else None
 
     def gpu_uuid(self) -> str | None:

@@ -216,11 +216,12 @@ def test_parameters_sharded_at_rest_keep_a_shard_and_gather_a_unit(tiny_dir):
     assert "actor weights" not in est.resident and "reference weights" not in est.resident
     update = est.phases["actor update"]
     assert update["gradient sums over rounds (1 x float32 shard)"] == shard * 4
-    assert update["gathered weights (root unit and 2 layer(s))"] == (root + 2 * layer) * 2  # one prefetched
-    # the embeddings' and their received pieces (the head's, the final norm, is sent first) and three layers'
-    assert update["units' gradients (float32: the root's or the head's, two layers', the pieces received)"] == (
-        2 * 128 * 128 + 3 * layer) * 4
-    assert est.phases["log-probs"]["gathered weights (root unit and 2 layer(s))"] == (root + 2 * layer) * 2
+    assert update["gathered weights (root, head and 2 layer(s))"] == (root + 2 * layer) * 2  # one prefetched
+    # a layer's being sent (larger than the embeddings' and the final norm's), the next one's, and from each
+    # of the 4 ranks a slice: an 8th of the shard in whole chunks (106,496 / 8 -> 3 x 4096)
+    assert update["units' gradients (float32: the one sent, the layer computed, the slices received)"] == (
+        2 * layer + 4 * 3 * 4096) * 4
+    assert est.phases["log-probs"]["gathered weights (root, head and 2 layer(s))"] == (root + 2 * layer) * 2
     whole_cfg = small_config(tiny_dir, "trainer.num_workers=4", "model.dtype=bfloat16")
     whole = estimate_memory(whole_cfg)
     assert est.peak < whole.peak
@@ -242,8 +243,8 @@ def test_a_lora_runs_frozen_base_sharded_at_rest_is_a_shard_and_gathered_with_th
     assert est.resident["actor weights (frozen base, this rank's shard)"] == 104 * 4096 // 4 * 2
     assert "actor weights (frozen base)" not in est.resident
     gathered = (2 * adapters // 2 + root + 2 * layer) * 2
-    assert est.phases["actor update"]["gathered weights (root unit and 2 layer(s))"] == gathered
-    assert est.phases["log-probs"]["gathered weights (root unit and 2 layer(s))"] == gathered
+    assert est.phases["actor update"]["gathered weights (root, head and 2 layer(s))"] == gathered
+    assert est.phases["log-probs"]["gathered weights (root, head and 2 layer(s))"] == gathered
     whole = estimate_memory(small_config(tiny_dir, "trainer.num_workers=4", "model.dtype=bfloat16",
                                          "model.lora_rank=4"))
     assert whole.resident["actor weights (frozen base)"] == 410_752 * 2

@@ -11,7 +11,7 @@ from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import GradTree
 from reprorl.workers.optim import OptimArgs
 from reprorl.workers.policy import PolicyLossArgs, load_policy
-from reprorl.workers.units import ROOT, Exchange, UnitPlan, shard_parts
+from reprorl.workers.units import ROOT, Exchange, UnitPlan, exchange_slice, shard_parts
 
 OPTIM = OptimArgs(lr=1e-2, weight_decay=0.01, grad_clip=0.5)
 # 16 samples, mini-batches of 8, micro-batches of 2: 4 micro-batches per mini-batch, 2 optimizer steps.
@@ -47,16 +47,40 @@ def test_each_parameter_is_in_one_unit_and_the_units_tile_the_flat_vector(layout
 
 
 @pytest.mark.parametrize("rank", range(4))
-def test_the_round_trees_parts_cut_each_rank_shard_at_its_units_pieces(layout, rank):
+def test_the_round_trees_parts_cut_each_rank_shard_at_its_slices_of_the_units(layout, rank):
     plan = UnitPlan.of(layout)
     parts, part_of = shard_parts(plan, layout, rank)
     start, end = layout.shard_range(rank)
     real = max(0, min(end, layout.numel) - start)  # the shard's elements that are not padding
     assert parts.size == layout.shard_size and parts.bounds[0] == 0 and parts.bounds[-1] == real
-    pieces = sorted((at, at + hi - lo) for u in range(len(plan.members)) for lo, hi, at in
-                    plan.owner_pieces(u, layout, rank))
-    assert [(parts.bounds[i], parts.bounds[i + 1]) for i in range(parts.count)] == pieces
+    slices = sorted((at, at + hi - lo) for u in range(len(plan.members)) for cut in plan.exchange_slices(u, layout)
+                    if cut[rank] is not None for lo, hi, at in [cut[rank]])
+    assert [(parts.bounds[i], parts.bounds[i + 1]) for i in range(parts.count)] == slices
     assert sorted(part_of.values()) == list(range(parts.count))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_an_exchange_slice_is_each_owners_next_cut_of_its_pieces_of_the_unit(tiny_policy_dir, world):
+    """A unit's gradient is exchanged a slice at a time (at most `exchange_slice` elements
+    from each rank to each owner): per owner, its slices in order are its pieces, cut."""
+    model = load_policy(tiny_policy_dir, trainable=True)
+    layout = FlatLayout.of([(n, p) for n, p in model.named_parameters() if p.requires_grad], world)
+    plan, most = UnitPlan.of(layout), exchange_slice(layout.shard_size)
+    for unit in range(len(plan.members)):
+        exchanges = plan.exchange_slices(unit, layout)
+        assert all(any(cut) for cut in exchanges)  # no exchange without a slice
+        for owner in range(world):
+            taken = [cut[owner] for cut in exchanges if cut[owner] is not None]
+            assert all(0 < hi - lo <= most for lo, hi, _ in taken)
+            assert [cut[owner] is None for cut in exchanges] == sorted(cut[owner] is None for cut in exchanges)
+            joined, pieces = [], plan.owner_pieces(unit, layout, owner)
+            for lo, hi, at in taken:  # consecutive slices of one piece join up
+                if joined and joined[-1][1] == lo and joined[-1][2] + joined[-1][1] - joined[-1][0] == at:
+                    joined[-1] = (joined[-1][0], hi, joined[-1][2])
+                else:
+                    joined.append((lo, hi, at))
+            assert joined == pieces
+    assert max(len(plan.exchange_slices(u, layout)) for u in plan.layers) > 1  # the tests run the sliced path
 
 
 def _train(in_process_group, policy_dir, batch, **options):
@@ -127,8 +151,14 @@ def test_a_lora_actor_sharded_at_rest_keeps_its_shard_of_the_frozen_base_alone_w
     trained, frozen = worker.at_rest.sets
     assert list(frozen.layout.names) == base and frozen.plan.modules == trained.plan.modules
     assert frozen.local.numel() == frozen.layout.shard_size
-    assert all(worker.at_rest.unit_of(n) is not None for n, _ in worker.model.named_parameters())
+    assert all(worker.at_rest.place_of(n) is not None for n, _ in worker.model.named_parameters())
     assert [b.untyped_storage().nbytes() for s in (trained, frozen) for b in s.buffers] == [0] * 2 * len(frozen.buffers)
+    gathers, start = [], frozen.start_gather  # what reading the weights gathers of the base
+    frozen.start_gather = lambda unit, *args: gathers.append(unit) or start(unit, *args)
+    group.named_weights()  # the adapters alone (the replicas' push): no base weight moves
+    assert gathers == []
+    group.weight_digests()  # every weight: each unit of the base once
+    assert gathers == list(range(len(frozen.buffers)))
 
 
 def test_an_untied_heads_gradient_is_sent_as_the_last_layers_backward_starts_never_beside_the_roots(
