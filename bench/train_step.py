@@ -304,6 +304,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
             prompts = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=g).tolist()
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
+            retries = alloc_retries(device)
             before = engine.stats()
             sync(device)
             t0 = time.perf_counter()
@@ -345,6 +346,9 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                 "generation_tok_per_s": samples * new_tokens / (t1 - t0),
                 "log_prob_max_gap": gap,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                # cudaMalloc failures the caching allocator met by freeing its cache and trying
+                # again (slow, synchronizing): a step near the GPU's size pays them
+                "alloc_retries": alloc_retries(device) - retries if device == "cuda" else None,
             }
             print(f"  {'on ' if full_determinism else 'off'} step {step}: " + ", ".join(
                 f"{k} {v:.3g}" for k, v in record[f"step{step}"].items() if v is not None), flush=True)
@@ -372,6 +376,10 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
         if device == "cuda":
             torch.cuda.empty_cache()
     return record
+
+
+def alloc_retries(device: str) -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if device == "cuda" else 0
 
 
 def profile_passes(args, worker, batch, samples: int, new_tokens: int, full_determinism: bool,
