@@ -32,9 +32,9 @@ subtree [jN, (j + 1)N), since N divides the power-of-two leaf count. As the back
 finishes a unit, its gradient (float32, exact from the model's dtype) goes to the owners of
 its ranges: all-to-alls of per-owner pieces, a slice of each at a time (`MAX_SLICE`: an
 owner's receive buffer holds N slices, not N copies of its whole share of a unit), which
-each owner adds over rank index in `tree_sum`'s tree, the round's subtree. A `GradTree` over the rounds, of shard size, adds
-the round sums: the whole tree of the whole-parameter path, the same bits, with
-log2(rounds) pending shards in place of whole vectors. A rank whose leaf of a round is
+each owner adds over rank index in `tree_sum`'s tree, the round's subtree. A `GradTree`
+over the rounds, of shard size, adds the round sums: the whole tree of the whole-parameter
+path, the same bits, with log2(rounds) pending shards in place of whole vectors. A rank whose leaf of a round is
 empty makes the same collectives, in the same order, without computing (`replay_*`): it
 sends -0.0 pieces, which add nothing (flat.py's `EMPTY_GRADIENT`). A round whose leaves
 are all empty is skipped by every rank.
