@@ -322,6 +322,9 @@ class ShardedParams:
     def reading(self, unit: int, sets: Sequence[int]) -> Iterator[None]:
         """Outside a pass: the unit's weights of `sets` (indices of `self.sets`) gathered
         inside the block, freed after; every rank calls it with the same arguments."""
+        if self.is_gathered[unit]:  # its free would pull the storage from under the pass's gather
+            raise RuntimeError(f"ShardedParams.reading: unit {unit} is gathered already (inside a pass, "
+                               "or all_gathered)")
         try:
             for work in [work for i in sets for work in self.sets[i].start_gather(unit, self.rank, self.group)]:
                 work.wait()
@@ -463,17 +466,24 @@ class Exchange:
             return
         grad = self._unit_gradient(unit)
         for slices in at_rest.slices[unit]:  # a slice of each owner's pieces at a time (`MAX_SLICE`)
-            send = [grad[piece[0] : piece[1]] if piece else grad.new_empty(0) for piece in slices]
-            mine = slices[at_rest.rank]
-            size = mine[1] - mine[0] if mine else 0
-            received = send if at_rest.world == 1 else [
-                torch.empty(size, dtype=torch.float32, device=at_rest.device) for _ in range(at_rest.world)]
-            if at_rest.world > 1:
-                exchange_pieces(received, send, at_rest.group)
-            if mine:
-                # The round's subtree, over rank index; the received pieces are ours to add into.
-                total = tree_reduce(0, at_rest.world, lambda r: received[r])
-                self.tree.add(at_rest.part_of[(unit, mine[2])], total)
+            self._exchange(unit, grad, slices)
+
+    def _exchange(self, unit: int, grad: torch.Tensor, slices: list[tuple[int, int, int] | None]) -> None:
+        """One exchange of `_send`: to each owner its slice of `grad`, from every rank this
+        rank's slice, added over rank index into the tree. Its receive buffers go when it
+        returns, before the next exchange allocates its own (N slices alive, not 2N)."""
+        at_rest = self.at_rest
+        send = [grad[piece[0] : piece[1]] if piece else grad.new_empty(0) for piece in slices]
+        mine = slices[at_rest.rank]
+        size = mine[1] - mine[0] if mine else 0
+        received = send if at_rest.world == 1 else [
+            torch.empty(size, dtype=torch.float32, device=at_rest.device) for _ in range(at_rest.world)]
+        if at_rest.world > 1:
+            exchange_pieces(received, send, at_rest.group)
+        if mine:
+            # The round's subtree, over rank index; the received pieces are ours to add into.
+            total = tree_reduce(0, at_rest.world, lambda r: received[r])
+            self.tree.add(at_rest.part_of[(unit, mine[2])], total)
 
 
 def _move_the_rest(model: torch.nn.Module, device: torch.device) -> None:

@@ -198,6 +198,16 @@ def test_an_untied_heads_gradient_is_sent_as_the_last_layers_backward_starts_nev
     assert [k for k in whole[2] if not torch.equal(whole[2][k], sharded[2][k])] == []
 
 
+def test_reading_a_unit_a_pass_holds_gathered_raises_and_leaves_it_gathered(tiny_policy_dir, in_process_group):
+    at_rest = in_process_group("ref", tiny_policy_dir, shard_params=True).workers[0].at_rest
+    with at_rest.root_gathered():
+        with pytest.raises(RuntimeError, match="unit 0 is gathered already"):
+            with at_rest.reading(ROOT, [0]):
+                pass
+        assert at_rest.is_gathered[ROOT] and at_rest.buffers[ROOT].untyped_storage().nbytes() > 0
+    assert at_rest.buffers[ROOT].untyped_storage().nbytes() == 0
+
+
 def test_a_gradient_that_comes_after_its_unit_was_sent_raises(tiny_policy_dir, in_process_group):
     group = in_process_group("actor", tiny_policy_dir, optim=OPTIM, shard_params=True)
     at_rest = group.workers[0].at_rest
