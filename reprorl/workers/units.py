@@ -240,10 +240,10 @@ class ShardedParams:
         if frozen_layout is not None:
             self.sets.append(UnitSet.bind([p for _, p in frozen], frozen_layout, layers, rank, device))
         trained = self.sets[0]
-        self.plan, self.layout, self.buffers, self.owners = trained.plan, layout, trained.buffers, trained.owners
+        self.plan, self.layout, self.buffers = trained.plan, layout, trained.buffers
         self.param_sizes = [p.numel() for p in params]
-        self.parts, self.part_of = shard_parts(self.plan, layout, rank)  # the round tree's parts
         self.slices = [self.plan.exchange_slices(u, layout) for u in range(len(self.buffers))]
+        self.parts, self.part_of = shard_parts(self.slices, rank, layout.shard_size)  # the round tree's parts
         self.is_gathered = [False] * len(self.buffers)  # gathered, or on the way (`in_flight`)
         self.in_flight: dict[int, list[dist.Work]] = {}  # a prefetch's broadcasts, per unit
         _move_the_rest(model, device)
@@ -263,9 +263,9 @@ class ShardedParams:
         """This rank's range of the trained weights (a frozen group's: of every weight)."""
         return self.sets[0].local
 
-    def place_of(self, name: str) -> tuple[int, int] | None:
-        """(index in `sets`, unit) of the parameter `name` (None: in no unit)."""
-        return self._places.get(name)
+    def place_of(self, name: str) -> tuple[int, int]:
+        """(index in `sets`, unit) of the parameter `name` (every parameter is in one)."""
+        return self._places[name]
 
     def set_local(self, shard: torch.Tensor) -> None:
         """This rank's range of the weights, in the model's dtype (the master shard's cast):
@@ -516,11 +516,11 @@ def exchange_slice(shard_size: int) -> int:
     return min(MAX_SLICE, max(CHUNK, shard_size // 8 // CHUNK * CHUNK))
 
 
-def shard_parts(plan: UnitPlan, layout: FlatLayout, rank: int) -> tuple[Parts, dict[tuple[int, int], int]]:
-    """The round tree's parts: this rank's shard cut at its slices of the units
-    (`exchange_slices`; shard offsets), and the part index of each `(unit, shard offset)`."""
-    pieces = sorted((at, at + end - start, unit) for unit in range(len(plan.members))
-                    for slices in plan.exchange_slices(unit, layout) if (mine := slices[rank]) is not None
-                    for start, end, at in [mine])
+def shard_parts(slices: Sequence[list[list[tuple[int, int, int] | None]]], rank: int,
+                shard_size: int) -> tuple[Parts, dict[tuple[int, int], int]]:
+    """The round tree's parts: this rank's shard cut at its slices of the units (`slices[u]`:
+    `UnitPlan.exchange_slices(u)`; shard offsets), and the part index of each `(unit, shard offset)`."""
+    pieces = sorted((at, at + end - start, unit) for unit, exchanges in enumerate(slices)
+                    for cut in exchanges if (mine := cut[rank]) is not None for start, end, at in [mine])
     bounds = [start for start, _, _ in pieces] + ([pieces[-1][1]] if pieces else [0])
-    return Parts(tuple(bounds), layout.shard_size), {(unit, start): i for i, (start, _, unit) in enumerate(pieces)}
+    return Parts(tuple(bounds), shard_size), {(unit, start): i for i, (start, _, unit) in enumerate(pieces)}

@@ -414,10 +414,10 @@ class ShardWorker:
         has no base weight); ranks other than 0 only take part in the gathers (None)."""
         if self.at_rest is None:
             return take(named)
-        by_place: dict[tuple[int, int] | None, list[tuple[str, torch.Tensor]]] = {}
+        by_place: dict[tuple[int, int], list[tuple[str, torch.Tensor]]] = {}
         for name, p in named:  # the same names on every rank, so the same gathers
             by_place.setdefault(self.at_rest.place_of(name), []).append((name, p))
-        taken: dict[str, Any] = take(by_place.pop(None)) if None in by_place and self.rank == 0 else {}
+        taken: dict[str, Any] = {}
         for unit in range(len(self.at_rest.plan.members)):
             sets = [s for s in range(len(self.at_rest.sets)) if (s, unit) in by_place]
             if not sets:
