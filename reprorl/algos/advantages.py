@@ -1,0 +1,166 @@
+"""Advantage estimators: pure functions of detached tensors (conventions in `reprorl.algos.masked`).
+
+`reprorl.algos.registry.ESTIMATORS` describes each one (its flags, its help) and calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from reprorl.algos.masked import check_same_shape, check_scores, group_rows, masked_whiten
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438) for PPO.
+
+    delta_t = r_t + gamma * V_{t+1} - V_t;  A_t = delta_t + gamma * lam * A_{t+1};
+    returns = A + V (the critic's targets, computed before whitening).
+    Masked tokens are skipped: the next valid token's value and advantage are carried
+    across them, so a tool's output inside a multi-turn response is neither a step nor
+    a discount (verl does the same). After the last valid token V and A are 0.
+
+    token_rewards, values, response_mask: `[B, T]`.
+    Returns (advantages `[B, T]`, whitened over the batch if `whiten`, as verl does;
+    returns `[B, T]`), both 0 at masked tokens.
+    """
+    check_same_shape(token_rewards=token_rewards, values=values, response_mask=response_mask)
+    batch_size, length = token_rewards.shape
+    valid = response_mask > 0
+    next_value = token_rewards.new_zeros(batch_size)  # [B]
+    next_adv = token_rewards.new_zeros(batch_size)  # [B]
+    advantages = torch.zeros_like(token_rewards)
+    for t in reversed(range(length)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        # torch.where, not a 0/1 blend: garbage (even inf) at padded positions cannot leak.
+        next_value = torch.where(valid[:, t], values[:, t], next_value)
+        next_adv = torch.where(valid[:, t], adv, next_adv)
+        advantages[:, t] = torch.where(valid[:, t], adv, 0.0)
+    returns = torch.where(valid, advantages + values, 0.0)
+    if whiten:
+        advantages = masked_whiten(advantages, response_mask)
+    return advantages, returns
+
+
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return-to-go G_t = r_t + gamma * G_{t+1} over valid tokens: `[B, T]` -> `[B, T]`.
+
+    Masked tokens are skipped like in `gae_advantages` (their reward is ignored and they
+    are not a discount step); the result is 0 at them.
+    """
+    check_same_shape(token_rewards=token_rewards, response_mask=response_mask)
+    valid = response_mask > 0
+    running = token_rewards.new_zeros(token_rewards.shape[0])  # [B]
+    returns = torch.zeros_like(token_rewards)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = torch.where(valid[:, t], token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid[:, t], running, 0.0)
+    return returns
+
+
+def grpo_outcome_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence[Hashable],
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO outcome advantages (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+
+    A_i = (s_i - mean(group)) / (std(group) + eps), std unbiased (torch.std, as verl);
+    with `norm_by_std=False`, A_i = s_i - mean(group) (Dr. GRPO, Liu et al. 2025,
+    arXiv:2503.20783). Every token of a sample gets its A_i.
+    A group of one sample has no baseline: as in verl its mean is taken as 0 and its std
+    as 1, so its advantage is its raw score (divided by 1 + eps). A group whose scores
+    are all equal gets 0.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    check_scores(scores, response_mask)
+    advantages = torch.empty_like(scores)
+    for rows in group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        if len(rows) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean, std = group.mean(), group.std()
+        advantages[idx] = (group - mean) / (std + eps) if norm_by_std else group - mean
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def remax_advantages(
+    token_rewards: torch.Tensor, reward_baselines: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """ReMax advantages (Li et al. 2023, arXiv:2310.10505).
+
+    A_t = (undiscounted return-to-go from t) - b, where b is the reward of the greedy
+    response to the same prompt.
+
+    token_rewards `[B, T]` (the score at the last token, plus any per-token KL penalty),
+    reward_baselines `[B]` (each sample's greedy baseline reward), response_mask `[B, T]`.
+    Returns `[B, T]`.
+    """
+    check_scores(reward_baselines, response_mask)
+    returns = discounted_returns(token_rewards, response_mask, gamma=1.0)
+    return (returns - reward_baselines.unsqueeze(-1)) * response_mask
+
+
+def rloo_advantages(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[Hashable]
+) -> torch.Tensor:
+    """RLOO advantages (Ahmadian et al. 2024, arXiv:2402.14740).
+
+    A_i = s_i - mean of the other samples' scores in its group. A group of one sample has
+    no others: as in verl its advantage is its raw score.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    check_scores(scores, response_mask)
+    advantages = torch.empty_like(scores)
+    for rows in group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        n = len(rows)
+        advantages[idx] = group if n == 1 else group - (group.sum() - group) / (n - 1)
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025, arXiv:2501.03262).
+
+    Discounted return-to-go of the per-token rewards (score plus KL penalty), whitened
+    over all valid tokens of the batch.
+
+    token_rewards, response_mask `[B, T]`. Returns `[B, T]`.
+    """
+    return masked_whiten(discounted_returns(token_rewards, response_mask, gamma), response_mask)
+
+
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[Hashable]
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu 2025, arXiv:2501.03262; verl's
+    `reinforce_plus_plus_baseline`).
+
+    Subtract the group's mean score (a group of one: mean 0, as verl), give each token
+    its sample's value, then whiten over all valid tokens of the batch.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    check_scores(scores, response_mask)
+    centered = torch.empty_like(scores)
+    for rows in group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        centered[idx] = group if len(rows) == 1 else group - group.mean()
+    return masked_whiten(centered.unsqueeze(-1) * response_mask, response_mask)
