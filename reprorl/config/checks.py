@@ -9,6 +9,7 @@ import difflib
 import re
 
 from reprorl.agent_loop.tools import select_tools
+from reprorl.algos.registry import estimator
 from reprorl.config.schema import Config, RolloutConfig, config_keys
 from reprorl.errors import ConfigError
 
@@ -70,7 +71,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"rollout.max_tokens={rollout.max_tokens} must be <= data.max_response_length={data.max_response_length}"
         )
-    if algo.adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline") and rollout.n < 2:
+    if estimator(algo.adv_estimator).group_based and rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={algo.adv_estimator} compares samples of one prompt: "
             f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
@@ -82,7 +83,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
     batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,
                 actor.ppo_max_token_len_per_micro_batch)]
-    if algo.adv_estimator == "gae":
+    if estimator(algo.adv_estimator).needs_critic:
         batches.append(("critic", critic.ppo_mini_batch_size, critic.ppo_micro_batch_size,
                         critic.ppo_max_token_len_per_micro_batch))
     for name, mini, micro, max_token_len in batches:
@@ -178,9 +179,9 @@ def _check_sampling_varies(rollout: RolloutConfig, adv_estimator: str) -> None:
                                   ("rollout.top_k=1", rollout.top_k == 1)) if on]
     if not greedy:
         return
-    if adv_estimator in ("grpo", "rloo", "reinforce_pp_baseline"):
+    if estimator(adv_estimator).group_based:
         alike = f"the rollout.n={rollout.n} samples of a prompt are one same response"
-    elif adv_estimator == "remax":
+    elif estimator(adv_estimator).greedy_baseline:
         alike = "every sample is the greedy response ReMax takes as its baseline"
     else:
         return

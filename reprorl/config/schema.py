@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from reprorl.algos.registry import ESTIMATORS, POLICY_LOSSES
+
 
 def _field(default: Any, help: str, **bounds: float) -> Any:
     """A config field: its default, its help text and optional bounds (ge, gt, le, lt).
@@ -257,7 +259,8 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = _field(
-        "grpo", "advantage estimator; gae trains a critic"
+        "grpo", "advantage estimator; " + ", ".join(e.name for e in ESTIMATORS.values() if e.needs_critic)
+        + " trains a critic"
     )
     gamma: float = _field(1.0, "discount factor", ge=0, le=1)
     lam: float = _field(1.0, "GAE lambda", ge=0, le=1)
@@ -290,12 +293,8 @@ class ActorConfig:
         "ppo_micro_batch_size, never on trainer.num_workers (any power of two is then allowed); null = off", ge=1
     )
     policy_loss: Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov"] = _field(
-        "vanilla", "the policy loss (verl's loss_mode): vanilla = PPO's clip with dual-clip; gspo = PPO's clip on "
-        "a sequence-level ratio, reduced seq-mean-token-mean whatever loss_agg_mode (set small clip ratios, e.g. "
-        "3e-4 / 4e-4); cispo = the clipped ratio as a stopped weight on log-prob, every token keeps a gradient; "
-        "clip_cov = PPO's clip, and a few tokens of advantage-log-prob covariance in (clip_cov_lb, clip_cov_ub) "
-        "get no gradient (chosen at random by a hash of the data); kl_cov = the unclipped surrogate plus "
-        "ppo_kl_coef * |log-ratio| on the tokens of largest covariance (both per micro-batch, as verl)"
+        "vanilla", "the policy loss (verl's loss_mode): "
+        + "; ".join(f"{p.name} = {p.help}" for p in POLICY_LOSSES.values()) + " (both per micro-batch, as verl)"
     )
     clip_cov_ratio: float = _field(0.0002, "clip_cov: the share of a micro-batch's valid tokens that lose their "
                                    "gradient", gt=0, le=1)

@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from reprorl.algos.registry import estimator
 from reprorl.config import Config
 from reprorl.errors import ConfigError
 from reprorl.models.arch import ModelArgs
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 def check_paths(cfg: Config) -> None:
     """Fail before any work starts if a model or data path does not exist, naming the key."""
     models = {"model.path": cfg.model.path, "model.ref_path": cfg.model.ref_path}
-    if cfg.algorithm.adv_estimator == "gae":
+    if estimator(cfg.algorithm.adv_estimator).needs_critic:
         models["model.critic_path"] = cfg.model.critic_path
     if cfg.reward.model_path is not None:
         models["reward.model_path"] = cfg.reward.model_path
@@ -72,7 +73,7 @@ def check_models(cfg: Config, tokenizer: Any) -> None:
     models = {"model.path": cfg.model.path}
     if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         models["model.ref_path"] = cfg.model.ref_path
-    if cfg.algorithm.adv_estimator == "gae":
+    if estimator(cfg.algorithm.adv_estimator).needs_critic:
         models["model.critic_path"] = cfg.model.critic_path
     num_tokens = len(tokenizer)
     shapes = {key: _model_args(key, path) for key, path in models.items()}

@@ -250,7 +250,7 @@ class Trainer:
         """
         n = self.cfg.rollout.n
         sampled = self._repeat(prompts, n)
-        if self.cfg.algorithm.adv_estimator != "remax":
+        if not algos.estimator(self.cfg.algorithm.adv_estimator).greedy_baseline:
             return sampled, len(sampled)
         baseline = prompts.slice(0, len(prompts))
         baseline["repeat_index"] = [n] * len(prompts)  # an identity apart from the n samples
@@ -485,23 +485,11 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) `[B*n, R]` for the configured estimator."""
         algo = self.cfg.algorithm
-        estimator = algo.adv_estimator
-        if estimator == "gae":
-            return algos.gae_advantages(token_rewards, batch["values"], mask, algo.gamma, algo.lam)
-        if estimator == "remax":
-            adv = algos.remax_advantages(token_rewards, reward_baselines, mask)
-        elif estimator == "reinforce_pp":
-            adv = algos.reinforce_pp_advantages(token_rewards, mask, algo.gamma)
-        else:
-            sequence_scores = token_rewards.sum(-1)  # [B*n]
-            uids = list(batch.non_tensors["uid"])
-            if estimator == "grpo":
-                adv = algos.grpo_outcome_advantages(sequence_scores, mask, uids, norm_by_std=algo.norm_adv_by_std)
-            elif estimator == "rloo":
-                adv = algos.rloo_advantages(sequence_scores, mask, uids)
-            else:
-                adv = algos.reinforce_pp_baseline_advantages(sequence_scores, mask, uids)
-        return adv, adv  # outcome estimators: the returns are the advantages (no critic)
+        est = algos.estimator(algo.adv_estimator)
+        return est.advantages(algos.AdvantageInputs(
+            token_rewards, mask, batch.non_tensors["uid"], algo.gamma, algo.lam, algo.norm_adv_by_std,
+            values=batch["values"] if est.needs_critic else None, reward_baselines=reward_baselines,
+        ))
 
     # ------------------------------------------------------------------ validation
 

@@ -98,12 +98,8 @@ def policy_loss_args(actor: ActorConfig) -> PolicyLossArgs:
 
 def _cov_options(actor: ActorConfig) -> dict[str, float] | None:
     """The keywords of `actor.policy_loss` clip_cov or kl_cov (None for the other losses)."""
-    if actor.policy_loss == "clip_cov":
-        return {"clip_cov_ratio": actor.clip_cov_ratio, "clip_cov_lb": actor.clip_cov_lb,
-                "clip_cov_ub": actor.clip_cov_ub}
-    if actor.policy_loss == "kl_cov":
-        return {"kl_cov_ratio": actor.kl_cov_ratio, "ppo_kl_coef": actor.ppo_kl_coef}
-    return None
+    keys = algos.POLICY_LOSSES[actor.policy_loss].cov_keywords
+    return {key: getattr(actor, key) for key in keys} if keys else None
 
 
 def make_kl_controller(kl: KLCtrlConfig) -> algos.FixedKLController | algos.AdaptiveKLController:

@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from reprorl.algos.registry import estimator
 from reprorl.errors import ConfigError
 
 RAY_GPU_RESOLUTION = 1e-4
@@ -118,7 +119,7 @@ def plan_run(cfg: Any, *, lora: bool, device: str) -> Placement:
     workers = cfg.trainer.num_workers
     return plan_placement(
         device, actor_workers=workers, ref_workers=workers if uses_kl(cfg.actor, cfg.algorithm) and not lora else 0,
-        critic_workers=workers if cfg.algorithm.adv_estimator == "gae" else 0,
+        critic_workers=workers if estimator(cfg.algorithm.adv_estimator).needs_critic else 0,
         rollout_replicas=cfg.rollout.num_replicas, rollout_share=cfg.resources.gpu_share_rollout,
         reward_replicas=cfg.reward.num_replicas if cfg.reward.model_path is not None else 0,
         rollout_gpus=cfg.resources.rollout_gpus,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reprorl.algos.registry import estimator
 from reprorl.config import Config, load_config, resolve_config
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FINGERPRINTS_FILE, read_complete_fingerprints
@@ -93,7 +94,7 @@ def result_changing(changes: dict[str, list[Any]], current: dict[str, Any]) -> l
     log-probs are the trainer's bit for bit: there every choice gives the same numbers.
     """
     cosine = current["actor.lr_schedule"] == "cosine" or (
-        current["algorithm.adv_estimator"] == "gae" and current["critic.lr_schedule"] == "cosine")
+        estimator(current["algorithm.adv_estimator"]).needs_critic and current["critic.lr_schedule"] == "cosine")
     exact_log_probs = current["full_determinism"] and current["rollout.backend"] == "native"
     keys = []
     for key in changes:
