@@ -1,4 +1,4 @@
-"""GSPO, CISPO, Clip-Cov and KL-Cov (reprorl/algos.py): literal examples worked by hand,
+"""GSPO, CISPO, Clip-Cov and KL-Cov (reprorl/algos/policy_losses.py): literal examples worked by hand,
 and a cross-check against verl's formulas (`compute_policy_loss_gspo` / `_cispo` /
 `_clip_cov` / `_kl_cov` in verl's trainer/ppo/core_algos.py, transcribed below; clip_cov's
 random choice of tokens given to both) on random inputs."""
