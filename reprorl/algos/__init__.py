@@ -4,6 +4,7 @@
 - `advantages`: the advantage estimators;
 - `policy_losses`: the policy losses and the critic's value loss;
 - `kl`: the KL estimators, the KL penalty in the reward, the KL controllers;
+- `rollout_correction`: the off-policy correction (tis, mis) between behaviour and proximal policies;
 - `registry`: `ESTIMATORS` and `POLICY_LOSSES`, each choice's function, flags and help.
 
 The names are re-exported here, so `from reprorl import algos; algos.masked_mean(...)` reads.
@@ -46,6 +47,7 @@ from reprorl.algos.policy_losses import (
     token_priority,
     value_loss,
 )
+from reprorl.algos.rollout_correction import CORRECTIONS, Correction, rollout_correction
 from reprorl.algos.registry import (
     ESTIMATORS,
     POLICY_LOSSES,
@@ -58,7 +60,7 @@ from reprorl.algos.registry import (
 )
 
 __all__ = [
-    "ESTIMATORS", "KL_PENALTY_KINDS", "LOSS_AGG_MODES", "POLICY_LOSSES", "AdaptiveKLController",
+    "CORRECTIONS", "Correction", "rollout_correction", "ESTIMATORS", "KL_PENALTY_KINDS", "LOSS_AGG_MODES", "POLICY_LOSSES", "AdaptiveKLController",
     "AdvantageInputs", "Count", "Estimator", "FixedKLController", "PolicyLoss", "PolicyLossSettings",
     "agg_loss", "apply_kl_to_rewards", "cispo_policy_loss", "clip_cov_policy_loss", "discounted_returns",
     "entropy_from_logits", "estimator", "gae_advantages", "group_rows", "grpo_outcome_advantages",
