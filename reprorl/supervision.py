@@ -27,6 +27,7 @@ import datetime
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, TypeVar
@@ -86,6 +87,8 @@ class Restarts:
     its rollout pool's); a pool made on its own gets `Restarts(0)`: no replacement. Each
     replacement is charged before it starts; past the limit `charge` raises `FaultError`.
     `pop_metrics` gives the replacements per kind (`RESTART_METRICS`) since its last call.
+    Thread-safe: with `trainer.max_staleness` > 0 the rollout pool's replacements are
+    charged on the producer's thread while the trainer pops the metrics on its own.
     """
 
     def __init__(self, max_restarts: int) -> None:
@@ -94,10 +97,12 @@ class Restarts:
         self.max_restarts = max_restarts
         self.total = 0
         self._since_pop: dict[str, int] = {}  # metric -> replacements since pop_metrics
+        self._lock = threading.Lock()
 
     def watch(self, kind: str) -> None:
         """Report `kind`'s metric (0 until one dies) from now on; its pool calls this once."""
-        self._since_pop.setdefault(RESTART_METRICS[kind], 0)
+        with self._lock:
+            self._since_pop.setdefault(RESTART_METRICS[kind], 0)
 
     def charge(self, kind: str, dead_id: int, noticed_in: str, how: str = "died") -> None:
         """Count the replacement of `kind dead_id`, found dead in `noticed_in`; log it.
@@ -107,18 +112,20 @@ class Restarts:
         """
         when = datetime.datetime.now().isoformat(sep=" ", timespec="seconds")
         death = f"{kind} {dead_id} {how} (noticed in {noticed_in} at {when})"
-        if self.total >= self.max_restarts:
-            raise FaultError(f"{death} and no replacement is left: trainer.max_restarts={self.max_restarts} "
-                             f"replacements allowed per run, {self.total} made")
-        self.total += 1
-        metric = RESTART_METRICS[kind]
-        self._since_pop[metric] = self._since_pop.get(metric, 0) + 1
+        with self._lock:
+            if self.total >= self.max_restarts:
+                raise FaultError(f"{death} and no replacement is left: trainer.max_restarts={self.max_restarts} "
+                                 f"replacements allowed per run, {self.total} made")
+            self.total += 1
+            metric = RESTART_METRICS[kind]
+            self._since_pop[metric] = self._since_pop.get(metric, 0) + 1
         logger.warning("%s; replacing it (replacement %d of %d this run)", death, self.total, self.max_restarts)
 
     def pop_metrics(self) -> dict[str, float]:
         """{metric: replacements since the last call} for every watched kind; resets them."""
-        metrics = {k: float(v) for k, v in sorted(self._since_pop.items())}
-        self._since_pop = dict.fromkeys(self._since_pop, 0)
+        with self._lock:
+            metrics = {k: float(v) for k, v in sorted(self._since_pop.items())}
+            self._since_pop = dict.fromkeys(self._since_pop, 0)
         return metrics
 
 

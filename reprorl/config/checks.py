@@ -36,6 +36,30 @@ def derive(cfg: Config) -> None:
     # the trainer resolves it when the run starts (reprorl/trainer/placement.py).
 
 
+def _check_off_policy(cfg: Config) -> None:
+    """`actor.off_policy_correction` with what it can correct (reprorl/algos/rollout_correction.py)."""
+    actor = cfg.actor
+    mode = actor.off_policy_correction
+    if mode == "none":
+        return
+    if actor.old_log_probs == "rollout":
+        raise ConfigError(
+            f"actor.off_policy_correction={mode} with actor.old_log_probs=rollout: the correction weighs the "
+            "trainer's recomputed log-probs against the engine's; set actor.old_log_probs=auto or recompute"
+        )
+    if actor.policy_loss in ("clip_cov", "kl_cov"):
+        raise ConfigError(
+            f"actor.off_policy_correction={mode} with actor.policy_loss={actor.policy_loss}: the correction weighs "
+            "each token's advantage, which that loss's covariance selection would read; use vanilla, gspo or cispo"
+        )
+    lower = actor.rollout_rs_threshold_lower
+    if mode == "mis" and lower is not None and lower >= actor.rollout_rs_threshold:
+        raise ConfigError(
+            f"actor.rollout_rs_threshold_lower={lower} must be below actor.rollout_rs_threshold="
+            f"{actor.rollout_rs_threshold}: no token could be kept"
+        )
+
+
 def validate(cfg: Config) -> None:
     """Checks of single values that bounds can't express, then of values that must agree."""
     for key, top_k in (("rollout.top_k", cfg.rollout.top_k), ("rollout.val.top_k", cfg.rollout.val.top_k)):
@@ -79,6 +103,7 @@ def validate(cfg: Config) -> None:
     _check_sampling_varies(rollout, algo.adv_estimator)
     _check_filter_groups(cfg)
     _check_lora(cfg)
+    _check_off_policy(cfg)
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
     batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,

@@ -8,7 +8,8 @@ on the GPU while it sleeps), plus, per phase, what that phase adds:
 - generation: each replica's KV cache, sized as `rollout/engine.py` `gpu_cache_shape` sizes
   it (max_num_seqs slots of the run's longest sequence, rounded up to KEY_BLOCK tokens, plus
   the CUDA graphs' spare slot, unless `gpu_memory_utilization` of the GPU holds fewer);
-  the engine sleeps (frees it) before the trainer's passes.
+  the engine sleeps (frees it) before the trainer's passes; with `trainer.max_staleness` > 0
+  it generates while they run, so its KV cache is resident instead.
 - actor (and critic) optimizer step: the rank's float32 gradient shard, a temporary of
   its squares for the norm, and AdamW's temporaries of one chunk (`optim.step_in_chunks`).
 - actor update (and critic update): the gradient tree's whole float32 vectors
@@ -350,8 +351,12 @@ def rollout_parts(est: MemoryEstimate, args: ModelArgs, cfg: Any, gpu_total: int
     est.resident[f"rollout weights ({replicas} replica(s))"] = replicas * weights
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     kv = kv_cache_bytes(args, dsize, ro.max_num_seqs, max_len, ro.gpu_memory_utilization, gpu_total)
-    est.phases["generation"] = {f"KV cache ({replicas} replica(s))": replicas * kv,
-                                "engine logits (float32)": replicas * ro.max_num_seqs * args.vocab_size * FP32}
+    generation = {f"KV cache ({replicas} replica(s))": replicas * kv,
+                  "engine logits (float32)": replicas * ro.max_num_seqs * args.vocab_size * FP32}
+    if cfg.trainer.max_staleness > 0:  # the engines generate while the trainer's passes run: they never sleep
+        est.resident.update({f"{name}, generating beside training": size for name, size in generation.items()})
+        generation = {}
+    est.phases["generation"] = generation
 
 
 def gpu_plan(cfg: Any, lora_rank: int) -> Placement:

@@ -15,7 +15,8 @@ sampling temperature, the data) stops the run with a one-line error listing each
 both values, unless `trainer.allow_changed_keys` names it; the keys in `SAME_BITS_KEYS`
 (logging, paths, checkpoint cadence, how many replicas, workers and agent-loop workers
 serve the run, time-outs: the determinism contract in docs/design.md says the bits do not
-depend on them) change freely. Either way the changes are recorded in the run's history.jsonl.
+depend on them) change freely. `trainer.max_staleness` never changes: a checkpoint holds the
+batches made ahead for its value. Either way the changes are recorded in the run's history.jsonl.
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ def check_resume_config(saved: dict[str, Any], cfg: Config, checkpoint: str) -> 
     each one that can change the results and is not in `trainer.allow_changed_keys`."""
     current = flat_config(cfg)
     changes = config_changes(saved, current)
+    if "trainer.max_staleness" in changes:
+        before, now = changes["trainer.max_staleness"]
+        raise ConfigError(
+            f"trainer.resume: trainer.max_staleness {json.dumps(before)} -> {now} since checkpoint {checkpoint!r}, "
+            "which holds the batches made ahead for the saved value (their weights are not in it): a resume cannot "
+            "change it, not even with trainer.allow_changed_keys; set it back, or start a new run in another "
+            "trainer.run_dir"
+        )
     refused = [key for key in result_changing(changes, current) if key not in cfg.trainer.allow_changed_keys]
     if refused:
         listed = ", ".join(f"{key} {json.dumps(changes[key][0])} -> {json.dumps(changes[key][1])}" for key in refused)

@@ -19,7 +19,7 @@ from reprorl.config import load_config
 from reprorl.protocol import Batch
 from reprorl.trainer import dynamic_sampling
 from reprorl.trainer.dynamic_sampling import FilterGroupsError, GroupFilter, merge_metrics, metric_values, varied_groups
-from reprorl.trainer.fit import TEST_KILL_IN_FILL_ENV
+from reprorl.trainer.generation import TEST_KILL_IN_FILL_ENV
 from small_run import run_trainer, small_run_overrides
 
 # --- which groups are kept, by hand ------------------------------------------------------

@@ -209,12 +209,13 @@ def test_a_log_prob_gap_under_full_determinism_stops_the_run():
 
     from reprorl.errors import DeterminismError
 
-    def trainer(full_determinism, backend):
-        return SimpleNamespace(cfg=SimpleNamespace(full_determinism=full_determinism,
-                                                   rollout=SimpleNamespace(backend=backend)), step=3)
+    from reprorl.trainer.log_probs import check_log_prob_gap
 
-    def check(t, gap, rollout=(-1.0,), trainer_log_probs=(-1.0,), exact=False):
-        Trainer._check_log_prob_gap(t, gap, torch.tensor(rollout), torch.tensor(trainer_log_probs), exact)
+    def trainer(full_determinism, backend):
+        return SimpleNamespace(full_determinism=full_determinism, rollout=SimpleNamespace(backend=backend))
+
+    def check(cfg, gap, rollout=(-1.0,), trainer_log_probs=(-1.0,), exact=False):
+        check_log_prob_gap(cfg, 3, gap, torch.tensor(rollout), torch.tensor(trainer_log_probs), exact)
 
     check(trainer(True, "native"), 0.0)
     with pytest.raises(DeterminismError, match=r"^step 3: the engine's log-probs differ from the trainer's by up to "
