@@ -304,12 +304,12 @@ def determinism_env(seed: int, full_determinism: bool) -> dict[str, str]:
 def pin_cpu_kernels() -> None:
     """Pin torch's CPU kernels to their portable build (`ATEN_CPU_CAPABILITY`), and the
     host-side exp, softmax, log-softmax, sin, cos, pow and sqrt to
-    `reprorl.kernels.cpu_math`'s (torch's differ between an AMD and an Intel machine), in
+    `reprorl.kernels.pinned`'s (torch's differ between an AMD and an Intel machine), in
     this process; raise if torch already runs another build here (it chose at its first
     CPU kernel, and never changes)."""
     import torch
 
-    from reprorl.kernels import cpu_math
+    from reprorl.kernels import pinned
 
     os.environ["ATEN_CPU_CAPABILITY"] = ATEN_CPU_CAPABILITY
     running = torch.backends.cpu.get_cpu_capability()
@@ -319,7 +319,7 @@ def pin_cpu_kernels() -> None:
             f"between CPUs; set ATEN_CPU_CAPABILITY={ATEN_CPU_CAPABILITY} in the environment before python starts "
             "(`reprorl train` sets it itself)"
         )
-    cpu_math.pin()
+    pinned.pin()
 
 
 def ray_runtime_env(env: Mapping[str, str], base: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Which register blocks the CPU linear should run on this machine: each block timed, with MKL's time.
 
-`reprorl/kernels/cpu_linear.cpp` holds vectors of rows x columns of accumulators in a register
+`reprorl/kernels/csrc/cpu_linear.cpp` holds vectors of rows x columns of accumulators in a register
 block (1 x RL1 .. 4 x RL4 columns with AVX-512); the block changes speed, never a bit (every
 entry is one running sum over k in order). This builds the extension once per block set given
 (`-D RL1=..`, in parallel), checks that each gives the built-in default's bits, and times the
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_kernels import cpu_linear_shapes, cpu_times_ms  # bench/kernels.py's (bench_kernels.py beside this file)
+from reprorl.kernels import build as kernel_build
 from reprorl.kernels import cpu
 
 
@@ -33,7 +34,7 @@ def build(blocks: str):
     ":R", the most row vectors a block (4 by default)."""
     cols, _, most = blocks.partition(":")
     flags = [f"-DRL{i + 1}={int(c)}" for i, c in enumerate(cols.split(","))] + ([f"-DRL_MAX={int(most)}"] if most else [])
-    return cpu.build_linear_variant("blocks", flags)
+    return kernel_build.build_linear_variant("blocks", flags)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from reprorl.algos.masked import check_same_shape, masked_mean
-from reprorl.kernels.cpu_math import pinned_exp
+from reprorl.kernels.pinned import pinned_exp
 
 # k1/k2/k3 as in Schulman's note, and abs; "kl", "mse" and "low_var_kl" are verl's names
 # for k1/k2/k3. A trailing "+" (k1+, k3+, ...) is the straight-through variant, as in verl.

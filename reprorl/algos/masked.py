@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from reprorl.kernels.cpu_math import pinned_exp, pinned_log_softmax, thread_free_sum
+from reprorl.kernels.pinned import pinned_exp, pinned_log_softmax, thread_free_sum
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 

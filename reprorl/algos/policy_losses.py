@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from reprorl.algos.masked import Count, agg_loss, check_same_shape, masked_mean, masked_sum
-from reprorl.kernels.cpu_math import pinned_exp
+from reprorl.kernels.pinned import pinned_exp
 
 
 def ppo_policy_loss(

@@ -8,6 +8,11 @@
 | `TritonKernels` | `gpu` | batch-invariant on CUDA GPUs (Triton kernels, tiles fixed by N and K) |
 | `ReferenceKernels` | `reference` | float64, for tests |
 
+Beside them: `build` builds the CPU extension from `csrc/` on first use; `cpu_math` is the
+portable exp, log and softmax the CPU backend is made of; `pinned` is that math for the code
+outside the kernels (algos, the sampler, the optimizer, RoPE), taken once a process is
+pinned; `check` is the start-up check that an invariant backend keeps its promise here.
+
 Batch-invariant means: each output row depends only on that row's inputs, not on how many
 rows are in the call, where the row sits, what the other rows hold, or the thread count.
 Attention reduces over keys in one fixed block order, so a token's output is the same bits

@@ -9,7 +9,7 @@ where the row sits, what the other rows hold, or the number of threads. How:
   Xeon, and even fixed-shape single-threaded MKL calls gave a row different bits at places
   0 and 1 of a tile there. Our kernels write each entry's arithmetic out as one fixed
   sequence of fused multiply-adds, so vectorisation, blocking and threads cannot change a
-  bit: the linear (`cpu_linear.cpp`) and attention's p v (`cpu_matmul.cpp`'s mm_nn) one
+  bit: the linear (`csrc/cpu_linear.cpp`) and attention's p v (`cpu_matmul.cpp`'s mm_nn) one
   running sum in k order, with rows (or, up to 8 rows, columns) as the vector lanes;
   attention's scores 16 lane sums in k order on every instruction set, then a fixed tree.
 - attention: scores and p v are such products; a row's keys past its position (and, in a
@@ -39,67 +39,23 @@ same for each (tests/kernels/test_cpu_isa.py), only the speed differs.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from reprorl.kernels import cpu_math
+from reprorl.kernels.build import extension
 from reprorl.kernels.autograd import linear_with_matmul_backward, with_torch_backward
 from reprorl.kernels.shared import (
     KEY_BLOCK, Padding, apply_rotary, check_batched_attention, padded_as_sequences, unpadded_attention,
 )
 from reprorl.kernels.torch_ops import TorchKernels, math_attention
 
-logger = logging.getLogger(__name__)
 
 # `batched_attention` takes queries in blocks of KEY_BLOCK: a block's softmax rows span its
 # keys only (a causal prefill's early blocks skip the later keys: 3/4 of the products at
 # 256 tokens, about half at 4096); no row's bits depend on the block.
 QUERY_BLOCK = KEY_BLOCK
-
-
-# No fast-math and no contraction: every multiply-add in the sources is the one written
-# (the bits the kernels promise); every build of them takes these.
-_EXACT_CFLAGS = ["-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
-
-
-ENV_MARCH = "REPRORL_CPU_MARCH"
-"""The `-march` the CPU kernels are built for (default `native`); it changes speed, not bits."""
-
-
-# The extension's files: none includes <torch/extension.h> (cpu_tensor.h says why).
-_SOURCES = ("cpu_bindings.cpp", "cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_math.cpp")
-_HEADERS = ("cpu_kernels.h", "cpu_math.h", "cpu_tensor.h")
-
-
-@functools.cache
-def extension():
-    """The CPU kernels' C++ extension (matmuls, attention, `cpu_math`'s functions), built on
-    first use."""
-    from torch.utils.cpp_extension import load
-
-    sources = [Path(__file__).with_name(name) for name in _SOURCES]
-    headers = [Path(__file__).with_name(name) for name in _HEADERS]
-    march = os.environ.get(ENV_MARCH, "native")
-    # One build per checkout, source version and instruction set: torch rebuilds an extension
-    # whose sources moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
-    digest = hashlib.sha256(march.encode())
-    for p in sources + headers:
-        digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
-    logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about half a minute",
-                ", ".join(p.name for p in sources), march)
-    try:
-        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources],
-                    verbose=False, extra_cflags=["-O3", f"-march={march}", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # a missing compiler surfaces as several exception types
-        raise RuntimeError(
-            f"full_determinism on the CPU needs reprorl's kernels ({sources[0].parent}/cpu_*.cpp), built with a C++ "
-            f"compiler and ninja (pip install ninja; apt-get install g++); building them failed: {e}"
-        ) from e
 
 
 def matmul_nt(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) -> Tensor:
@@ -139,32 +95,6 @@ def nt_plan(g: int, m: int, n: int, k: int) -> dict[str, int]:
     kc, rows, col_blocks, lanes, block_rows, block_cols = extension().nt_plan(g, m, n, k)
     return {"kc": kc, "rows": rows, "col_blocks": col_blocks, "lanes": lanes, "block_rows": block_rows,
             "block_cols": block_cols}
-
-
-_LINEAR_BINDING = """#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
-at::Tensor mm_rows(at::Tensor a, at::Tensor b, std::vector<int64_t> plan);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("mm_rows", &mm_rows); }
-"""
-
-
-def build_linear_variant(name: str, flags: list[str]):
-    """`cpu_linear.cpp` alone, built with other compiler flags (other register blocks with
-    `-DRL1=..`, another instruction set with `-march=..`), as a module whose `mm_rows(a, b,
-    plan)` is `matmul_rows`'s kernel: bench/tune/cpu_blocks.py times blocks with it, and a test
-    checks that AVX2 and scalar builds give the native build's bits."""
-    import tempfile
-
-    from torch.utils.cpp_extension import load
-
-    source = Path(__file__).with_name("cpu_linear.cpp")
-    binding = Path(tempfile.mkdtemp(prefix="reprorl_linear_")) / "binding.cpp"
-    binding.write_text(_LINEAR_BINDING)
-    headers = b"".join(source.with_name(name).read_bytes() for name in _HEADERS)
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:12]
-    march = [] if any(f.startswith("-march=") for f in flags) else ["-march=native"]
-    return load(name=f"reprorl_linear_{name}_{digest}", sources=[str(binding), str(source)], verbose=False,
-                extra_cflags=["-O3", *march, *_EXACT_CFLAGS, f"-I{source.parent}", *flags], extra_ldflags=["-fopenmp"])
 
 
 def matmul_rows(a: Tensor, b: Tensor, plan: tuple[int, int, int] | None = None) -> Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from reprorl.kernels.cpu_math import pinned_pow, pinned_sincos
+from reprorl.kernels.pinned import pinned_pow, pinned_sincos
 
 # The KV cache's capacity is a whole number of these (`models.transformer.KVCache`), and the
 # invariant attention backends read keys in chunks of it; a short sequence pads to less.

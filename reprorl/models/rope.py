@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from reprorl.errors import ConfigError
-from reprorl.kernels.cpu_math import pinned_pow
+from reprorl.kernels.pinned import pinned_pow
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 REQUIRED = {

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import torch
 
 from reprorl.kernels import TorchKernels
-from reprorl.kernels.cpu_math import pinned_softmax
+from reprorl.kernels.pinned import pinned_softmax
 from reprorl.rollout.request import SamplingParams
 
 

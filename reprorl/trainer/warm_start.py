@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from reprorl.errors import ConfigError
 from reprorl.kernels import select_kernels
-from reprorl.kernels.cpu_math import pinned_log_softmax
+from reprorl.kernels.pinned import pinned_log_softmax
 from reprorl.models.hf_io import load_model, save_model
 from reprorl.workers.optim import OptimArgs, guarded_step, lr_multiplier, make_adamw, set_lr
 

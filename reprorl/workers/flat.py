@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reprorl.kernels.cpu_math import thread_free_sum
+from reprorl.kernels.pinned import thread_free_sum
 
 CHUNK = 4096
 """Elements per chunk: the unit of sharding and of the gradient norm's partial sums. Part

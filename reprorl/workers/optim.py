@@ -20,7 +20,7 @@ from decimal import Decimal, localcontext
 import torch
 
 from reprorl.errors import ReproRLError
-from reprorl.kernels.cpu_math import pinned_sqrt
+from reprorl.kernels.pinned import pinned_sqrt
 
 LR_SCHEDULES = ("constant", "cosine")
 

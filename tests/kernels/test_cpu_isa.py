@@ -50,11 +50,11 @@ SCRIPT = textwrap.dedent("""
     sft_train(model, examples, steps=2, batch_size=3, lr=1e-3, seed=0, pad_token_id=0, batch_invariant=True,
               log_every=0)
     weights = [stable_digest(name, tensor_digest(p.detach())) for name, p in model.named_parameters()]
-    from reprorl.kernels import cpu_math
+    from reprorl.kernels import cpu_math, pinned
     x = torch.linspace(-110.0, 90.0, 1 << 16)
     math_digest = stable_digest(tensor_digest(cpu_math.exp(x)), tensor_digest(cpu_math.log(x.abs())),
-                                *[tensor_digest(t) for t in cpu_math.pinned_sincos(x * 1e4)],
-                                tensor_digest(cpu_math.pinned_pow(10000.0, x.abs() / 110)),
+                                *[tensor_digest(t) for t in pinned.pinned_sincos(x * 1e4)],
+                                tensor_digest(pinned.pinned_pow(10000.0, x.abs() / 110)),
                                 tensor_digest(cpu_math.log_softmax(x.view(64, -1))))
     print(json.dumps({"math": math_digest, "block": nt_plan(1, 4, 4, 64)["block_rows"], "logits": tensor_digest(logits),
                       "log_probs": tensor_digest(log_probs), "loss": tensor_digest(loss.detach()),

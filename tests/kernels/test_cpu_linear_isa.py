@@ -9,7 +9,7 @@ import platform
 import pytest
 import torch
 
-from reprorl.kernels import cpu
+from reprorl.kernels import build
 
 pytestmark = [pytest.mark.slow,  # two builds of the linear's source, about 30 s each
               pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow,  # two builds of the linear's source, about 30 s
 
 @pytest.mark.parametrize("march", ["haswell", "x86-64"])
 def test_cpu_linear_gives_the_same_bits_on_avx2_and_scalar_builds(march):
-    module = cpu.build_linear_variant(f"isa_{march.replace('-', '_')}", [f"-march={march}"])
+    module = build.build_linear_variant(f"isa_{march.replace('-', '_')}", [f"-march={march}"])
     gen = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for m, k, n in ((1, 896, 100), (5, 1100, 37), (9, 64, 29), (40, 1551, 70), (150, 7, 5), (300, 512, 200)):

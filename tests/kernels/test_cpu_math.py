@@ -1,4 +1,4 @@
-"""cpu_math: exp, log, sin, cos and pow within half a float ulp of the true value (so the same float as
+"""cpu_math and pinned: exp, log, sin, cos and pow within half a float ulp of the true value (so the same float as
 the correctly rounded one but for near-ties), special values as IEEE's, row sums in their
 documented order at any thread count, gradients against float64 autograd, the pinned
 switch, and golden digests: the same bits on any x86-64 CPU (the CPU kernels' ISA test
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from reprorl.determinism import tensor_digest
-from reprorl.kernels import cpu_math
+from reprorl.kernels import cpu_math, pinned
 
 # Digests of each function over its arguments below (`_ours_and_float64`). They move only
 # with cpu_math.h's arithmetic: regenerate them on purpose, and say so in the commit.
@@ -36,16 +36,16 @@ ROPE_EXPONENTS = torch.arange(0, 256, 2, dtype=torch.float32) / 256
 def _ours_and_float64(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(cpu_math's float32 result, float64's) of `name` over its test arguments."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_math, "_pinned", True)
+        mp.setattr(pinned, "_pinned", True)
         if name == "exp":
             return cpu_math.exp(GRID), torch.exp(GRID.double())
         if name == "log":
             return cpu_math.log(POSITIVE), torch.log(POSITIVE.double())
         if name in ("sin", "cos"):
-            sin, cos = cpu_math.pinned_sincos(ANGLES)
+            sin, cos = pinned.pinned_sincos(ANGLES)
             return (sin if name == "sin" else cos), getattr(torch, name)(ANGLES.double())
         bases = (10000.0, 500000.0, 1e6, 1.5)
-        return (torch.cat([cpu_math.pinned_pow(b, ROPE_EXPONENTS) for b in bases]),
+        return (torch.cat([pinned.pinned_pow(b, ROPE_EXPONENTS) for b in bases]),
                 torch.cat([b ** ROPE_EXPONENTS.double() for b in bases]))
 
 
@@ -98,7 +98,7 @@ def test_the_bits_do_not_depend_on_the_thread_count():
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
-@pytest.mark.parametrize("n", [cpu_math.TORCH_SERIAL_SUM + 1, 1_000_003])
+@pytest.mark.parametrize("n", [pinned.TORCH_SERIAL_SUM + 1, 1_000_003])
 def test_a_long_sum_is_the_same_bits_at_any_thread_count(n):
     # torch's own x.sum() of these, in its portable build (as under full determinism and in
     # these tests), gives two or three different floats over 1..8 threads.
@@ -110,18 +110,18 @@ def test_a_long_sum_is_the_same_bits_at_any_thread_count(n):
         sums = set()
         for t in (1, 2, 3, 8):
             torch.set_num_threads(t)
-            sums.add(cpu_math.thread_free_sum(x).item())
+            sums.add(pinned.thread_free_sum(x).item())
     finally:
         torch.set_num_threads(threads)
     assert len(sums) == 1
     assert sums.pop() == pytest.approx(math.fsum(x.tolist()), rel=1e-14)
-    cpu_math.thread_free_sum(x).backward()
+    pinned.thread_free_sum(x).backward()
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
 def test_a_short_sum_is_torchs():
-    x = torch.randn(cpu_math.TORCH_SERIAL_SUM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(cpu_math.thread_free_sum(x), x.sum())
+    x = torch.randn(pinned.TORCH_SERIAL_SUM, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(pinned.thread_free_sum(x), x.sum())
 
 
 def test_golden_digests():
@@ -169,20 +169,20 @@ def test_gated_activation_with_and_without_grad_are_the_same_bits_and_match_torc
 
 def test_pinned_functions_follow_the_pin(monkeypatch):
     x = torch.linspace(-20, 20, 10001)
-    monkeypatch.setattr(cpu_math, "_pinned", False)
-    assert torch.equal(cpu_math.pinned_exp(x), torch.exp(x))
-    assert torch.equal(cpu_math.pinned_softmax(x[None]), torch.softmax(x[None], -1))
-    monkeypatch.setattr(cpu_math, "_pinned", True)
-    assert torch.equal(cpu_math.pinned_exp(x), cpu_math.exp(x))
-    assert torch.equal(cpu_math.pinned_log_softmax(x[None]), cpu_math.log_softmax(x[None]))
-    assert torch.equal(cpu_math.pinned_softmax(x[None].double()), cpu_math.softmax(x[None].double()))
+    monkeypatch.setattr(pinned, "_pinned", False)
+    assert torch.equal(pinned.pinned_exp(x), torch.exp(x))
+    assert torch.equal(pinned.pinned_softmax(x[None]), torch.softmax(x[None], -1))
+    monkeypatch.setattr(pinned, "_pinned", True)
+    assert torch.equal(pinned.pinned_exp(x), cpu_math.exp(x))
+    assert torch.equal(pinned.pinned_log_softmax(x[None]), cpu_math.log_softmax(x[None]))
+    assert torch.equal(pinned.pinned_softmax(x[None].double()), cpu_math.softmax(x[None].double()))
 
 
 def test_sqrt_is_ieees(monkeypatch):
     """torch's CPU sqrt is MKL's vector math on these machines, whose bits differ between an
     AMD and an Intel CPU; pinned_sqrt is the IEEE root (float64's root rounded to float32
     is the correctly rounded float32 root)."""
-    monkeypatch.setattr(cpu_math, "_pinned", True)
+    monkeypatch.setattr(pinned, "_pinned", True)
     x = torch.cat([POSITIVE, torch.tensor([0.0, -0.0, math.inf, 2.0**-149])])
-    assert torch.equal(cpu_math.pinned_sqrt(x), torch.sqrt(x.double()).float())
-    assert cpu_math.pinned_sqrt(torch.tensor([-1.0])).isnan().all()
+    assert torch.equal(pinned.pinned_sqrt(x), torch.sqrt(x.double()).float())
+    assert pinned.pinned_sqrt(torch.tensor([-1.0])).isnan().all()

@@ -1,4 +1,4 @@
-"""Every TORCH_CHECK in the CPU extension (reprorl/kernels/cpu_*.cpp, cpu_kernels.h) has one
+"""Every TORCH_CHECK in the CPU extension (reprorl/kernels/csrc/cpu_*.cpp, cpu_kernels.h) has one
 literal message: on the GPU machine (torch 2.11+cu130, g++ 13.3) a failing check whose
 message is formatted (several arguments, joined into a std::string) segfaulted in any
 extension built there, while a literal one raised RuntimeError. Read from the source."""
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import reprorl
 
-SOURCES = sorted((Path(reprorl.__file__).parent / "kernels").glob("cpu_*.[ch]*"))
+SOURCES = sorted((Path(reprorl.__file__).parent / "kernels" / "csrc").glob("cpu_*.[ch]*"))
 LITERAL = re.compile(r'^\s*("([^"\\]|\\.)*"\s*)+$')  # "..." (adjacent literals join)
 
 

@@ -151,13 +151,13 @@ def test_score_errors(scorer):
 
 @pytest.mark.slow  # three replica actors start (torch + model each): 15-25 s on 2 shared cores
 def test_replicas_give_the_same_scores(ray_local, rm_path, monkeypatch):
-    from reprorl.kernels import cpu_math
+    from reprorl.kernels import pinned
     from reprorl.reward.reward_model import RewardModelPool, RewardModelScorer
 
     prompts, responses = _pairs(13, seed=5)  # 13: chunks of 7 and 6 over two replicas
     # The replicas run full determinism, which pins the host's CPU math (the RoPE tables
     # among it): the reference here is built pinned too, whatever earlier tests left.
-    monkeypatch.setattr(cpu_math, "_pinned", True)
+    monkeypatch.setattr(pinned, "_pinned", True)
     reference = RewardModelScorer(rm_path, max_num_seqs=64, batch_invariant=True).score(prompts, responses)
     results = []
     for num_replicas in (1, 2):

@@ -155,10 +155,10 @@ def test_batch_equals_per_row(V):
 
 
 def test_batch_equals_per_row_with_the_pinned_probabilities(monkeypatch):
-    """Under full determinism the probabilities come from cpu_math's softmax, in float64."""
-    from reprorl.kernels import cpu_math
+    """Under full determinism the probabilities come from the pinned softmax, in float64."""
+    from reprorl.kernels import pinned
 
-    monkeypatch.setattr(cpu_math, "_pinned", True)
+    monkeypatch.setattr(pinned, "_pinned", True)
     _check_batch_equals_per_row(1000)
 
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from reprorl.kernels import cpu_math
+from reprorl.kernels import pinned
 from reprorl.models.lora import LoraSpec
 from reprorl.workers.flat import CHUNK, FlatLayout, flatten, tree_sum
 from reprorl.workers.group import WorkerError, WorkerGroup
@@ -140,7 +140,7 @@ def test_log_probs_by_token_budget_are_those_by_sample_count(budget_runs, tiny_p
     # Batch-invariant kernels: the rows' bits whatever micro-batch they sit in, back in sample order
     # (here: the Ray group's by budget against one rank's in this process by sample count; the
     # Ray ranks run full determinism, so this process takes its CPU math, RoPE tables included).
-    monkeypatch.setattr(cpu_math, "_pinned", True)
+    monkeypatch.setattr(pinned, "_pinned", True)
     worker = in_process_group("ref", tiny_policy_dir, batch_invariant=True)
     assert torch.equal(budget_runs[1][0], worker.compute_log_probs(batch, temperature=1.0, micro_batch_size=2))
 
@@ -158,8 +158,8 @@ def test_one_update_equals_a_plain_unsharded_reference(runs, tiny_policy_dir, ba
     weights after its first update must be these bits. The tree's gradient also equals the
     usual accumulation (autograd adding each micro-batch's gradient into `.grad`) up to rounding.
     The group's ranks run full determinism, so this process takes its CPU math too
-    (`cpu_math`), and AdamW's step is theirs (`step_in_chunks`, tested against torch's)."""
-    monkeypatch.setattr(cpu_math, "_pinned", True)
+    (`pinned`), and AdamW's step is theirs (`step_in_chunks`, tested against torch's)."""
+    monkeypatch.setattr(pinned, "_pinned", True)
     torch.set_num_threads(1)
     model = load_policy(tiny_policy_dir, trainable=True, batch_invariant=True)
     named = [(n, p) for n, p in model.named_parameters()]

@@ -94,9 +94,9 @@ def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device, monkeypatch):
     parameter: parameter, moments and step count equal torch's single-tensor AdamW's (the
     state make_adamw keeps, stepped by step_in_chunks), bit for bit (with
     torch's square root: not under full determinism's CPU math, whose root is IEEE's)."""
-    from reprorl.kernels import cpu_math
+    from reprorl.kernels import pinned
 
-    monkeypatch.setattr(cpu_math, "_pinned", False)
+    monkeypatch.setattr(pinned, "_pinned", False)
     g = torch.Generator().manual_seed(0)
     start = (torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-6, 3, (10_007,), generator=g)).to(device)
     grads = [(torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-8, 2, (10_007,), generator=g)).to(device)
@@ -144,9 +144,9 @@ def test_a_step_takes_the_exact_scalars(pinned, monkeypatch):
     """At step 2904 (0.999 ** 2904 is where glibc's pow is not correctly rounded), the step
     is torch's formula with exact_power's bias corrections and math.sqrt's root; the moments'
     root is `pinned_sqrt` (IEEE's under full determinism, torch's otherwise)."""
-    from reprorl.kernels import cpu_math
+    from reprorl.kernels import pinned as pinned_math
 
-    monkeypatch.setattr(cpu_math, "_pinned", pinned)
+    monkeypatch.setattr(pinned_math, "_pinned", pinned)
     g = torch.Generator().manual_seed(4)
     param = torch.nn.Parameter(torch.randn(5000, generator=g))
     opt = make_adamw([param], OptimArgs(lr=1e-3, weight_decay=0.1))
@@ -159,6 +159,6 @@ def test_a_step_takes_the_exact_scalars(pinned, monkeypatch):
     p.mul_(1 - 1e-3 * 0.1)
     m.lerp_(grad, 1 - 0.9)
     v.mul_(0.999).addcmul_(grad, grad, value=1 - 0.999)
-    denom = (cpu_math.pinned_sqrt(v) / math.sqrt(1 - exact_power(0.999, 2904))).add_(1e-8)
+    denom = (pinned_math.pinned_sqrt(v) / math.sqrt(1 - exact_power(0.999, 2904))).add_(1e-8)
     p.addcdiv_(m, denom, value=-1e-3 / (1 - exact_power(0.9, 2904)))
     assert torch.equal(param.detach(), p) and torch.equal(state["exp_avg_sq"], v) and state["step"].item() == 2904.0
