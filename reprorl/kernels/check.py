@@ -109,19 +109,17 @@ def _invariance_problems(kernels, hidden: int, intermediate: int, vocab: int, nu
 def verify_batch_invariance(kernels, args, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
     """Check, once per process and model shape, that `kernels` keep row invariance here.
 
-    `args`: a `ModelArgs` (its widths, heads, vocabulary). Under 0.1 s for a tiny model,
-    about 2 s at Qwen2.5-0.5B shapes on the CPU. Raises `BatchInvarianceError` naming the
-    op, the device, torch and the shape if a row differs. Backends without the promise
-    (stock torch) are not checked.
+    `args`: a `ModelArgs` (its widths, heads, vocabulary, and `gated`, the MLP's kernel).
+    Under 0.1 s for a tiny model, about 2 s at Qwen2.5-0.5B shapes on the CPU. Raises
+    `BatchInvarianceError` naming the op, the device, torch and the shape if a row differs.
+    Backends without the promise (stock torch) are not checked.
     """
     if not kernels.batch_invariant:
         return
-    from reprorl.models.arch import ACTIVATIONS  # here: models/ imports the kernels
-
     device = torch.device(device)
     problems = _invariance_problems(kernels, args.hidden_size, args.intermediate_size, args.vocab_size,
                                     args.num_attention_heads, args.num_key_value_heads, args.head_dim,
-                                    dtype, str(device), torch.get_num_threads(), ACTIVATIONS[args.hidden_act])
+                                    dtype, str(device), torch.get_num_threads(), args.gated)
     if problems:
         raise BatchInvarianceError(
             f"batch-invariant mode does not hold on this machine ({device_name(device)}, torch "

@@ -80,6 +80,11 @@ class ModelArgs:
         types = self.layer_types or ("full_attention",) * self.num_hidden_layers
         return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
 
+    @property
+    def gated(self) -> str:
+        """The kernel of the MLP's gate: "swiglu" or "geglu" (`ACTIVATIONS` of `hidden_act`)."""
+        return ACTIVATIONS[self.hidden_act]
+
     def __post_init__(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; expected one of {sorted(ACTIVATIONS)}")

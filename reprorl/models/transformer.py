@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from reprorl.kernels import KEY_BLOCK, TorchKernels
 from reprorl.kernels.backend import Kernels
 from reprorl.kernels.shared import Padding, rope_tables, rotary_tables, write_rows
-from reprorl.models.arch import ACTIVATIONS, ModelArgs
+from reprorl.models.arch import ModelArgs
 from reprorl.models.rope import inverse_frequencies, max_positions
 
 
@@ -229,7 +229,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.up_proj = Linear(args.hidden_size, args.intermediate_size, args.mlp_bias, dtype)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, args.mlp_bias, dtype)
-        self.gated = ACTIVATIONS[args.hidden_act]  # the kernel: "swiglu" or "geglu"
+        self.gated = args.gated  # the kernel: "swiglu" or "geglu"
 
     def forward(self, x: Tensor, kernels: Kernels) -> Tensor:
         gated = getattr(kernels, self.gated)
