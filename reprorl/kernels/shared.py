@@ -11,7 +11,7 @@ from torch import Tensor
 
 from reprorl.kernels.pinned import pinned_pow, pinned_sincos
 
-# The KV cache's capacity is a whole number of these (`models.transformer.KVCache`), and the
+# The KV cache's capacity is a whole number of these (`models.kv_cache.KVCache`), and the
 # invariant attention backends read keys in chunks of it; a short sequence pads to less.
 KEY_BLOCK = 128
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from reprorl.errors import ConfigError
 from reprorl.models.rope import RopeScaling
 
@@ -306,6 +308,11 @@ class ModelArgs:
             "attn_logit_softcapping": None,
             "use_bidirectional_attention": False,
         }
+
+
+def model_dtype(args: ModelArgs, dtype: torch.dtype | None = None) -> torch.dtype:
+    """`dtype` if given, else the checkpoint's (`torch_dtype`)."""
+    return dtype if dtype is not None else getattr(torch, args.torch_dtype)
 
 
 def architecture(model_type: str, kind: str) -> str:

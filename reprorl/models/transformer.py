@@ -23,22 +23,18 @@ on either path, whatever it is batched or packed with and however its prompt was
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from reprorl.kernels import KEY_BLOCK, TorchKernels
+from reprorl.kernels import TorchKernels
 from reprorl.kernels.backend import Kernels
 from reprorl.kernels.shared import Padding, rope_tables, rotary_tables, write_rows
-from reprorl.models.arch import ModelArgs
+from reprorl.models.arch import ModelArgs, model_dtype
+from reprorl.models.kv_cache import KVCache, cache_rows
+from reprorl.models.packing import PackPlan
 from reprorl.models.rope import inverse_frequencies, max_positions
-
-
-def _dtype(args: ModelArgs, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None else getattr(torch, args.torch_dtype)
 
 
 class Linear(nn.Module):
@@ -77,103 +73,6 @@ class RMSNorm(nn.Module):
         # for the kernel (a bfloat16 model's (1 + w) is one bfloat16 rounding from transformers').
         weight = (self.weight.float() + 1.0).to(self.weight.dtype) if self.plus_one else self.weight
         return kernels.rms_norm(x, weight, self.eps)
-
-
-class KVCache:
-    """Keys and values of `num_slots` sequences for every layer, one row ("slot") each.
-
-    `keys[layer]`, `values[layer]`: [slots, kv_heads, cap, head_dim], where `cap` is
-    `capacity` rounded up to whole `KEY_BLOCK`s (the chunks attention reads, so a
-    decode step reads the store as a view, with no copy). `lengths[slot]` counts the
-    tokens cached for a slot: `forward_packed` appends after it and advances it; set it
-    back to rewind or to reuse the slot. Entries past a slot's length are stale but finite
-    (zeros at first), and attention masks them out.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        num_slots: int = 1,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        self.num_layers, self.dtype, self.device = num_layers, dtype, torch.device(device)
-        self.lengths = [0] * num_slots
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-        self.capacity = 0
-        self._shape = (num_slots, num_kv_heads, head_dim)
-        self.grow(capacity)
-
-    @classmethod
-    def for_model(
-        cls,
-        args: ModelArgs,
-        capacity: int,
-        num_slots: int = 1,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str = "cpu",
-    ) -> KVCache:
-        """A cache shaped for `args`, in the model's dtype unless given."""
-        return cls(
-            args.num_hidden_layers,
-            args.num_key_value_heads,
-            args.head_dim,
-            capacity,
-            num_slots,
-            _dtype(args, dtype),
-            device,
-        )
-
-    @property
-    def num_slots(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def nbytes(self) -> int:
-        """Memory held by the keys and values of every layer."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-    def grow(self, capacity: int) -> None:
-        """Make room for `capacity` tokens per slot, keeping what is cached (a copy)."""
-        if capacity <= self.capacity:
-            return
-        cap = -(-capacity // KEY_BLOCK) * KEY_BLOCK
-        s, h, d = self._shape
-        old = self.keys[0].shape[2] if self.keys else 0
-        if cap > old:
-            new = [torch.zeros(s, h, cap, d, dtype=self.dtype, device=self.device) for _ in range(2 * self.num_layers)]
-            for buf, prev in zip(new, self.keys + self.values):
-                buf[:, :, :old] = prev
-            self.keys, self.values = new[: self.num_layers], new[self.num_layers :]
-        self.capacity = capacity
-
-
-    def copy_prefixes(self, copies: list[tuple[int, list[int], int]]) -> None:
-        """For each (src, dsts, length): copy the first `length` cached tokens of slot `src`
-        into slots `dsts` and set their lengths (the engine's prefix sharing). All the copies
-        of a step go in one gather and one row write per layer's keys and values
-        (`write_rows`), not one per prompt: on the GPU a step's 32 shared prompts were 32x the
-        launches."""
-        if not copies:
-            return
-        _, hkv, cap, _ = self.keys[0].shape
-        src_rows, dst_rows = [], []
-        for src, dsts, length in copies:
-            heads = (torch.arange(hkv)[:, None] * cap + torch.arange(length)).reshape(-1)  # rows of a slot
-            src_rows.append((src * hkv * cap + heads).repeat(len(dsts)))
-            dst_rows.append((torch.tensor(dsts)[:, None] * hkv * cap + heads).reshape(-1))
-        src_rows = torch.cat(src_rows).to(self.device)
-        dst_rows = torch.cat(dst_rows).to(self.device)
-        for buf in self.keys + self.values:
-            rows = buf.view(-1, buf.shape[-1])
-            write_rows(rows, dst_rows, rows.index_select(0, src_rows))
-        for _, dsts, length in copies:
-            for d in dsts:
-                self.lengths[d] = length
 
 
 class Attention(nn.Module):
@@ -271,7 +170,7 @@ class DecoderLayer(nn.Module):
         q, k, v = self.self_attn.project(self._attention_input(x, kernels), cos, sin, kernels)
         return self._rest(x, kernels.padded_attention(q, k, v, padding, window=self.window), kernels)
 
-    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: _PackPlan, cache: KVCache, layer: int,
+    def forward_packed(self, x: Tensor, cos: Tensor, sin: Tensor, plan: PackPlan, cache: KVCache, layer: int,
                        kernels: Kernels) -> Tensor:
         """x [N, H], cos/sin [N, D] -> [N, H]; writes this layer's keys/values into the cache.
 
@@ -318,88 +217,6 @@ class DecoderLayer(nn.Module):
         return self._rest(x, attn, kernels)
 
 
-class _Group:
-    """Sequences of one `batched_attention` call: B rows of Tq queries each.
-
-    Row b reads cache slot lo + b (a view of the store; rows of slots not in the group are
-    computed with zero queries and dropped) or, with `index`, slot index[b] (a gather).
-    `gather` [B, Tq] picks each row's queries from the pack (N = a zero query), `q_start`
-    [B] is their first position, and `rows` [n] / `real` [n] map the n real outputs of the
-    flattened [B * Tq] result back to the pack.
-    """
-
-    def __init__(self, members: list[tuple[int, int, int, int]], num_tokens: int, device: torch.device) -> None:
-        # members: (first row in the pack, token count, slot, start position)
-        slots = [m[2] for m in members]
-        tq = max(m[1] for m in members)
-        self.lo, self.hi = min(slots), max(slots) + 1
-        if self.hi - self.lo <= 2 * len(slots):  # dense enough: a view of the slot range
-            self.index, place = None, [slot - self.lo for slot in slots]
-            size = self.hi - self.lo
-        else:
-            self.index, place, size = torch.tensor(slots, device=device), list(range(len(slots))), len(slots)
-        # Built as Python lists and converted once: a torch op per sequence would cost more
-        # than a decode step of a small model.
-        gather = [[num_tokens] * tq for _ in range(size)]
-        q_start = [0] * size
-        rows, real = [], []
-        for (first, n, _, start), b in zip(members, place):
-            gather[b][:n] = range(first, first + n)
-            q_start[b] = start
-            rows.extend(range(first, first + n))
-            real.extend(range(b * tq, b * tq + n))
-        self.gather = torch.tensor(gather, device=device)
-        self.q_start = torch.tensor(q_start, device=device)
-        self.rows, self.real = torch.tensor(rows, device=device), torch.tensor(real, device=device)
-
-
-class _PackPlan:
-    """Where the tokens of one `forward_packed` call go: each token's cache slot and position,
-    and the attention groups (one-token sequences, i.e. decode steps; and longer chunks).
-
-    `in_order`: every sequence brings one token and the slots are consecutive, in pack
-    order (an engine decode step): attention then reads the slot range as a view and its
-    output rows are already in pack order, so no group is built (`lo`, `hi`, `q_start`).
-    """
-
-    def __init__(self, seq_lens: list[int], slots: list[int], starts: list[int], device: torch.device) -> None:
-        n = sum(seq_lens)
-        self._kv_rows: Tensor | None = None
-        self.in_order = 0 < n == len(slots) and slots == list(range(slots[0], slots[0] + n))
-        if self.in_order:
-            self.lo, self.hi = slots[0], slots[0] + n
-            self.token_slots = torch.arange(self.lo, self.hi, device=device)
-            self.positions = self.q_start = torch.tensor(starts, device=device)
-            self.token_pos = self.positions
-            self.groups = []
-            return
-        firsts = [0, *itertools.accumulate(seq_lens)][:-1]
-        self.token_slots = torch.tensor([s for s, k in zip(slots, seq_lens) for _ in range(k)], dtype=torch.long,
-                                        device=device)
-        self.positions = torch.tensor([p for p0, k in zip(starts, seq_lens) for p in range(p0, p0 + k)],
-                                      dtype=torch.long, device=device)
-        self.token_pos = self.positions
-        members = list(zip(firsts, seq_lens, slots, starts))
-        decode = [m for m in members if m[1] == 1]
-        longer = [m for m in members if m[1] > 1]
-        self.groups = [_Group(g, n, device) for g in (decode, longer) if g]
-
-    def kv_rows(self, cache: KVCache) -> Tensor:
-        """`cache_rows` of the plan's tokens (made on the first layer's call, then reused)."""
-        if self._kv_rows is None:
-            self._kv_rows = cache_rows(cache, self.token_slots, self.token_pos)
-        return self._kv_rows
-
-
-def cache_rows(cache: KVCache, slots: Tensor, positions: Tensor) -> Tensor:
-    """Where token b's keys go for each KV head h, as rows of a layer's cache viewed as
-    [S * Hkv * cap, D]: (slots[b] * Hkv + h) * cap + positions[b], in (b, h) order [B * Hkv]
-    (the order of k [B, Hkv, D] flattened to rows). Every layer's cache has one shape."""
-    _, hkv, cap, _ = cache.keys[0].shape
-    heads = torch.arange(hkv, device=slots.device)
-    return ((slots[:, None] * hkv + heads) * cap + positions[:, None]).reshape(-1)
-
-
 class Transformer(nn.Module):
     """The backbone (HF's `model.` prefix): embeddings, decoder layers, final norm.
 
@@ -407,7 +224,7 @@ class Transformer(nn.Module):
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        dtype = _dtype(args, dtype)
+        dtype = model_dtype(args, dtype)
         self.args = args
         self.embed_tokens = nn.Embedding(
             args.vocab_size, args.hidden_size, _weight=torch.zeros(args.vocab_size, args.hidden_size, dtype=dtype)
@@ -516,7 +333,7 @@ class Transformer(nn.Module):
                 raise ValueError(
                     f"KVCache slot {s} of capacity {cache.capacity} holds {start} tokens; cannot add {n}"
                 )
-        plan = _PackPlan(seq_lens, slots, starts, input_ids.device)
+        plan = PackPlan(seq_lens, slots, starts, input_ids.device)
         rope = self._rope(plan.positions, max((start + n for n, start in zip(seq_lens, starts)), default=0) - 1)
         x = self._embed(input_ids)
         for i, (layer, (cos, sin)) in enumerate(zip(self.layers, rope)):
@@ -565,7 +382,8 @@ class CausalLM(_BackboneKernels, nn.Module):
         self.args = args
         self.model = Transformer(args, dtype)
         self.lm_head = (
-            None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, False, _dtype(args, dtype))
+            None if args.tie_word_embeddings
+            else Linear(args.hidden_size, args.vocab_size, False, model_dtype(args, dtype))
         )
 
     def forward(
@@ -616,7 +434,7 @@ class SequenceClassifier(_BackboneKernels, nn.Module):
         super().__init__()
         self.args = args
         self.model = Transformer(args, dtype)
-        self.score = Linear(args.hidden_size, args.num_labels, False, _dtype(args, dtype))
+        self.score = Linear(args.hidden_size, args.num_labels, False, model_dtype(args, dtype))
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None
@@ -658,7 +476,7 @@ class ValueModel(_BackboneKernels, nn.Module):
         super().__init__()
         self.args = args
         self.model = Transformer(args, dtype)
-        self.score = Linear(args.hidden_size, 1, True, _dtype(args, dtype))
+        self.score = Linear(args.hidden_size, 1, True, model_dtype(args, dtype))
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None, *,

@@ -33,7 +33,7 @@ from reprorl.determinism_report import model_part_info
 from reprorl.errors import ReproRLError
 from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
-from reprorl.models.transformer import KVCache
+from reprorl.models.kv_cache import KVCache
 from reprorl.reward.chat import ChatScorer
 from reprorl.rollout.pool import ReplicaPoolBase
 from reprorl.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather, time_limit

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from reprorl.models.transformer import KVCache
+from reprorl.models.kv_cache import KVCache
 
 
 def batch_buckets(max_batch: int) -> list[int]:

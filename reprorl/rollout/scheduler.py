@@ -34,7 +34,7 @@ import torch
 
 from reprorl.kernels import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
-from reprorl.models.transformer import KVCache
+from reprorl.models.kv_cache import KVCache
 from reprorl.rollout.sampling import draw_uniforms
 from reprorl.rollout.request import SamplingParams
 

@@ -415,7 +415,7 @@ def test_aborted_prefix_leader_hands_its_followers_on(model):
 def test_forward_decode_equals_forward_packed(model):
     """The graph path's decode (`forward_decode`: every slot attended, padding rows in a spare
     slot) gives the bits of the eager packed decode, with batch-invariant kernels."""
-    from reprorl.models.transformer import KVCache
+    from reprorl.models.kv_cache import KVCache
 
     with on_kernels(model, invariant=True), torch.inference_mode():
         rng = random.Random(12)
