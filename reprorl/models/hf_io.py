@@ -160,3 +160,15 @@ def _copy_tensors(model: nn.Module, tensors: dict[str, Tensor], kind: str, path:
                     f"expected {list(param.shape)} from config.json"
                 )
             param.copy_(tensors[name])
+
+
+def eos_ids_from_dir(path: str) -> int | list[int] | None:
+    """eos_token_id from generation_config.json, else config.json (HF's own precedence)."""
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(path, name)
+        if os.path.exists(f):
+            with open(f) as fh:
+                eos = json.load(fh).get("eos_token_id")
+            if eos is not None:
+                return eos
+    return None

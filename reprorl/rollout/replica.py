@@ -69,8 +69,8 @@ def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = No
     (None: the checkpoint's), with the policy's LoRA adapters if `lora` (drawn as the
     trainer draws them: the same bits before any push). The engine runs where its model's
     parameters are."""
-    from reprorl.models.hf_io import dtype_from_name, load_model
-    from reprorl.rollout.engine import Engine, eos_ids_from_dir
+    from reprorl.models.hf_io import dtype_from_name, eos_ids_from_dir, load_model
+    from reprorl.rollout.engine import Engine
 
     model, _ = load_model(model_path, kind="causal_lm", dtype=dtype_from_name(dtype), lora=lora)
     return Engine(model.to(device), eos_token_id=eos_ids_from_dir(str(model_path)), **options)

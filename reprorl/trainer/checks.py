@@ -20,7 +20,7 @@ from reprorl.algos.registry import estimator
 from reprorl.config import Config
 from reprorl.errors import ConfigError
 from reprorl.models.arch import ModelArgs
-from reprorl.rollout.engine import eos_ids_from_dir
+from reprorl.models.hf_io import eos_ids_from_dir
 
 logger = logging.getLogger(__name__)
 

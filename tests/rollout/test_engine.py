@@ -436,7 +436,7 @@ def test_forward_decode_equals_forward_packed(model):
 
 
 def test_gpu_cache_shape(model, monkeypatch):
-    from reprorl.rollout.engine import gpu_cache_shape
+    from reprorl.rollout.engine_options import gpu_cache_shape
 
     args = model.args
     per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * 4  # float32

@@ -151,7 +151,7 @@ def test_stop_tokens_and_abort(model):
 
 
 def test_cache_smaller_than_max_num_seqs_makes_admission_wait(model):
-    from reprorl.rollout.engine import gpu_cache_shape
+    from reprorl.rollout.engine_options import gpu_cache_shape
 
     args = model.args
     per_slot = 2 * args.num_hidden_layers * args.num_key_value_heads * args.head_dim * 2 * 512

@@ -46,10 +46,10 @@ def test_kv_cache_by_hand():
 
 @pytest.mark.parametrize("free,max_len", [(10**9, 300), (2_000_000, 300), (2_000_000, 3000)])
 def test_kv_cache_is_what_the_engine_allocates(monkeypatch, free, max_len):
-    from reprorl.rollout import engine
+    from reprorl.rollout import engine_options
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 8 * free))
-    slots, capacity = engine.gpu_cache_shape(TINY, torch.bfloat16, torch.device("cuda"), 16, max_len, 0.5)
+    slots, capacity = engine_options.gpu_cache_shape(TINY, torch.bfloat16, torch.device("cuda"), 16, max_len, 0.5)
     per_token = 2 * 2 * 1 * 64 * 2
     assert kv_cache_bytes(TINY, 2, 16, max_len, 0.5, free) == (slots + 1) * capacity * per_token
 
