@@ -105,7 +105,7 @@ def train(run_dir: Path, k: int, steps: int | None, extra: list[str]) -> dict:
         "wait_mean_s": statistics.mean(r.get("async/wait_s", 0.0) for r in done),
         "train_step_median_s": statistics.median(r["timing/step_s"] for r in done),
         "gen_median_s": statistics.median(r["timing/gen_s"] for r in done),
-        "final_val_accuracy": next((r["val/accuracy"] for r in reversed(records) if "val/accuracy" in r), None),
+        "val_accuracy": {r["step"]: r["val/accuracy"] for r in records if "val/accuracy" in r},
         "run_dir": str(run_dir),
     }
 
@@ -137,6 +137,8 @@ def main() -> None:
                 run = train(Path(tmp) / f"k{k}-{r}", k, steps, list(args.overrides))
                 runs.append(run)
                 gpu = "" if run["gpu_busy_share"] is None else f", GPU busy {run['gpu_busy_share']:.0%}"
+                acc = list(run["val_accuracy"].values())
+                gpu += f", val/accuracy {acc[0]:.3f} -> {acc[-1]:.3f}" if acc else ""
                 print(f"round {r} k={k}: loop {run['loop_wall_s']:7.2f} s ({run['steps']} steps, median step "
                       f"{run['step_wall_median_s']:.3f} s, waits {run['wait_mean_s']:.3f} s a step), process "
                       f"{run['process_wall_s']:.1f} s, CPU busy {run['cpu_busy_share']:.0%}{gpu}", flush=True)

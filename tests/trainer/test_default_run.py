@@ -45,20 +45,43 @@ def test_run_on_pairs_are_a_pure_function_of_their_arguments():
         run_on_pairs(rows, 1.5, seed=0)
 
 
+def _train(cwd: Path, *overrides: str) -> dict[int, float]:
+    """`reprorl train` in `cwd` on the CPU, as a user runs it; its {step: val/accuracy}."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "reprorl.cli", "train", *overrides], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    name = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.experiment_name=")), "tiny-grpo")
+    lines = [json.loads(line) for line in (cwd / f"runs/reprorl/{name}/metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["val/accuracy"] for line in lines if "val/accuracy" in line}
+
+
+@pytest.fixture(scope="module")
+def default_run_dir(tmp_path_factory):
+    """Where the default run trained (its assets, made by it, stay there for the next run)."""
+    cwd = tmp_path_factory.mktemp("default-run")
+    return cwd, _train(cwd)
+
+
 @pytest.mark.slow
-def test_the_default_run_learns(tmp_path):
+def test_the_default_run_learns(default_run_dir):
     """The README's main job, as a user runs it: greedy validation accuracy gains >= 0.2.
     On the CPU even where there is a GPU (`resources.device: auto` would take it): the golden
     digests are the CPU run's bits."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-m", "reprorl.cli", "train"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=1200)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [json.loads(line) for line in (tmp_path / "runs/reprorl/tiny-grpo/metrics.jsonl").read_text().splitlines()]
-    accuracy = {line["step"]: line["val/accuracy"] for line in lines if "val/accuracy" in line}
+    cwd, accuracy = default_run_dir
     assert sorted(accuracy) == [0, 10, 20, 30]
     assert accuracy[30] >= accuracy[0] + 0.2, accuracy
-    check_golden_digests(tmp_path / "runs/reprorl/tiny-grpo/fingerprints.jsonl")
+    check_golden_digests(cwd / "runs/reprorl/tiny-grpo/fingerprints.jsonl")
+
+
+@pytest.mark.slow
+def test_the_default_run_learns_one_step_off(default_run_dir):
+    """With trainer.max_staleness=1 (each batch made with the weights of two steps back while
+    the step before trains) the default run still gains >= 0.2 in its 30 steps."""
+    cwd, _ = default_run_dir
+    accuracy = _train(cwd, "trainer.max_staleness=1", "trainer.experiment_name=tiny-grpo-async")
+    assert sorted(accuracy) == [0, 10, 20, 30]
+    assert accuracy[30] >= accuracy[0] + 0.2, accuracy
 
 
 GOLDEN = Path(__file__).with_name("golden_default_run.json")
