@@ -42,7 +42,6 @@ from reprorl import algos
 from reprorl.config import Config, config_to_yaml
 from reprorl.data.dataset import PromptSampler
 from reprorl.determinism import determinism_env, enable_full_determinism
-from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FingerprintWriter
 from reprorl.models.hf_io import load_tokenizer
@@ -68,7 +67,8 @@ from reprorl.trainer.parts import (
 )
 from reprorl.trainer.resume_guard import plan_resume
 from reprorl.trainer.run_dir import lock_run_dir
-from reprorl.trainer.tracking import CURVES_FILE, GENERATIONS_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics
+from reprorl.trainer.run_records import log_generations, report_determinism, write_fingerprint
+from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics
 from reprorl.workers.group import WorkerError
 from reprorl.workers.optim import NonFiniteError
 
@@ -218,7 +218,7 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = mask.sum().item() / max(metrics["timing/gen_s"], 1e-9)
         if self.cfg.trainer.log_generations:
             self._log_generations(step, "train", batch, scores)
-        self._write_fingerprint(step, batch, scores, metrics, weight_digests)
+        write_fingerprint(self.fingerprints, step, batch, scores, metrics, weight_digests)
         return metrics
 
     def _log_prob_check_due(self) -> bool:
@@ -280,25 +280,6 @@ class Trainer:
         metrics["timing/update_s"] = time.perf_counter() - t0
         return self.parts.actor.weight_digests()
 
-    def _write_fingerprint(self, step: int, batch: Batch, scores: torch.Tensor, metrics: dict[str, float],
-                           weight_digests: dict[str, str]) -> None:
-        """The step's fingerprint record: digests of what it computed and of the new weights."""
-        self.fingerprints.write(
-            step,
-            fields={
-                "prompts": batch["prompts"], "responses": batch["responses"],
-                "rollout_log_probs": batch["rollout_log_probs"], "rewards": scores,
-                "old_log_probs": batch["old_log_probs"], "advantages": batch["advantages"],
-                **({"ref_log_probs": batch["ref_log_probs"]} if "ref_log_probs" in batch else {}),
-                **({"values": batch["values"]} if self.parts.critic is not None else {}),
-                "losses": torch.tensor([metrics[k] for k in sorted(metrics) if k.endswith("_loss")], dtype=torch.float64),
-                "grad_norms": torch.tensor(
-                    [metrics[k] for k in sorted(metrics) if k.endswith("grad_norm")], dtype=torch.float64
-                ),
-            },
-            param_digests=weight_digests,
-        )
-
     def _advantages(
         self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor, reward_baselines: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,7 +290,6 @@ class Trainer:
             token_rewards, mask, batch.non_tensors["uid"], algo.gamma, algo.lam, algo.norm_adv_by_std,
             values=batch["values"] if est.needs_critic else None, reward_baselines=reward_baselines,
         ))
-
 
     # ------------------------------------------------------------------ validation
 
@@ -324,46 +304,13 @@ class Trainer:
         return validation.metrics
 
     def _log_generations(self, step: int, split: str, output: Batch, scores: torch.Tensor) -> None:
-        """The first `trainer.log_generations` samples of the step's training batch or
-        validation (`split`: "train" or "val"), as lines of generations.jsonl in the run
-        directory (appended, durably), and as a table in TensorBoard and wandb."""
-        lines = []
-        for i in range(min(self.cfg.trainer.log_generations, len(output))):
-            model_tokens = output["response_mask"][i].nonzero()
-            length = int(model_tokens[-1]) + 1 if len(model_tokens) else 0  # tool turns between included
-            response = output["responses"][i][:length].tolist()
-            lines.append({
-                "step": step, "split": split, "uid": output.non_tensors["uid"][i],
-                "data_source": output.non_tensors["data_source"][i],
-                "prompt": self.tokenizer.decode(list(output.non_tensors["prompt_ids"][i])),
-                "response": self.tokenizer.decode(response), "reward": float(scores[i]),
-            })
-        with open(self.run_dir / GENERATIONS_FILE, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        if self.tracker is not None:
-            self.tracker.log_generations(step, split, lines)
-
-    # ------------------------------------------------------------------ determinism report
+        log_generations(self.run_dir, self.tracker, self.tokenizer, self.cfg.trainer.log_generations, step, split,
+                        output, scores)
 
     def report_determinism(self, step: int) -> dict[str, Any]:
         """Ask every part for its determinism mode; write, log and return the report."""
-        parts = self.parts
-        infos: dict[str, dict[str, Any]] = {}
-        for group in (parts.actor, parts.ref, parts.critic):
-            if group is not None:
-                infos.update(group.determinism_info())  # "actor worker 0", ...
-        infos.update({f"rollout replica {i}": info for i, info in parts.pool.determinism_info().items()})
-        if parts.reward_model is not None:
-            infos.update({f"reward replica {i}": info for i, info in parts.reward_model.determinism_info().items()})
-        infos.update({f"agent-loop worker {i}": info for i, info in parts.agent.determinism_info().items()})
-        report = build_report(infos, full_determinism=self.cfg.full_determinism, seed=self.cfg.seed)
-        report["started_at_step"] = step
-        report["placement"] = self.placement.summary()
-        write_report(self.run_dir, report)
-        logger.info("%s", format_report(report))
-        return report
+        return report_determinism(self.run_dir, self.parts, full_determinism=self.cfg.full_determinism,
+                                  seed=self.cfg.seed, placement=self.placement, step=step)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Path:
