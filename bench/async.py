@@ -18,6 +18,13 @@ identical (`reprorl compare`). Prints a table and writes bench/results/async.jso
     python bench/async.py --rounds 2 --steps 10    # twice each, 10 steps
     python bench/async.py --quick                  # 3 steps: checks that it works
     python bench/async.py --ks 0 1 -- resources.device=cuda model.path=...   # overrides for every run
+    python bench/async.py --shape 0.5b --steps 6 --ks 0 1     # one GPU: the 0.5B shape, 64 x 8, 128 + 256
+
+`--shape S` (a bench/shapes.py entry) trains a random policy of that shape (drawn once, the
+char tokenizer beside it, as bench/train_step.py makes it) on the GPU, bf16, on arithmetic
+prompts padded with a system message to `--prompt-len` tokens (128), 64 prompts x 8 samples,
+256 new tokens (a random policy rarely ends early), micro-batches of 64, one replica, no
+validation: the step bench/train_step.py times, here through the whole trainer.
 """
 
 from __future__ import annotations
@@ -84,6 +91,32 @@ def _gpu_utilization():
         return None
 
 
+def shape_overrides(root: Path, shape: str, prompt_len: int) -> list[str]:
+    """Model, data and batch overrides for `--shape` (module doc), made under `root`."""
+    from shapes import QUICK, SHAPES  # bench/shapes.py: the script's folder is on sys.path
+    from train_step import make_model_dir
+
+    from reprorl.data.dataset import template_ids
+    from reprorl.data.synthetic import make_arithmetic_rows, write_rows
+    from reprorl.models.hf_io import load_tokenizer
+
+    model = make_model_dir(root, {**SHAPES, "quick": QUICK}[shape], "bfloat16", "cpu")
+    tokenizer = load_tokenizer(str(model))
+    rows = make_arithmetic_rows(512, seed=0, split="train")
+    for row in rows:  # a system message of filler brings each prompt to prompt_len tokens
+        for pad in range(prompt_len, -1, -1):
+            messages = [{"role": "system", "content": "x" * pad}, *row["prompt"]]
+            if len(template_ids(tokenizer, messages)) <= prompt_len:
+                row["prompt"] = messages
+                break
+    train = write_rows(rows, root / "train.parquet")
+    return [f"model.path={model}", "model.dtype=bfloat16", "resources.device=cuda", f"data.train_files=[{train}]",
+            "data.val_files=[]", "data.train_batch_size=64", "rollout.n=8", f"data.max_prompt_length={prompt_len}",
+            "data.max_response_length=256", "actor.ppo_mini_batch_size=64", "actor.ppo_micro_batch_size=64",
+            "rollout.num_replicas=1", "rollout.max_num_seqs=512", "trainer.val_before_train=false",
+            "trainer.test_freq=0"]
+
+
 def train(run_dir: Path, k: int, steps: int | None, extra: list[str]) -> dict:
     """One `reprorl train` process; returns its figures (raises with its log if it fails)."""
     overrides = [f"trainer.max_staleness={k}", f"trainer.run_dir={run_dir}", "trainer.save_freq=0", *extra]
@@ -116,6 +149,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each k, in turns (default 1)")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="the staleness values (0 first)")
     parser.add_argument("--quick", action="store_true", help="3 steps, 1 round: checks the script works")
+    parser.add_argument("--shape", default=None, help="a bench/shapes.py shape on the GPU (module doc), e.g. 0.5b; quick: a tiny one")
+    parser.add_argument("--prompt-len", type=int, default=128, help="with --shape: prompt tokens (128)")
     parser.add_argument("--out", default=str(RESULTS), help="where the JSON goes")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
@@ -129,9 +164,11 @@ def main() -> None:
     from reprorl.config import load_config
     from reprorl.trainer.default_run import prepare_default_assets
 
-    prepare_default_assets(load_config(None, list(args.overrides)))  # made once, before any timed run
     runs = []
     with tempfile.TemporaryDirectory(prefix="reprorl-async-") as tmp:
+        if args.shape is not None:
+            args.overrides = [*shape_overrides(Path(tmp), args.shape, args.prompt_len), *args.overrides]
+        prepare_default_assets(load_config(None, list(args.overrides)))  # made once, before any timed run
         for r in range(rounds):
             for k in args.ks:
                 run = train(Path(tmp) / f"k{k}-{r}", k, steps, list(args.overrides))
