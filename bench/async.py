@@ -162,7 +162,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from reprorl.compare import compare_runs
     from reprorl.config import load_config
-    from reprorl.trainer.default_run import prepare_default_assets
+    from reprorl.bootstrap.default_run import prepare_default_assets
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="reprorl-async-") as tmp:

@@ -45,8 +45,8 @@ def record(steps: int | None, ops_at: int = 1) -> dict:
     from reprorl.determinism import pin_cpu_kernels, tensor_digest
     from reprorl.models.hf_io import load_model
     from reprorl.models.tiny import make_tiny
-    from reprorl.trainer import default_run
-    from reprorl.trainer.warm_start import collate, sft_example, sft_loss
+    from reprorl.bootstrap import default_run
+    from reprorl.bootstrap.warm_start import collate, sft_example, sft_loss
 
     pin_cpu_kernels()
     with tempfile.TemporaryDirectory() as scratch:
@@ -86,7 +86,7 @@ def warm_start_steps(model, examples, pad_token_id, stop_after: int | None, para
     from unittest import mock
 
     from reprorl.determinism import stable_digest, tensor_digest
-    from reprorl.trainer import default_run, warm_start
+    from reprorl.bootstrap import default_run, warm_start
 
     def step_and_record(optimizer, params, *args, **kwargs):
         norm = original(optimizer, params, *args, **kwargs)
@@ -174,8 +174,8 @@ def function_digests(digest) -> dict[str, str]:
 def step_ops(model, examples, pad_token_id, collate, sft_loss, digest, step: int) -> list[list[str]]:
     """[name, digest] of every module's output, the loss and every gradient, for the batch
     of warm-start step `step` (1-based)."""
-    from reprorl.trainer import default_run
-    from reprorl.trainer.warm_start import batch_indices
+    from reprorl.bootstrap import default_run
+    from reprorl.bootstrap.warm_start import batch_indices
 
     ops: list[list[str]] = []
     hooks = [m.register_forward_hook(lambda m, i, out, name=name: ops.append([f"forward {name}", _digest(out, digest)]))

@@ -80,7 +80,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from reprorl.compare import compare_runs
     from reprorl.config import load_config
-    from reprorl.trainer.default_run import prepare_default_assets
+    from reprorl.bootstrap.default_run import prepare_default_assets
 
     # The default data and warm-started policy are made once, before any timed run.
     prepare_default_assets(load_config(None, list(args.overrides)))

@@ -198,7 +198,7 @@ for step in $steps; do
     isa)
       with_ray || echo "no .whl: the golden-digest test skips" | summary
       run_tests test_cpu_isa tests/kernels/test_cpu_isa.py tests/kernels/test_cpu_math.py
-      run_tests golden tests/trainer/test_default_run.py -k learns ;;
+      run_tests golden tests/bootstrap/test_default_run.py -k learns ;;
     *) echo "unknown step $step" | summary ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | summary

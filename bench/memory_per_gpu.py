@@ -1,5 +1,5 @@
 """The memory check's per-GPU estimate (`reprorl config ... --memory`) for large shapes on
-several GPUs, full fine-tuning and LoRA: what `reprorl.trainer.memory` says each GPU of a
+several GPUs, full fine-tuning and LoRA: what `reprorl.resources.memory` says each GPU of a
 node would hold, before any run. No GPU is needed; it reads config.json only.
 
     python3 bench/memory_per_gpu.py --out bench/results/memory_per_gpu.json
@@ -23,7 +23,7 @@ from pathlib import Path
 from shapes import SHAPES, shape_args
 
 from reprorl.config import load_config
-from reprorl.trainer.memory import GIB, estimate_memory
+from reprorl.resources.memory import GIB, estimate_memory
 
 RUN = ["actor.use_kl_loss=true", "data.train_batch_size=32", "rollout.n=8", "data.max_prompt_length=128",
        "data.max_response_length=256", "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size=4",

@@ -130,11 +130,11 @@ def lora_spec(args: argparse.Namespace):
 
 
 def memory_estimate(args: argparse.Namespace, model_dir: Path) -> dict:
-    """reprorl/trainer/memory.py's estimate for the run this step stands for (one replica, one
+    """reprorl/resources/memory.py's estimate for the run this step stands for (one replica, one
     rank, no reference: beta 0), in GiB, without the CUDA contexts: the bench's engine and rank
     share one process, and torch's peak counts neither context."""
     from reprorl.config import load_config
-    from reprorl.trainer.memory import GIB, estimate_memory
+    from reprorl.resources.memory import GIB, estimate_memory
 
     overrides = [f"model.path={model_dir}", "model.dtype=bfloat16", "resources.device=cuda",
                  f"model.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",

@@ -28,8 +28,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     if not args.memory:
         print(config_to_yaml(cfg), end="")
         return 0
-    from reprorl.trainer.memory import GIB, gpu_total_bytes, memory_report
-    from reprorl.trainer.placement import resolve_device
+    from reprorl.resources.memory import GIB, gpu_total_bytes, memory_report
+    from reprorl.resources.placement import resolve_device
 
     gpu_total = args.gpu_gib * GIB if args.gpu_gib else (
         gpu_total_bytes() if resolve_device(cfg.resources.device) == "cuda" else None)
@@ -40,7 +40,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from reprorl.config import load_config
     from reprorl.determinism import pin_cpu_kernels
-    from reprorl.trainer.default_run import prepare_default_assets
+    from reprorl.bootstrap.default_run import prepare_default_assets
     from reprorl.trainer.fit import train
 
     path, overrides = _split_config_args(args.args)

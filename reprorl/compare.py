@@ -28,7 +28,7 @@ import torch
 from reprorl.determinism import encode
 from reprorl.errors import ReproRLError
 from reprorl.fingerprint import FINGERPRINTS_FILE, load_raw, read_complete_fingerprints
-from reprorl.trainer.tracking import METRICS_FILE, read_metrics
+from reprorl.records.tracking import METRICS_FILE, read_metrics
 
 # Curves of the overlay plot; a panel is drawn when either run has the metric.
 PLOT_KEYS = ("reward/mean", "val/accuracy")

@@ -19,7 +19,7 @@ A part on a GPU adds `gpu` and `cuda` (`cuda_info()`: CUDA/cuDNN/NCCL versions, 
 reduced-precision and TF32 switches, and the cuBLAS and NCCL variables; TF32 must be off
 with full determinism); actor, reference and rollout parts on different kinds of device
 are a problem with full determinism (the trainer's log-probs could not equal the engine's).
-The run's `placement` (reprorl/trainer/placement.py) is recorded beside the parts.
+The run's `placement` (reprorl/resources/placement.py) is recorded beside the parts.
 
 Every part's info holds `process_info()` (the torch switches and the determinism
 variables its process sees) plus, for parts that run a model, `backend`,
@@ -252,7 +252,7 @@ def build_report(parts: Mapping[str, Mapping[str, Any]], *, full_determinism: bo
 def format_report(report: Mapping[str, Any]) -> str:
     """A short human-readable block: the verdict, one line per part, the problems."""
     lines = [f"determinism: {report['verdict']}"]
-    if "placement" in report:  # added by the trainer (reprorl/trainer/placement.py)
+    if "placement" in report:  # added by the trainer (reprorl/resources/placement.py)
         lines.append("  placement: " + ", ".join(f"{k} {v}" for k, v in report["placement"].items()))
     parts = report["parts"]
     width = max((len(n) for n in parts), default=0)

@@ -30,7 +30,7 @@ from reprorl.io import atomic_write
 from reprorl.models.hf_io import dtype_from_name, load_model, save_model
 from reprorl.models.lora import LoraSpec, merged_state, peft_config, peft_state, resolve_targets
 from reprorl.models.transformer import CausalLM
-from reprorl.trainer.checkpoint import CHECKPOINTS_DIR, checkpoint_problem, find_valid_checkpoint, read_meta
+from reprorl.records.checkpoint import CHECKPOINTS_DIR, checkpoint_problem, find_valid_checkpoint, read_meta
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from reprorl.compare import (
 )
 from reprorl.errors import ReproRLError
 from reprorl.fingerprint import FINGERPRINTS_FILE, FingerprintWriter, load_raw
-from reprorl.trainer.tracking import Tracker
+from reprorl.records.tracking import Tracker
 
 B, T = 4, 8
 

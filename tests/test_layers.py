@@ -25,6 +25,7 @@ FLOORS = (
     ("rollout", "reward", "workers"),  # the Ray actors: engine replicas, reward models, trainer ranks
     ("agent_loop",),  # drives the rollout pool
     ("config",),  # validates against the tools' names, the algos' table and the models' LoRA targets
+    ("bootstrap", "records", "resources"),  # the default run's assets; checkpoints and records; placement, memory
     ("trainer",),
     ("compare", "export"),  # read a run's records
     ("cli",),

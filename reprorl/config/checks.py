@@ -33,7 +33,7 @@ def derive(cfg: Config) -> None:
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = f"runs/{cfg.trainer.project_name}/{cfg.trainer.experiment_name}"
     # resources.device stays "auto" here, so a config file is portable between machines:
-    # the trainer resolves it when the run starts (reprorl/trainer/placement.py).
+    # the trainer resolves it when the run starts (reprorl/resources/placement.py).
 
 
 def _check_off_policy(cfg: Config) -> None:

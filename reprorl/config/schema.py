@@ -394,7 +394,7 @@ class TrainerConfig:
         [], "config keys that a resume may change although they change the run's results (e.g. [actor.lr]); "
         "without them a resume whose config differs from its checkpoint's in such a key stops, listing them. "
         "Logging, paths, checkpoint cadence, replica and worker counts and time-outs may always change "
-        "(reprorl/trainer/resume_guard.py); every change is recorded in the run directory's history.jsonl"
+        "(reprorl/records/resume_guard.py); every change is recorded in the run directory's history.jsonl"
     )
     # 4: a preemption or lost node is rare within one run, while a part that dies for a
     # reason of its own (an OOM) dies again at once; a resume is exact, so stopping costs time only.

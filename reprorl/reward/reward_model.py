@@ -205,7 +205,7 @@ class RewardModelPool(ReplicaPoolBase):
 
     Placement, as `ReplicaPool`'s: `device="cuda"` builds each scorer on the GPU Ray gives
     its replica (`num_gpus` each, a fraction when the run shares one GPU:
-    reprorl/trainer/placement.py; None = 1 on cuda, 0 on cpu), weights in `dtype` (None:
+    reprorl/resources/placement.py; None = 1 on cuda, 0 on cpu), weights in `dtype` (None:
     the checkpoint's); `scheduling`, each replica's GPU on several GPUs.
 
     The constructor starts every replica at once and waits until all are ready;

@@ -137,7 +137,7 @@ class ReplicaPoolBase:
 
     def _gpus_per_replica(self, device: str, num_gpus: float | None) -> float:
         """Ray GPUs each replica asks for: `num_gpus` (a fraction when the run shares one GPU:
-        reprorl/trainer/placement.py; None: 1 on cuda, 0 on cpu); on the vLLM backend
+        reprorl/resources/placement.py; None: 1 on cuda, 0 on cpu); on the vLLM backend
         `vllm_replica.replica_gpus` of it (None off cuda: 1 when the cluster has GPUs)."""
         if num_gpus is None:
             num_gpus = 1 if device == "cuda" else 0
@@ -153,7 +153,7 @@ class ReplicaPoolBase:
         wait for them unless `wait` is False (`wait_ready`). `max_num_seqs`: what the pool
         asked of each, for the vLLM backend's warning when it serves one at a time.
         `scheduling`: each replica's Ray scheduling strategy (the bundle of its GPU, on
-        several GPUs: reprorl/trainer/placement.py), which its replacements keep; None: Ray's choice."""
+        several GPUs: reprorl/resources/placement.py), which its replacements keep; None: Ray's choice."""
         if scheduling is not None and len(scheduling) != num_replicas:
             raise ValueError(f"{type(self).__name__}: {len(scheduling)} scheduling strategies for {num_replicas} replicas")
         self.model_path = str(model_path)

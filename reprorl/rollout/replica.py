@@ -27,7 +27,7 @@ num_threads=..., kernels=..., device=...)` builds such a dict (adding pid, host 
 add keys of its own. `ReplicaPool.determinism_info()` returns them by replica id.
 
 Placement: `device="cuda"` builds each built-in engine on the GPU Ray gives the replica
-(`num_gpus`, a fraction when the trainer shares the GPU: reprorl/trainer/placement.py);
+(`num_gpus`, a fraction when the trainer shares the GPU: reprorl/resources/placement.py);
 `scheduling` pins replica i to a GPU of the run's placement group on several GPUs, and
 a replacement to its dead replica's.
 

@@ -90,7 +90,7 @@ SERIALIZED_WARNING = (
 
 def replica_gpus(share: float | None = None) -> float:
     """GPUs each vLLM replica asks Ray for: `share` (the run's placement, a fraction when the
-    trainer shares one GPU: reprorl/trainer/placement.py) when given; else 1 on a cluster
+    trainer shares one GPU: reprorl/resources/placement.py) when given; else 1 on a cluster
     with GPUs (Ray hides GPUs from an actor that asks for none), else 0.
 
     From vLLM's docs (not run here: vLLM cannot be installed on our GPU machine): one

@@ -1,18 +1,17 @@
-"""The driver of a run: the fit loop and what surrounds it, above the training ranks.
+"""The driver of a run: the fit loop, above the training ranks, the replicas and the records.
 
 - `fit.Trainer`: runs the step loop and validates, on the parts `parts` builds from the
-  config (worker groups, rollout pool, reward loop) and stops; `saving` checkpoints the
-  run and resumes it.
-- `checkpoint`, `resume_guard`, `run_dir`: atomic checkpoints of a run, RNG capture and
-  restore, what a resumed run may change.
-- `placement`, `memory`: where each part runs, and whether it fits there.
-- `tracking`, `val_metrics`, `weight_sync`, `warm_start`, `default_run`: metrics, the
-  weight push to the replicas, the SFT warm start, the default run's assets.
+  config (worker groups, rollout pool, reward loop) and stops;
+- `generation`: a step's batch, rolled out and scored, and a validation; `dynamic_sampling`:
+  DAPO's filling of a batch; `async_rollouts`: the batches made ahead with bounded staleness;
+- `log_probs`: old, reference log-probs and values, the exact check, the off-policy correction;
+- `saving`: a step's checkpoint and the resume (the formats: reprorl/records);
+- `checks`, `val_metrics`, `weight_sync`, `run_records`: the start-up checks, validation's
+  metrics, the weight push to the replicas, a step's fingerprint and generations log.
 
-Layering: `trainer/` imports `workers/` (the ranks, their models, losses and optimizer),
-never the other way round: a rank needs nothing of the driver, so `workers/` runs and is
-tested alone (a group of one rank in the test's process), and the driver reaches a model
-only through `workers.group.WorkerGroup`.
+Below it: `records/` (checkpoints, the resume guard, the run directory, metrics),
+`resources/` (placement, the memory estimate), `bootstrap/` (the default run's assets and
+the SFT warm start). `trainer/` imports `workers/` (the ranks), never the other way round.
 
-Nothing is imported here, so `import reprorl.trainer.checkpoint` stays light.
+Nothing is imported here, so `import reprorl.trainer.fit` loads only what it needs.
 """

@@ -56,7 +56,7 @@ from reprorl.trainer.checks import check_models, check_paths, check_train_set_si
 from reprorl.trainer.dynamic_sampling import FilterGroupsError
 from reprorl.trainer.generation import Generator, ScoredBatch
 from reprorl.trainer.log_probs import actor_batch, add_log_probs_and_values
-from reprorl.trainer.memory import check_gpu_memory, gpu_total_bytes
+from reprorl.resources.memory import check_gpu_memory, gpu_total_bytes
 from reprorl.trainer.parts import (
     chat_template_kwargs,
     make_datasets,
@@ -65,10 +65,10 @@ from reprorl.trainer.parts import (
     policy_loss_args,
     start_parts,
 )
-from reprorl.trainer.resume_guard import plan_resume
-from reprorl.trainer.run_dir import lock_run_dir
+from reprorl.records.resume_guard import plan_resume
+from reprorl.records.run_dir import lock_run_dir
 from reprorl.trainer.run_records import log_generations, report_determinism, write_fingerprint
-from reprorl.trainer.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics
+from reprorl.records.tracking import CURVES_FILE, METRICS_FILE, Tracker, plot_curves, read_metrics
 from reprorl.workers.group import WorkerError
 from reprorl.workers.optim import NonFiniteError
 

@@ -25,7 +25,7 @@ from reprorl import algos
 from reprorl.config import Config
 from reprorl.errors import DeterminismError
 from reprorl.protocol import Batch
-from reprorl.trainer.placement import uses_kl
+from reprorl.resources.placement import uses_kl
 from reprorl.workers.policy import mask_truncated
 
 

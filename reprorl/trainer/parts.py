@@ -44,7 +44,7 @@ from reprorl.rollout.pool import replica_cpus
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.request import SamplingParams
 from reprorl.supervision import Restarts
-from reprorl.trainer.placement import Placement, Slot, plan_run, ray_options, reserve_gpus, resolve_device
+from reprorl.resources.placement import Placement, Slot, plan_run, ray_options, reserve_gpus, resolve_device
 from reprorl.workers.group import WorkerGroup
 from reprorl.workers.optim import OptimArgs
 from reprorl.workers.policy import PolicyLossArgs

@@ -22,7 +22,7 @@ import torch
 from reprorl.determinism_report import build_report, format_report, write_report
 from reprorl.fingerprint import FingerprintWriter
 from reprorl.protocol import Batch
-from reprorl.trainer.tracking import GENERATIONS_FILE, Tracker
+from reprorl.records.tracking import GENERATIONS_FILE, Tracker
 
 logger = logging.getLogger(__name__)
 

@@ -23,16 +23,16 @@ from reprorl.rollout.replica import ReplicaPool
 from reprorl.trainer import weight_sync
 from reprorl.trainer.async_rollouts import IN_FLIGHT_DIR, in_flight_state, load_in_flight, save_in_flight
 from reprorl.trainer.generation import ScoredBatch
-from reprorl.trainer.checkpoint import (
+from reprorl.records.checkpoint import (
     capture_rng_state,
     find_checkpoint,
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
 )
-from reprorl.trainer.resume_guard import ResumePlan, flat_config
-from reprorl.trainer.run_dir import append_history
-from reprorl.trainer.tracking import GENERATIONS_FILE, METRICS_FILE, truncate_metrics
+from reprorl.records.resume_guard import ResumePlan, flat_config
+from reprorl.records.run_dir import append_history
+from reprorl.records.tracking import GENERATIONS_FILE, METRICS_FILE, truncate_metrics
 from reprorl.workers.group import WorkerGroup
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Two paths, chosen per replica by where it runs:
 - device (CUDA IPC): a built-in replica on the same physical GPU as the actor's rank 0
-  (the one-GPU placement, reprorl/trainer/placement.py). Rank 0 packs its weights (the
+  (the one-GPU placement, reprorl/resources/placement.py). Rank 0 packs its weights (the
   model's dtype: the bf16 cast of the float32 master with mixed precision) into one
   buffer per dtype on the GPU and hands each such replica its own IPC share (a small
   object through Ray); the replica copies device to device into its parameters in place

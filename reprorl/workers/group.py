@@ -81,13 +81,13 @@ class WorkerGroup:
                  lora: LoraSpec | None = None, in_process: bool = False,
                  scheduling: Sequence[Any] | None = None, shard_params: bool = False) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
-        reprorl/trainer/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
+        reprorl/resources/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
         the processes are asked for, before they have started: `wait_ready()` waits.
         `part_timeout_s`: the limit of a call, scaled by its batch's tokens (`time_limit`).
         `lora`: the policy's LoRA adapters (models/lora.py); the group then trains them alone.
         `in_process`: its one rank in this process (module doc). `scheduling`: each rank's Ray
         scheduling strategy (on several GPUs, the bundle of rank r's GPU in the run's placement
-        group: reprorl/trainer/placement.py); None: Ray's choice. `shard_params`: the
+        group: reprorl/resources/placement.py); None: Ray's choice. `shard_params`: the
         group's parameters sharded at rest (units.py); every rank then takes part in reading
         its weights."""
         if num_workers < 1 or num_workers & (num_workers - 1):

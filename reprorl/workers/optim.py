@@ -1,6 +1,6 @@
 """AdamW, the learning-rate schedule and the optimizer steps: the ranks' chunked step on
 their master shard (worker.py), and the guarded step of the SFT warm start
-(trainer/warm_start.py).
+(bootstrap/warm_start.py).
 
 The schedule is stepped once per TRAINING step (one `update` call of a rank), not once
 per optimizer step: `warmup_steps` and `total_steps` then count the same steps as

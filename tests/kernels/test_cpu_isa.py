@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     from reprorl.kernels.cpu import nt_plan
     from reprorl.models.tiny import init_weights, tiny_args
     from reprorl.models.transformer import CausalLM
-    from reprorl.trainer.warm_start import sft_train
+    from reprorl.bootstrap.warm_start import sft_train
 
     model = CausalLM(tiny_args("policy"))
     init_weights(model, seed=3)

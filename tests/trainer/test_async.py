@@ -32,7 +32,7 @@ from reprorl.trainer.async_rollouts import AsyncRollouts, behaviour_version
 from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV
 from reprorl.trainer.generation import ScoredBatch, Validation
 from reprorl.trainer.log_probs import actor_batch, old_log_probs_from_rollout
-from reprorl.trainer.resume_guard import check_resume_config, flat_config
+from reprorl.records.resume_guard import check_resume_config, flat_config
 from small_run import small_run_overrides
 
 

@@ -38,7 +38,7 @@ from reprorl.models.tokenizer import make_char_tokenizer
 from reprorl.models.transformer import CausalLM
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardLoop, RewardTimeoutError
-from reprorl.trainer.checkpoint import load_checkpoint
+from reprorl.records.checkpoint import load_checkpoint
 from reprorl.trainer import saving
 from reprorl.trainer.checks import check_models
 from reprorl.trainer.fit import Trainer

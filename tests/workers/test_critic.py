@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from reprorl.algos import LOSS_AGG_MODES
-from reprorl.trainer.checkpoint import load_checkpoint, save_checkpoint
+from reprorl.records.checkpoint import load_checkpoint, save_checkpoint
 from reprorl.workers.critic import load_critic, micro_batch_loss
 from reprorl.workers.micro_batches import micro_batch_rows, take
 from reprorl.workers.optim import OptimArgs

@@ -13,7 +13,7 @@ import torch
 
 from reprorl.algos import LOSS_AGG_MODES
 from reprorl.protocol import Batch
-from reprorl.trainer.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
+from reprorl.records.checkpoint import capture_rng_state, load_checkpoint, restore_rng_state, save_checkpoint
 from reprorl.workers.micro_batches import micro_batch_rows, take
 from reprorl.workers.optim import NonFiniteError, OptimArgs, lr_multiplier
 from reprorl.workers.policy import (

@@ -1,4 +1,4 @@
-"""Placement (reprorl/trainer/placement.py): `resources.device` resolved, each process's GPU and Ray share
+"""Placement (reprorl/resources/placement.py): `resources.device` resolved, each process's GPU and Ray share
 on 1 to 8 GPUs (the planner, given the GPU count), and the cluster check."""
 
 from pathlib import Path
@@ -8,7 +8,7 @@ import torch
 
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
-from reprorl.trainer.placement import (
+from reprorl.resources.placement import (
     CPU_SLOT,
     RAY_GPU_RESOLUTION,
     check_cluster_gpus,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from reprorl.trainer import checkpoint as ckpt
-from reprorl.trainer.checkpoint import (
+from reprorl.records import checkpoint as ckpt
+from reprorl.records.checkpoint import (
     CheckpointError,
     CheckpointNotFoundError,
     capture_rng_state,
@@ -113,7 +113,7 @@ def test_killed_writer_leaves_previous_loadable(tmp_path):
     save_checkpoint(tmp_path, 1, _state(1))
     script = textwrap.dedent(f"""
         import os, torch
-        from reprorl.trainer import checkpoint as ckpt
+        from reprorl.records import checkpoint as ckpt
         real_save, calls = torch.save, []
         def dying_save(obj, f):
             calls.append(1)
@@ -214,7 +214,7 @@ def test_a_truncated_shard_of_the_newest_falls_back_to_the_previous(tmp_path, ca
     _save_with_shards(tmp_path, 1)
     newest = _save_with_shards(tmp_path, 2)
     _truncate(newest / "actor.shards" / "rank_1.pt")
-    with caplog.at_level(logging.WARNING, logger="reprorl.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="reprorl.records.checkpoint"):
         assert find_valid_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"
         step, state = load_checkpoint(tmp_path)
     assert step == 1

@@ -11,8 +11,8 @@ import pytest
 
 from reprorl.data.rewards import arithmetic_score
 from reprorl.data.synthetic import make_arithmetic_rows
-from reprorl.trainer import default_run
-from reprorl.trainer.default_run import run_on_pairs
+from reprorl.bootstrap import default_run
+from reprorl.bootstrap.default_run import run_on_pairs
 
 
 def test_doctests():
@@ -120,7 +120,7 @@ def test_the_gpu_policy_is_refused_without_a_gpu(tmp_path, monkeypatch):
     import torch
 
     from reprorl.errors import ConfigError
-    from reprorl.trainer.default_run import make_gpu_policy
+    from reprorl.bootstrap.default_run import make_gpu_policy
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"model.path=.*made on a GPU"):

@@ -11,9 +11,9 @@ import torch
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FINGERPRINTS_FILE
-from reprorl.trainer.checkpoint import CheckpointError, save_checkpoint
-from reprorl.trainer.resume_guard import SAME_BITS_KEYS, flat_config, plan_resume
-from reprorl.trainer.tracking import METRICS_FILE
+from reprorl.records.checkpoint import CheckpointError, save_checkpoint
+from reprorl.records.resume_guard import SAME_BITS_KEYS, flat_config, plan_resume
+from reprorl.records.tracking import METRICS_FILE
 
 
 def _cfg(run_dir, *overrides):
@@ -179,11 +179,11 @@ def test_a_second_trainer_on_a_busy_run_directory_stops_naming_the_holder(assets
     import textwrap
 
     from reprorl.trainer.fit import Trainer
-    from reprorl.trainer.run_dir import RunDirBusyError
+    from reprorl.records.run_dir import RunDirBusyError
 
     script = textwrap.dedent(f"""
         import time
-        from reprorl.trainer.run_dir import lock_run_dir
+        from reprorl.records.run_dir import lock_run_dir
         lock = lock_run_dir({str(tmp_path / "run")!r})
         print("locked", flush=True)
         time.sleep(600)
@@ -206,7 +206,7 @@ def test_a_truncated_shard_resumes_from_the_previous_checkpoint_with_the_same_bi
     ("PytorchStreamReader failed reading zip archive"); it now warns naming the checkpoint,
     resumes from the one before and trains the lost step again, bit for bit."""
     from reprorl.trainer.fit import Trainer
-    from reprorl.trainer.run_dir import HISTORY_FILE, RunDirBusyError, lock_run_dir
+    from reprorl.records.run_dir import HISTORY_FILE, RunDirBusyError, lock_run_dir
     from small_run import run_trainer
 
     run_dir = tmp_path / "run"
@@ -223,7 +223,7 @@ def test_a_truncated_shard_resumes_from_the_previous_checkpoint_with_the_same_bi
     shard = sorted((run_dir / "checkpoints" / "step_2" / "actor.shards").iterdir())[0]
     shard.write_bytes(shard.read_bytes()[:100])
 
-    with caplog.at_level(logging.WARNING, logger="reprorl.trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="reprorl.records.checkpoint"):
         run_trainer(cfg)
     assert f"checkpoint {run_dir / 'checkpoints' / 'step_2'} is damaged (actor.shards/{shard.name} has 100 bytes" \
         in caplog.text

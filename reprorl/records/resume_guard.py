@@ -2,7 +2,7 @@
 
 - `trainer.resume=never` in a directory that holds a run: an error;
 - otherwise the newest intact checkpoint (a damaged one is skipped with a warning naming it;
-  none intact is an error naming each: reprorl/trainer/checkpoint.py);
+  none intact is an error naming each: reprorl/records/checkpoint.py);
 - no checkpoint, but steps recorded in metrics.jsonl or fingerprints.jsonl (a finished
   run with `save_freq=0`, a run that crashed before its first save): an error, since
   training again would overwrite them;
@@ -32,8 +32,8 @@ from reprorl.algos.registry import estimator
 from reprorl.config import Config, load_config, resolve_config
 from reprorl.errors import ConfigError
 from reprorl.fingerprint import FINGERPRINTS_FILE, read_complete_fingerprints
-from reprorl.trainer.checkpoint import CHECKPOINTS_DIR, find_valid_checkpoint, read_meta
-from reprorl.trainer.tracking import METRICS_FILE
+from reprorl.records.checkpoint import CHECKPOINTS_DIR, find_valid_checkpoint, read_meta
+from reprorl.records.tracking import METRICS_FILE
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from reprorl.errors import ConfigError
 from reprorl.models.hf_io import load_model
-from reprorl.trainer.warm_start import (
+from reprorl.bootstrap.warm_start import (
     batch_indices,
     collate,
     sft_example,

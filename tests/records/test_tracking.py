@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from reprorl.errors import ConfigError
-from reprorl.trainer.tracking import (
+from reprorl.records.tracking import (
     Tracker,
     format_console,
     generations_markdown,

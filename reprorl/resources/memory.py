@@ -1,11 +1,11 @@
 """GPU memory of a run, estimated before it starts from the models' config.json and the Config.
 
-On one GPU every part shares it (trainer/placement.py), so the estimate is per GPU: the
+On one GPU every part shares it (resources/placement.py), so the estimate is per GPU: the
 parts that stay for the whole run (each model's weights in the compute dtype; a trainable
 model's float32 master shard and AdamW moments; each rollout replica's weights, which stay
 on the GPU while it sleeps), plus, per phase, what that phase adds:
 
-- generation: each replica's KV cache, sized as `rollout/engine.py` `gpu_cache_shape` sizes
+- generation: each replica's KV cache, sized as `rollout/engine_options.py` `gpu_cache_shape` sizes
   it (max_num_seqs slots of the run's longest sequence, rounded up to KEY_BLOCK tokens, plus
   the CUDA graphs' spare slot, unless `gpu_memory_utilization` of the GPU holds fewer);
   the engine sleeps (frees it) before the trainer's passes; with `trainer.max_staleness` > 0
@@ -46,7 +46,7 @@ from reprorl.errors import ConfigError
 from reprorl.kernels.shared import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.models.lora import resolve_targets
-from reprorl.trainer.placement import Placement, plan_run
+from reprorl.resources.placement import Placement, plan_run
 from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import gpu_vectors_held
 from reprorl.workers.optim import STEP_CHUNK

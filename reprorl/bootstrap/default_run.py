@@ -72,7 +72,7 @@ def make_default_policy(out_dir: Path, train_file: Path) -> Path:
     """A tiny policy warm-started on the train split's (prompt, answer) pairs."""
     from reprorl.data.dataset import read_rows
     from reprorl.models.tiny import make_tiny
-    from reprorl.trainer.warm_start import warm_start
+    from reprorl.bootstrap.warm_start import warm_start
 
     logger.info("making the default policy in %s (tiny model + %d warm-start steps)", out_dir, WARM_START_STEPS)
     pairs = run_on_pairs(read_rows(train_file), RUN_ON_FRACTION, seed=MODEL_SEED)
@@ -132,7 +132,7 @@ def make_gpu_policy(out_dir: Path, train_file: Path, *, shape: dict[str, int] | 
     from reprorl.models.tiny import init_weights, tiny_args
     from reprorl.models.tokenizer import make_char_tokenizer
     from reprorl.models.transformer import CausalLM
-    from reprorl.trainer.warm_start import warm_start
+    from reprorl.bootstrap.warm_start import warm_start
 
     if not torch.cuda.is_available():  # (asks the driver; does not start CUDA)
         raise ConfigError(f"model.path={str(out_dir)!r}: the GPU example's policy is made on a GPU, and torch sees "

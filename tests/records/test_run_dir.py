@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from reprorl.trainer.run_dir import HISTORY_FILE, LOCK_FILE, RunDirBusyError, append_history, lock_run_dir
+from reprorl.records.run_dir import HISTORY_FILE, LOCK_FILE, RunDirBusyError, append_history, lock_run_dir
 
 
 def test_a_second_lock_is_refused_naming_the_holder(tmp_path):
@@ -32,7 +32,7 @@ def test_the_lock_goes_with_a_killed_holder(tmp_path):
     """A holder killed with SIGKILL (no cleanup) leaves the directory free."""
     script = textwrap.dedent(f"""
         import sys, time
-        from reprorl.trainer.run_dir import lock_run_dir
+        from reprorl.records.run_dir import lock_run_dir
         lock = lock_run_dir({str(tmp_path)!r})
         print("locked", flush=True)
         time.sleep(600)

@@ -15,7 +15,7 @@ afterwards with `reprorl.io.atomic_write`, so it always names a complete
 checkpoint. A checkpoint that goes (keep-last-K, a step saved again) is first renamed to a
 temp name, then deleted, so a crash mid-delete never leaves a `step_<N>` with files
 missing. Temp directories left by a crash are ignored when loading and removed by the
-next save (one writer per run directory: reprorl/trainer/run_dir.py).
+next save (one writer per run directory: reprorl/records/run_dir.py).
 
 Loading checks each file against the sizes and digests in `meta.json` first (a file
 truncated or changed on disk after the save): `load_checkpoint` and

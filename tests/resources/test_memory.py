@@ -1,4 +1,4 @@
-"""The GPU memory estimate (trainer/memory.py): literal bytes on small shapes, the KV cache
+"""The GPU memory estimate (reprorl/resources/memory.py): literal bytes on small shapes, the KV cache
 as the engine sizes it, the one-line error, and `reprorl config --memory`."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from reprorl.errors import ConfigError
 from reprorl.models.arch import ModelArgs
 from reprorl.models.tiny import TINY_FAMILIES
 from reprorl.models.transformer import CausalLM
-from reprorl.trainer import memory
-from reprorl.trainer.memory import GIB, activation_bytes, check_gpu_memory, estimate_memory, kv_cache_bytes, param_count
+from reprorl.resources import memory
+from reprorl.resources.memory import GIB, activation_bytes, check_gpu_memory, estimate_memory, kv_cache_bytes, param_count
 
 # One layer, 2 query heads and 1 kv head of 2, vocab 10, tied: small enough to count by hand.
 SMALL = ModelArgs(model_type="qwen2", vocab_size=10, hidden_size=4, intermediate_size=6, num_hidden_layers=1,

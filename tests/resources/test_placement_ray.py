@@ -1,4 +1,4 @@
-"""The placement of a run on several GPUs, on Ray (reprorl/trainer/placement.py): the run's
+"""The placement of a run on several GPUs, on Ray (reprorl/resources/placement.py): the run's
 placement group reserves one bundle a GPU, and each process lands on its slot's GPU, a
 pool's replacement on its dead replica's GPU.
 
@@ -9,7 +9,7 @@ No GPU is needed: a local Ray told it has 4 GPUs places actors on them as on rea
 import pytest
 
 from reprorl.errors import ConfigError
-from reprorl.trainer.placement import plan_placement, ray_options, reserve_gpus
+from reprorl.resources.placement import plan_placement, ray_options, reserve_gpus
 
 pytestmark = pytest.mark.slow  # a Ray of its own: 5-15 s to start on 2 cores
 
