@@ -19,12 +19,15 @@ from reprorl.algos import (
     discounted_returns,
     entropy_from_logits,
     gae_advantages,
+    gpg_advantages,
     grpo_outcome_advantages,
+    grpo_passk_advantages,
     kl_penalty,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
+    opo_advantages,
     ppo_policy_loss,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
@@ -223,6 +226,39 @@ def test_reinforce_pp_baseline_advantages():
     adv = reinforce_pp_baseline_advantages(t([3.0, 1.0, 0.0, 2.0]), mask, ["a", "a", "b", "b"])
     w = 0.9128709291752769
     assert_close(adv, [[w, w], [-w, -w], [-w, 0.0], [w, 0.0]], tol=1e-7)
+
+
+def test_grpo_passk_gives_the_best_sample_its_margin_over_the_second():
+    # group a [1, 3, 2]: row 1 is best, 3 - 2 = 1, std of (1, 3, 2) = 1; group b [0.5, 0.5]:
+    # the best is shared, margin 0 (over std 0 + eps: 0)
+    mask = t([[1, 1], [1, 0], [1, 1], [1, 1], [1, 0]])
+    scores, ids = t([1.0, 3.0, 2.0, 0.5, 0.5]), ["a", "a", "a", "b", "b"]
+    adv = grpo_passk_advantages(scores, mask, ids)
+    w = 0.999999000001  # 1 / (1 + 1e-6)
+    assert_close(adv, [[0, 0], [w, 0], [0, 0], [0, 0], [0, 0]])
+    adv = grpo_passk_advantages(t([1.0, 5.0, 2.0, 0.5, 0.5]), mask, ids, norm_by_std=False)
+    assert_close(adv, [[0, 0], [3, 0], [0, 0], [0, 0], [0, 0]])
+    with pytest.raises(ValueError, match="at least 2 samples a group; group of row 2 has 1"):
+        grpo_passk_advantages(t([1.0, 2.0, 3.0]), torch.ones(3, 1, dtype=F64), ["a", "a", "b"])
+
+
+def test_opo_subtracts_the_length_weighted_mean():
+    # group a: scores 1, 0, 2 of lengths 1, 3, 2: b = (1 + 0 + 4) / 6 = 5/6 -> 1/6, -5/6, 7/6;
+    # group b alone: baseline 0
+    mask = t([[1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0]])
+    adv = opo_advantages(t([1.0, 0.0, 2.0, 4.0]), mask, ["a", "a", "a", "b"])
+    assert_close(adv, [[1 / 6, 0, 0], [-5 / 6, -5 / 6, -5 / 6], [7 / 6, 7 / 6, 0], [4, 4, 0]])
+
+
+def test_gpg_scales_the_centred_score_by_the_share_of_nonzero_scores():
+    # 2 of 5 scores nonzero: alpha = 5 / 2; group a [1, 0] mean 0.5 -> +-1.25; group b [0, 2]
+    # mean 1 -> -+2.5; group c alone [0]: 0
+    adv = gpg_advantages(t([1.0, 0.0, 0.0, 2.0, 0.0]), t([[1, 1], [1, 0], [1, 1], [1, 0], [1, 1]]),
+                         ["a", "a", "b", "b", "c"])
+    assert_close(adv, [[1.25, 1.25], [-1.25, 0], [-2.5, -2.5], [2.5, 0], [0, 0]])
+    # all scores 0: alpha = 5 / 1, every advantage 0
+    assert torch.equal(gpg_advantages(torch.zeros(2, dtype=F64), torch.ones(2, 1, dtype=F64), [0, 0]),
+                       torch.zeros(2, 1, dtype=F64))
 
 
 # ---------------------------------------------------------------- aggregation

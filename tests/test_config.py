@@ -196,7 +196,7 @@ OVERRIDE_ERRORS = [
     (["actor.betas=[0.9]"], "actor.betas: expected a list of 2 numbers, got [0.9]"),
     (["rollout=3"], "rollout: expected a mapping of keys, got 3"),
     # choices
-    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: expected one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, got 'ppo'"),
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: expected one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, opo, gpg, got 'ppo'"),
     (["data.overlong_prompts=drop"], "data.overlong_prompts: expected one of error, filter, truncate_left, truncate_right, got 'drop'"),
     (["actor.kl_loss_type=low_var_kl"], "actor.kl_loss_type: expected one of k1, k2, k3, abs, k1+, k2+, k3+, abs+, got 'low_var_kl'"),
     (["model.dtype=float16"], "model.dtype: expected one of float32, bfloat16, got 'float16'"),
@@ -330,6 +330,21 @@ OVERRIDE_ERRORS = [
         "response ReMax takes as its baseline, so every advantage is 0 and nothing is learned; expected "
         "rollout.temperature > 0 and rollout.top_k != 1",
     ),
+    (
+        ["algorithm.adv_estimator=grpo_passk", "rollout.n=1"],
+        "algorithm.adv_estimator=grpo_passk compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1",
+    ),
+    (
+        ["actor.policy_loss=geo_mean", "algorithm.adv_estimator=reinforce_pp"],
+        "actor.policy_loss=geo_mean takes one advantage a sequence, and algorithm.adv_estimator=reinforce_pp gives "
+        "one a token; use an estimator of sequence scores (grpo, rloo, opo, ...)",
+    ),
+    (
+        ["actor.policy_loss=geo_mean", "actor.off_policy_correction=tis"],
+        "actor.off_policy_correction=tis with actor.policy_loss=geo_mean: the correction weighs each token's "
+        "advantage, and that loss takes one advantage a sequence; use vanilla, gspo or cispo",
+    ),
+    (["actor.policy_loss=sapo", "actor.tau_neg=0"], "actor.tau_neg: expected a number > 0, got 0"),
     (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one"),
 ]
 
@@ -444,10 +459,12 @@ def test_weighted_rewards_and_dapo_keys(tmp_path):
 def test_yaml_has_help_comments():
     lines = config_to_yaml(load_config()).splitlines()
     i = lines.index("  temperature: 1.0  # a number >= 0")
-    assert lines[i - 2 : i] == ["  # sampling temperature for training rollouts; 0 = greedy (an error with grpo, rloo,",
-                                "  # reinforce_pp_baseline and remax, which compare samples that must differ)"]
-    i = lines.index("  adv_estimator: grpo  # one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline")
-    assert lines[i - 1] == "  # advantage estimator; gae trains a critic"
+    assert lines[i - 3 : i] == ["  # sampling temperature for training rollouts; 0 = greedy (an error with grpo, remax,",
+                                "  # rloo, reinforce_pp_baseline, grpo_passk, opo, gpg, which compare samples that must",
+                                "  # differ)"]
+    i = lines.index("  adv_estimator: grpo  # one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, "
+                    "grpo_passk, opo, gpg")
+    assert lines[i - 11] == "  # advantage estimator: gae = PPO's GAE on the critic's values (trains a critic); grpo"
     # every field's help is printed, whole (wrapped lines joined back)
     comments = " ".join(line.strip().removeprefix("# ") for line in lines if line.strip().startswith("# "))
     for key, f in _leaf_fields():

@@ -1,7 +1,9 @@
-"""GSPO, CISPO, Clip-Cov and KL-Cov (reprorl/algos/policy_losses.py): literal examples worked by hand,
+"""GSPO, CISPO, Clip-Cov and KL-Cov (reprorl/algos/policy_losses.py), SAPO, GMPO, DPPO and GPG
+(reprorl/algos/gated_losses.py): literal examples worked by hand,
 and a cross-check against verl's formulas (`compute_policy_loss_gspo` / `_cispo` /
 `_clip_cov` / `_kl_cov` in verl's trainer/ppo/core_algos.py, transcribed below; clip_cov's
-random choice of tokens given to both) on random inputs."""
+random choice of tokens given to both) on random inputs; the newer losses' cross-checks
+against verl, TRL, AReaL and prime-rl are in tests/test_algos_verl.py."""
 
 import math
 
@@ -11,6 +13,10 @@ import torch
 from reprorl.algos import (
     cispo_policy_loss,
     clip_cov_policy_loss,
+    dppo_policy_loss,
+    geo_mean_policy_loss,
+    gpg_policy_loss,
+    sapo_policy_loss,
     gspo_policy_loss,
     kl_cov_policy_loss,
     policy_loss,
@@ -69,6 +75,75 @@ def test_cispo_weights_every_token_by_its_clipped_stopped_ratio():
     # Unlike PPO's clip, every valid token keeps a gradient: -weight * A / 5.
     expected = [[-1.2 / 5, 0.8 / 5, 1.2 / 5], [-2.0 / 5, 1.1 * 0.5 / 5, 0.0]]
     torch.testing.assert_close(new.grad, t(expected))
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_sapo_gates_each_ratio_softly():
+    new = t(NEW).requires_grad_()
+    loss, stats = sapo_policy_loss(t(OLD), new, t(ADV), t(MASK), "token-mean", tau_pos=1.0, tau_neg=2.0)
+    # f(r) = sigmoid(tau (r - 1)) * 4 / tau, tau 1 where A > 0, 2 elsewhere; L = -f(r) A
+    terms = [-4 * sigmoid(1.0) * 1, 2 * sigmoid(-1.0) * 1, 2 * sigmoid(8.0) * 1,  # r = 2, 0.5, 5
+             -4 * sigmoid(0.0) * 2, 2 * sigmoid(0.2) * 0.5]  # r = 1, 1.1
+    torch.testing.assert_close(loss, torch.tensor(sum(terms) / 5, dtype=F64), rtol=0, atol=1e-15)
+    assert stats["clipfrac"] == 0
+    loss.backward()
+    # at r = 1, f'(1) = 1: the token's gradient is the policy gradient's, -A r / 5
+    torch.testing.assert_close(new.grad[1, 0], torch.tensor(-2.0 / 5, dtype=F64), rtol=0, atol=1e-15)
+    assert new.grad[1, 2] == 0
+
+
+def test_geo_mean_takes_the_geometric_mean_of_sign_clipped_log_ratios():
+    new = t(NEW).requires_grad_()
+    loss, stats = geo_mean_policy_loss(t(OLD), new, t(ADV), t(MASK), 0.4, 0.4)
+    # row 0, d = ln 2, ln 0.5, ln 5 with A = 1, -1, -1: min(ln 2, 0.4) = 0.4, max(-ln 2, -0.4) = -0.4,
+    # max(ln 5, 0.4) = ln 5: rho = exp(ln 5 / 3), mean A = -1/3. Row 1, d = 0, ln 1.1 inside: rho = 1.1 ** 0.5,
+    # mean A = (2 - 0.5) / 2 = 0.75
+    rho0, rho1 = 5 ** (1 / 3), 1.1 ** 0.5
+    torch.testing.assert_close(loss, torch.tensor((rho0 / 3 - 0.75 * rho1) / 2, dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(1 / 5, dtype=F64))  # ln 2 > 0.4, A > 0
+    torch.testing.assert_close(stats["clipfrac_lower"], torch.tensor(2 / 5, dtype=F64))  # -ln 2, ln 5; A < 0
+    loss.backward()
+    # d(-a rho) / d(d_t) = -a rho / len for a token whose clipped d is d itself, over 2 sequences
+    expected = [[0.0, 0.0, rho0 / 18], [-0.75 * rho1 / 4, -0.75 * rho1 / 4, 0.0]]
+    torch.testing.assert_close(new.grad, t(expected), rtol=0, atol=1e-15)
+
+
+def test_geo_mean_sums_over_micro_batches():
+    args = (t(OLD), t(NEW), t(ADV), t(MASK))
+    whole, _ = geo_mean_policy_loss(*args, 0.4, 0.4)
+    parts = [geo_mean_policy_loss(*(a[i : i + 1] for a in args), 0.4, 0.4, global_num_seqs=2)[0] for i in range(2)]
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-15)
+
+
+def test_dppo_masks_tokens_whose_probability_moved_too_far():
+    # row 0: p_old 0.5, 0.5, 0.1 -> p 0.8, 0.25, 0.05 with A = 1, -1, 1: +0.3 > 0.2 (A > 0) and
+    # -0.25 < -0.2 (A <= 0) are masked, -0.05 (A > 0) kept with r = 0.5.
+    # row 1: p_old 0.2, 0.4 -> p 0.3, 0.1 with A = -1, 0: +0.1 kept (r = 1.5), -0.3 masked (A <= 0)
+    old = torch.log(t([[0.5, 0.5, 0.1], [0.2, 0.4, 0.5]]))
+    new = torch.log(t([[0.8, 0.25, 0.05], [0.3, 0.1, 0.9]])).requires_grad_()
+    adv, mask = t([[1.0, -1.0, 1.0], [-1.0, 0.0, 3.0]]), t(MASK)
+    loss, stats = dppo_policy_loss(old, new, adv, mask, "token-mean", kl_tau=0.1)
+    squares = sum(LN(r) ** 2 for r in (1.6, 0.5, 0.5, 1.5, 0.25))
+    torch.testing.assert_close(loss, torch.tensor((-0.5 + 1.5 + 0.1 * squares) / 5, dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(stats["clipfrac"], torch.tensor(3 / 5, dtype=F64))
+    loss.backward()
+    # masked tokens: the KL term's gradient alone, 2 kl_tau ln r / 5; kept ones add -A r / 5
+    torch.testing.assert_close(new.grad[0, 0], torch.tensor(0.2 * LN(1.6) / 5, dtype=F64), rtol=0, atol=1e-15)
+    torch.testing.assert_close(new.grad[0, 2], torch.tensor((-0.5 + 0.2 * LN(0.5)) / 5, dtype=F64),
+                               rtol=0, atol=1e-15)
+
+
+def test_gpg_is_the_plain_policy_gradient():
+    new = t(NEW).requires_grad_()
+    loss, stats = gpg_policy_loss(t(OLD), new, t(ADV), t(MASK), "token-mean")
+    terms = [-1 * LN(2), 1 * LN(0.5), 1 * LN(5), -2 * -1.0, 0.5 * (-2 + LN(1.1))]
+    torch.testing.assert_close(loss, torch.tensor(sum(terms) / 5, dtype=F64), rtol=0, atol=1e-15)
+    assert stats["clipfrac"] == 0
+    loss.backward()
+    torch.testing.assert_close(new.grad, -t(ADV) * t(MASK) / 5, rtol=0, atol=1e-15)
 
 
 def test_vanilla_is_ppo_and_an_unknown_mode_is_named():

@@ -3,6 +3,7 @@
 - `masked`: masked reductions, `agg_loss`, entropy, the shape conventions;
 - `advantages`: the advantage estimators;
 - `policy_losses`: the policy losses and the critic's value loss;
+- `gated_losses`: the policy losses without PPO's hard clip (SAPO, GMPO, DPPO, GPG);
 - `kl`: the KL estimators, the KL penalty in the reward, the KL controllers;
 - `rollout_correction`: the off-policy correction (tis, mis) between behaviour and proximal policies;
 - `registry`: `ESTIMATORS` and `POLICY_LOSSES`, each choice's function, flags and help.
@@ -13,12 +14,16 @@ The names are re-exported here, so `from reprorl import algos; algos.masked_mean
 from reprorl.algos.advantages import (
     discounted_returns,
     gae_advantages,
+    gpg_advantages,
     grpo_outcome_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     remax_advantages,
     rloo_advantages,
 )
+from reprorl.algos.gated_losses import dppo_policy_loss, geo_mean_policy_loss, gpg_policy_loss, sapo_policy_loss
 from reprorl.algos.kl import (
     KL_PENALTY_KINDS,
     AdaptiveKLController,
@@ -67,5 +72,6 @@ __all__ = [
     "gspo_policy_loss", "kl_cov_policy_loss", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
     "masked_whiten", "policy_loss", "ppo_policy_loss", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "remax_advantages", "rloo_advantages", "scores_to_token_rewards",
-    "token_priority", "value_loss",
+    "token_priority", "value_loss", "gpg_advantages", "grpo_passk_advantages", "opo_advantages",
+    "dppo_policy_loss", "geo_mean_policy_loss", "gpg_policy_loss", "sapo_policy_loss",
 ]

@@ -164,3 +164,75 @@ def reinforce_pp_baseline_advantages(
         group = scores[idx]
         centered[idx] = group if len(rows) == 1 else group - group.mean()
     return masked_whiten(centered.unsqueeze(-1) * response_mask, response_mask)
+
+
+def grpo_passk_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: Sequence[Hashable],
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Pass@k advantages (Tang et al. 2025, "Optimizing Language Models for Inference Time
+    Objectives using RL", arXiv:2503.19595; verl's `grpo_passk`), k the group's size.
+
+    The reward of a group is its best score (pass@k), and each sample's share of it is its
+    marginal contribution: only the group's best sample gets a nonzero advantage,
+    A = s_max - s_second (over the group's std + eps if `norm_by_std`, as GRPO); every other
+    sample gets 0. A group whose best score is shared by two samples gets 0 throughout, so
+    which of them is "best" never matters (the first is taken).
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids, every group of at least 2
+    samples (ValueError otherwise, as verl). Returns `[B, T]`.
+    """
+    check_scores(scores, response_mask)
+    advantages = torch.zeros_like(scores)
+    for rows in group_rows(group_ids, len(scores)):
+        if len(rows) < 2:
+            raise ValueError(f"pass@k needs at least 2 samples a group; group of row {rows[0]} has 1")
+        group = scores[torch.tensor(rows, device=scores.device)]
+        top = torch.topk(group, 2).values
+        best = rows[int(torch.argmax(group))]
+        advantage = top[0] - top[1]
+        advantages[best] = advantage / (group.std() + eps) if norm_by_std else advantage
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def opo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[Hashable]) -> torch.Tensor:
+    """OPO advantages (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline",
+    arXiv:2505.23585; verl's `opo`).
+
+    A_i = s_i - b with the length-weighted baseline b = sum_j |o_j| s_j / sum_j |o_j| over
+    the group (|o_j| sample j's valid tokens): the variance-minimising baseline when each
+    token's gradient has about the same norm. A group of one: b = 0, as verl.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    check_scores(scores, response_mask)
+    lengths = response_mask.sum(dim=-1)  # [B]
+    advantages = torch.empty_like(scores)
+    for rows in group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group, length = scores[idx], lengths[idx]
+        advantages[idx] = group if len(rows) == 1 else group - (length * group).sum() / length.sum()
+    return advantages.unsqueeze(-1) * response_mask
+
+
+def gpg_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_ids: Sequence[Hashable]) -> torch.Tensor:
+    """GPG advantages (Chu et al. 2025, "GPG: A Simple and Strong RL Baseline for Model
+    Reasoning", arXiv:2504.02546; verl's `gpg`).
+
+    A_i = alpha * (s_i - mean(group)), no std; alpha = B / (number of nonzero scores in the
+    batch, at least 1) scales the batch's gradient up by how few samples carry a signal
+    (the paper's correction for groups that are all wrong). A group of one: mean 0, as verl.
+
+    scores `[B]`, response_mask `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    check_scores(scores, response_mask)
+    alpha = len(scores) / torch.count_nonzero(scores).clamp(min=1)  # a float32 tensor, as verl's
+    advantages = torch.empty_like(scores)
+    for rows in group_rows(group_ids, len(scores)):
+        idx = torch.tensor(rows, device=scores.device)
+        group = scores[idx]
+        advantages[idx] = alpha * (group if len(rows) == 1 else group - group.mean())
+    return advantages.unsqueeze(-1) * response_mask

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from reprorl.algos import advantages as adv
+from reprorl.algos import gated_losses as gl
 from reprorl.algos import policy_losses as pl
 
 
@@ -30,6 +31,7 @@ class AdvantageInputs:
     gamma: float
     lam: float
     norm_by_std: bool
+    """Divide by the group's std (grpo, grpo_passk)."""
     values: torch.Tensor | None = None
     """The critic's values (gae only)."""
     reward_baselines: torch.Tensor | None = None
@@ -61,6 +63,19 @@ def _reinforce_pp_baseline(x: AdvantageInputs) -> torch.Tensor:
     return adv.reinforce_pp_baseline_advantages(x.token_rewards.sum(-1), x.response_mask, list(x.group_ids))
 
 
+def _grpo_passk(x: AdvantageInputs) -> torch.Tensor:
+    scores = x.token_rewards.sum(-1)  # [B]
+    return adv.grpo_passk_advantages(scores, x.response_mask, list(x.group_ids), norm_by_std=x.norm_by_std)
+
+
+def _opo(x: AdvantageInputs) -> torch.Tensor:
+    return adv.opo_advantages(x.token_rewards.sum(-1), x.response_mask, list(x.group_ids))
+
+
+def _gpg(x: AdvantageInputs) -> torch.Tensor:
+    return adv.gpg_advantages(x.token_rewards.sum(-1), x.response_mask, list(x.group_ids))
+
+
 @dataclass(frozen=True)
 class Estimator:
     name: str
@@ -76,7 +91,8 @@ class Estimator:
     greedy_baseline: bool = False
     """Rolls out one greedy response per prompt as the baseline (ReMax)."""
     token_rewards: bool = True
-    """Reads the per-token rewards; False: each sample's sum of them, its sequence score."""
+    """Reads the per-token rewards; False: each sample's sum of them, its sequence score, and
+    so gives every token of a sample one same advantage."""
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) `[B, T]`; without a critic the returns are the advantages."""
@@ -101,6 +117,15 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("reinforce_pp_baseline", adv.reinforce_pp_baseline_advantages, _reinforce_pp_baseline,
               "REINFORCE++ with a baseline: the score minus its group's mean, whitened over the batch",
               group_based=True, token_rewards=False),
+    Estimator("grpo_passk", adv.grpo_passk_advantages, _grpo_passk,
+              "pass@k (k = rollout.n): only a group's best sample gets an advantage, its score minus the "
+              "second best (over the group's std with norm_adv_by_std)", group_based=True, token_rewards=False),
+    Estimator("opo", adv.opo_advantages, _opo,
+              "OPO: the score minus the group's length-weighted mean score (the optimal baseline)",
+              group_based=True, token_rewards=False),
+    Estimator("gpg", adv.gpg_advantages, _gpg,
+              "GPG: the score minus its group's mean, times batch size / nonzero scores", group_based=True,
+              token_rewards=False),
 )}
 
 
@@ -123,7 +148,8 @@ class PolicyLossSettings:
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
     cov: Mapping[str, float] | None = None
-    """clip_cov's or kl_cov's own keywords (`PolicyLoss.cov_keywords`); None: their defaults, verl's."""
+    """The loss's own keywords (`PolicyLoss.cov_keywords`: clip_cov's, kl_cov's, sapo's, dppo's);
+    None: their defaults (verl's, prime-rl's for dppo)."""
 
 
 LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -154,6 +180,25 @@ def _kl_cov(old_log_prob, log_prob, advantages, response_mask, s: PolicyLossSett
                                  **(s.cov or {}), **norms)
 
 
+def _sapo(old_log_prob, log_prob, advantages, response_mask, s: PolicyLossSettings, **norms) -> LossResult:
+    return gl.sapo_policy_loss(old_log_prob, log_prob, advantages, response_mask, s.loss_agg_mode, **(s.cov or {}),
+                               **norms)
+
+
+def _geo_mean(old_log_prob, log_prob, advantages, response_mask, s: PolicyLossSettings, **norms) -> LossResult:
+    return gl.geo_mean_policy_loss(old_log_prob, log_prob, advantages, response_mask, s.clip_ratio_low,
+                                   s.clip_ratio_high, **norms)
+
+
+def _dppo(old_log_prob, log_prob, advantages, response_mask, s: PolicyLossSettings, **norms) -> LossResult:
+    return gl.dppo_policy_loss(old_log_prob, log_prob, advantages, response_mask, s.loss_agg_mode, **(s.cov or {}),
+                               **norms)
+
+
+def _gpg_loss(old_log_prob, log_prob, advantages, response_mask, s: PolicyLossSettings, **norms) -> LossResult:
+    return gl.gpg_policy_loss(old_log_prob, log_prob, advantages, response_mask, s.loss_agg_mode, **norms)
+
+
 @dataclass(frozen=True)
 class PolicyLoss:
     name: str
@@ -164,7 +209,10 @@ class PolicyLoss:
     `norms` `agg_loss`'s global_* keywords. Stats have "clipfrac" and "approx_kl"."""
     help: str
     cov_keywords: tuple[str, ...] = ()
-    """The `actor.*` keys passed as `settings.cov`."""
+    """The `actor.*` keys of this loss alone, passed as `settings.cov` (named for clip_cov and kl_cov,
+    the first losses that had any; reprorl/trainer/parts.py reads them)."""
+    sequence_advantages: bool = False
+    """Takes one advantage a sequence: refused with estimators that give one a token."""
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
@@ -181,6 +229,18 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
     PolicyLoss("kl_cov", pl.kl_cov_policy_loss, _kl_cov,
                "the unclipped surrogate plus ppo_kl_coef * |log-ratio| on the tokens of largest covariance",
                cov_keywords=("kl_cov_ratio", "ppo_kl_coef")),
+    PolicyLoss("sapo", gl.sapo_policy_loss, _sapo,
+               "SAPO: a smooth sigmoid gate on the ratio (temperatures tau_pos, tau_neg) instead of the hard clip",
+               cov_keywords=("tau_pos", "tau_neg")),
+    PolicyLoss("geo_mean", gl.geo_mean_policy_loss, _geo_mean,
+               "GMPO: the geometric mean of a sequence's token ratios, each clipped in log space by clip_ratio_low / "
+               "clip_ratio_high (the paper's 0.4), one advantage a sequence, reduced over sequences",
+               sequence_advantages=True),
+    PolicyLoss("dppo", gl.dppo_policy_loss, _dppo,
+               "prime-rl's DPPO: tokens whose probability moved past dppo_mask_low / dppo_mask_high leave the "
+               "policy gradient, plus kl_tau * squared log-ratio", cov_keywords=("dppo_mask_low", "dppo_mask_high",
+                                                                               "adv_tau", "kl_tau")),
+    PolicyLoss("gpg", gl.gpg_policy_loss, _gpg_loss, "GPG: the plain policy gradient -A * log_prob, no ratio, no clip"),
 )}
 
 
@@ -198,9 +258,9 @@ def policy_loss(
     cov: dict[str, float] | None = None,
     **norms: Any,
 ) -> LossResult:
-    """The policy loss `mode` names ("vanilla": `ppo_policy_loss`; "gspo"; "cispo";
-    "clip_cov"; "kl_cov"), with the actor's settings; `cov`: clip_cov's or kl_cov's own
-    keywords (their defaults: verl's); `norms` are `agg_loss`'s global_* keywords. Every
+    """The policy loss `mode` names (`POLICY_LOSSES`; "vanilla": `ppo_policy_loss`), with the
+    actor's settings; `cov`: the loss's own keywords (`PolicyLoss.cov_keywords`; their
+    defaults: verl's); `norms` are `agg_loss`'s global_* keywords. Every
     mode's stats have "clipfrac" and "approx_kl" (the trainer logs those); vanilla's also
     "clipfrac_lower"."""
     if mode not in POLICY_LOSSES:

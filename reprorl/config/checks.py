@@ -9,7 +9,7 @@ import difflib
 import re
 
 from reprorl.agent_loop.tools import select_tools
-from reprorl.algos.registry import estimator
+from reprorl.algos.registry import POLICY_LOSSES, estimator
 from reprorl.config.schema import Config, RolloutConfig, config_keys
 from reprorl.errors import ConfigError
 
@@ -51,6 +51,11 @@ def _check_off_policy(cfg: Config) -> None:
         raise ConfigError(
             f"actor.off_policy_correction={mode} with actor.policy_loss={actor.policy_loss}: the correction weighs "
             "each token's advantage, which that loss's covariance selection would read; use vanilla, gspo or cispo"
+        )
+    if POLICY_LOSSES[actor.policy_loss].sequence_advantages:
+        raise ConfigError(
+            f"actor.off_policy_correction={mode} with actor.policy_loss={actor.policy_loss}: the correction weighs "
+            "each token's advantage, and that loss takes one advantage a sequence; use vanilla, gspo or cispo"
         )
     lower = actor.rollout_rs_threshold_lower
     if mode == "mis" and lower is not None and lower >= actor.rollout_rs_threshold:
@@ -101,6 +106,11 @@ def validate(cfg: Config) -> None:
             f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
         )
     _check_sampling_varies(rollout, algo.adv_estimator)
+    if POLICY_LOSSES[actor.policy_loss].sequence_advantages and estimator(algo.adv_estimator).token_rewards:
+        raise ConfigError(
+            f"actor.policy_loss={actor.policy_loss} takes one advantage a sequence, and algorithm.adv_estimator="
+            f"{algo.adv_estimator} gives one a token; use an estimator of sequence scores (grpo, rloo, opo, ...)"
+        )
     _check_filter_groups(cfg)
     _check_lora(cfg)
     _check_off_policy(cfg)

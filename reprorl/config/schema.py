@@ -114,8 +114,9 @@ class RolloutConfig:
     backend: Literal["native", "vllm"] = _field("native", "inference engine: the built-in one or vLLM")
     n: int = _field(8, "responses sampled per prompt (GRPO group size)", ge=1)
     temperature: float = _field(
-        1.0, "sampling temperature for training rollouts; 0 = greedy (an error with grpo, rloo, reinforce_pp_baseline "
-        "and remax, which compare samples that must differ)", ge=0
+        1.0, "sampling temperature for training rollouts; 0 = greedy (an error with "
+        + ", ".join(e.name for e in ESTIMATORS.values() if e.group_based or e.greedy_baseline)
+        + ", which compare samples that must differ)", ge=0
     )
     top_p: float = _field(1.0, "nucleus sampling: keep the smallest set of tokens with this mass", gt=0, le=1)
     top_k: int = _field(
@@ -258,13 +259,15 @@ class FilterGroupsConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = _field(
-        "grpo", "advantage estimator; " + ", ".join(e.name for e in ESTIMATORS.values() if e.needs_critic)
-        + " trains a critic"
+    adv_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk",
+                           "opo", "gpg"] = _field(
+        "grpo", "advantage estimator: " + "; ".join(f"{e.name} = {e.help}" for e in ESTIMATORS.values())
     )
     gamma: float = _field(1.0, "discount factor", ge=0, le=1)
     lam: float = _field(1.0, "GAE lambda", ge=0, le=1)
-    norm_adv_by_std: bool = _field(True, "GRPO: divide advantages by the group's std (false = Dr. GRPO)")
+    norm_adv_by_std: bool = _field(
+        True, "grpo, grpo_passk: divide advantages by the group's std (false with grpo = Dr. GRPO; verl's "
+        "norm_adv_by_std_in_grpo)")
     use_kl_in_reward: bool = _field(
         False, "subtract a KL penalty from the token rewards (exclusive with actor.use_kl_loss)"
     )
@@ -292,9 +295,10 @@ class ActorConfig:
         "At least data.max_prompt_length + data.max_response_length. The bits depend on it as on "
         "ppo_micro_batch_size, never on trainer.num_workers (any power of two is then allowed); null = off", ge=1
     )
-    policy_loss: Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov"] = _field(
+    policy_loss: Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "sapo", "geo_mean", "dppo", "gpg"] = _field(
         "vanilla", "the policy loss (verl's loss_mode): "
-        + "; ".join(f"{p.name} = {p.help}" for p in POLICY_LOSSES.values()) + " (both per micro-batch, as verl)"
+        + "; ".join(f"{p.name} = {p.help}" for p in POLICY_LOSSES.values())
+        + " (clip_cov's and kl_cov's choices per micro-batch, as verl)"
     )
     clip_cov_ratio: float = _field(0.0002, "clip_cov: the share of a micro-batch's valid tokens that lose their "
                                    "gradient", gt=0, le=1)
@@ -302,6 +306,17 @@ class ActorConfig:
     clip_cov_ub: float = _field(5.0, "clip_cov: ... and below this")
     kl_cov_ratio: float = _field(0.0002, "kl_cov: the share of a micro-batch's valid tokens penalised", gt=0, le=1)
     ppo_kl_coef: float = _field(1.0, "kl_cov: the coefficient of the |log-ratio| penalty", ge=0)
+    tau_pos: float = _field(1.0, "sapo: the gate's temperature where the advantage is > 0 (verl's name)", gt=0)
+    tau_neg: float = _field(1.05, "sapo: ... where it is <= 0; above tau_pos, negative updates fade sooner", gt=0)
+    dppo_mask_low: float = _field(
+        0.2, "dppo: a token of advantage <= 0 whose probability fell by more than this leaves the policy gradient "
+        "(prime-rl's name)", ge=0)
+    dppo_mask_high: float = _field(
+        0.2, "dppo: a token of advantage > 0 whose probability rose by more than this leaves it", ge=0)
+    adv_tau: float = _field(1.0, "dppo: the policy-gradient term's coefficient (prime-rl's name)", ge=0)
+    kl_tau: float = _field(
+        1e-3, "dppo: the coefficient of the squared log-ratio to the old policy (not the reference: that is "
+        "use_kl_loss)", ge=0)
     clip_ratio_low: float = _field(0.2, "PPO clip: ratio >= 1 - clip_ratio_low", ge=0, lt=1)
     clip_ratio_high: float = _field(0.2, "PPO clip: ratio <= 1 + clip_ratio_high", ge=0)
     # Dual-clip PPO bounds the loss of negative advantages by clip_ratio_c * |A|; at <= 1
