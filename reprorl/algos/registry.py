@@ -213,6 +213,11 @@ class PolicyLoss:
     the first losses that had any; reprorl/trainer/parts.py reads them)."""
     sequence_advantages: bool = False
     """Takes one advantage a sequence: refused with estimators that give one a token."""
+    token_weightable: bool = True
+    """Its policy-gradient term is linear in each token's advantage with the same selection for
+    any positive scaling of it, so an off-policy correction's token weights may scale the
+    advantages (`actor.off_policy_correction`, reprorl/algos/rollout_correction.py); False:
+    refused with one (the covariance losses select tokens by the advantages' values)."""
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
@@ -225,17 +230,17 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
     PolicyLoss("clip_cov", pl.clip_cov_policy_loss, _clip_cov,
                "PPO's clip, and a few tokens of advantage-log-prob covariance in (clip_cov_lb, clip_cov_ub) get no "
                "gradient (chosen at random by a hash of the data)",
-               cov_keywords=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+               cov_keywords=("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"), token_weightable=False),
     PolicyLoss("kl_cov", pl.kl_cov_policy_loss, _kl_cov,
                "the unclipped surrogate plus ppo_kl_coef * |log-ratio| on the tokens of largest covariance",
-               cov_keywords=("kl_cov_ratio", "ppo_kl_coef")),
+               cov_keywords=("kl_cov_ratio", "ppo_kl_coef"), token_weightable=False),
     PolicyLoss("sapo", gl.sapo_policy_loss, _sapo,
                "SAPO: a smooth sigmoid gate on the ratio (temperatures tau_pos, tau_neg) instead of the hard clip",
                cov_keywords=("tau_pos", "tau_neg")),
     PolicyLoss("geo_mean", gl.geo_mean_policy_loss, _geo_mean,
                "GMPO: the geometric mean of a sequence's token ratios, each clipped in log space by clip_ratio_low / "
                "clip_ratio_high (the paper's 0.4), one advantage a sequence, reduced over sequences",
-               sequence_advantages=True),
+               sequence_advantages=True, token_weightable=False),
     PolicyLoss("dppo", gl.dppo_policy_loss, _dppo,
                "prime-rl's DPPO: tokens whose probability moved past dppo_mask_low / dppo_mask_high leave the "
                "policy gradient, plus kl_tau * squared log-ratio", cov_keywords=("dppo_mask_low", "dppo_mask_high",

@@ -47,15 +47,12 @@ def _check_off_policy(cfg: Config) -> None:
             f"actor.off_policy_correction={mode} with actor.old_log_probs=rollout: the correction weighs the "
             "trainer's recomputed log-probs against the engine's; set actor.old_log_probs=auto or recompute"
         )
-    if actor.policy_loss in ("clip_cov", "kl_cov"):
+    if not POLICY_LOSSES[actor.policy_loss].token_weightable:
+        usable = ", ".join(name for name, loss in POLICY_LOSSES.items() if loss.token_weightable)
         raise ConfigError(
             f"actor.off_policy_correction={mode} with actor.policy_loss={actor.policy_loss}: the correction weighs "
-            "each token's advantage, which that loss's covariance selection would read; use vanilla, gspo or cispo"
-        )
-    if POLICY_LOSSES[actor.policy_loss].sequence_advantages:
-        raise ConfigError(
-            f"actor.off_policy_correction={mode} with actor.policy_loss={actor.policy_loss}: the correction weighs "
-            "each token's advantage, and that loss takes one advantage a sequence; use vanilla, gspo or cispo"
+            f"each token's advantage, which that loss's token selection or sequence advantage would read; use one "
+            f"of {usable}"
         )
     lower = actor.rollout_rs_threshold_lower
     if mode == "mis" and lower is not None and lower >= actor.rollout_rs_threshold:
