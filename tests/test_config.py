@@ -342,7 +342,8 @@ OVERRIDE_ERRORS = [
     (
         ["actor.policy_loss=geo_mean", "actor.off_policy_correction=tis"],
         "actor.off_policy_correction=tis with actor.policy_loss=geo_mean: the correction weighs each token's "
-        "advantage, and that loss takes one advantage a sequence; use vanilla, gspo or cispo",
+        "advantage, which that loss's token selection or sequence advantage would read; use one of vanilla, gspo, "
+        "cispo, sapo, dppo, gpg",
     ),
     (["actor.policy_loss=sapo", "actor.tau_neg=0"], "actor.tau_neg: expected a number > 0, got 0"),
     (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one"),
