@@ -20,8 +20,9 @@ FLOORS = (
     ("reprorl", "errors", "io"),  # "reprorl": the package's own __init__ (its version)
     ("kernels",),  # every op of a forward pass; the C++ extension; the pinned host math
     ("determinism",),  # hashing, seeds, the environment; pins the kernels' host math
-    ("algos", "data", "determinism_report", "fingerprint", "protocol", "supervision"),
+    ("algos", "data", "determinism_report", "fingerprint", "protocol"),
     ("models",),
+    ("actors",),  # what every actor shares: supervision, the replica pool, the weight transport
     ("rollout", "reward", "workers"),  # the Ray actors: engine replicas, reward models, trainer ranks
     ("agent_loop",),  # drives the rollout pool
     ("config",),  # validates against the tools' names, the algos' table and the models' LoRA targets
@@ -34,14 +35,6 @@ FLOOR = {part: i for i, parts in enumerate(FLOORS) for part in parts}
 
 # (importing module, imported module) -> what removes it.
 KNOWN = {
-    ("reprorl.workers.group", "reprorl.rollout.weights"):
-        "issue 54 item 2: weight transport moves to the actors layer below workers/ and rollout/",
-    ("reprorl.workers.worker", "reprorl.rollout.weights"):
-        "issue 54 item 2: weight transport moves to the actors layer below workers/ and rollout/",
-    ("reprorl.workers.group", "reprorl.rollout.pool"):
-        "issue 54 item 2: the start-up timeout (READY_TIMEOUT_S) moves to the actors layer with the pool",
-    ("reprorl.reward.reward_model", "reprorl.rollout.pool"):
-        "issue 54 item 2: the replica pool moves to the actors layer below reward/ and rollout/",
     ("reprorl.reward.vllm_reward", "reprorl.rollout.vllm_replica"):
         "issue 54 item 2: the shared vLLM actor start-up moves to the actors layer",
 }
@@ -121,4 +114,4 @@ def test_the_known_exceptions_are_still_true():
 
 def test_imports_inside_functions_are_read():
     """workers/group.py imports the rollout pool inside a method: the walk sees it."""
-    assert "reprorl.rollout.pool" in _imports(PACKAGE / "workers" / "group.py")
+    assert "reprorl.actors.pool" in _imports(PACKAGE / "workers" / "group.py")

@@ -12,7 +12,7 @@ Determinism: everything that decides a sample (prompt ids, params, seeds) is fix
 where and when it runs. So the output is the same for any number of workers or
 replicas, any batch around a row, and any retry after a replica died.
 
-Faults (`reprorl.supervision`): a request whose replica dies, or does not answer
+Faults (`reprorl.actors.supervision`): a request whose replica dies, or does not answer
 within its limit (hung), is retried on another by the balancer; a chunk whose worker dies
 or hangs is run again on a replacement worker, a chunk that found every replica dead is
 run again once the pool has replaced them, and one whose balancer died or hung once a new
@@ -38,9 +38,9 @@ from reprorl.errors import DataError
 from reprorl.models.hf_io import load_tokenizer
 from reprorl.protocol import Batch
 from reprorl.rollout.load_balancer import BalancerError, LoadBalancerActor, NoReplicaError
-from reprorl.rollout.pool import wait_for_actors
+from reprorl.actors.pool import wait_for_actors
 from reprorl.rollout.request import SamplingParams
-from reprorl.supervision import (
+from reprorl.actors.supervision import (
     PART_TIMEOUT_S, PartTimeoutError, gather, get_within, replace_dead, time_limit,
 )
 

@@ -25,7 +25,7 @@ from reprorl.data.dataset import template_ids
 from reprorl.determinism import check_worker_env, stable_digest
 from reprorl.determinism_report import process_info
 from reprorl.rollout.load_balancer import generate_balanced
-from reprorl.supervision import KillSwitch
+from reprorl.actors.supervision import KillSwitch
 
 
 class ShippedTokenizer:

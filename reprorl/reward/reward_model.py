@@ -8,7 +8,7 @@
   environment before anything else.
 - `RewardModelPool`: `num_replicas` replicas; a batch is cut into contiguous chunks, one
   per replica, and the scores are concatenated back in sample order. A replica that
-  died is replaced and its chunk scored again (`reprorl.supervision`).
+  died is replaced and its chunk scored again (`reprorl.actors.supervision`).
 
 Determinism. verl serialises its reward model (`max_num_seqs=1`) so that a score cannot
 depend on its batch. Here each forward packs several sequences one after another
@@ -35,8 +35,8 @@ from reprorl.kernels import select_kernels, verify_batch_invariance
 from reprorl.models.hf_io import load_model
 from reprorl.models.kv_cache import KVCache
 from reprorl.reward.chat import ChatScorer
-from reprorl.rollout.pool import ReplicaPoolBase
-from reprorl.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather, time_limit
+from reprorl.actors.pool import ReplicaPoolBase
+from reprorl.actors.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather, time_limit
 
 
 # Measured on a 2-core CPU: packing more tokens than this into one forward got slower
@@ -214,8 +214,22 @@ class RewardModelPool(ReplicaPoolBase):
     A replica found dead by a call is replaced within `restarts` (the run's budget; None:
     no replacement, the call raises `FaultError`) by a new actor with the next unused id,
     checked to run in the first replica's determinism mode; its chunk is scored again.
-    Start-up, waiting and replacement are the rollout pool's: reprorl/rollout/pool.py.
+    Start-up, waiting and replacement are the rollout pool's: reprorl/actors/pool.py.
     """
+
+    def _backend_gpus(self, num_gpus: float, device: str) -> float:
+        if self.backend != "vllm":
+            return num_gpus
+        from reprorl.reward.vllm_reward import replica_gpus  # vLLM's module, for its backend alone
+
+        return replica_gpus(num_gpus if device == "cuda" else None)
+
+    def _started(self) -> None:
+        if self.backend == "vllm":
+            from reprorl.reward.vllm_reward import warn_if_serialized
+
+            warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
+
 
     KIND = "reward replica"
     NAME = "reward model"

@@ -22,7 +22,9 @@ import torch
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
 from reprorl.reward.chat import ChatScorer
-from reprorl.rollout.vllm_replica import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode
+from reprorl.rollout.vllm_replica import (  # noqa: F401 - replica_gpus, warn_if_serialized: the reward pool's hooks
+    WORKER_ENV_KEYS, engine_kwargs, replica_gpus, vllm_env, vllm_mode, warn_if_serialized,
+)
 
 
 class VllmRewardScorer(ChatScorer):

@@ -5,9 +5,9 @@
   run's determinism environment before anything else, so a replica started without it
   fails at once, naming the variable.
 - `ReplicaPool`: starts `num_replicas` of them with the run's `runtime_env` and waits for
-  them (as the reward-model pool does: `reprorl.rollout.pool`), pushes versioned weights
+  them (as the reward-model pool does: `reprorl.actors.pool`), pushes versioned weights
   to all of them and checks every one serves the version, replaces a replica that died
-  (`reprorl.supervision`) with the current weights, shuts down.
+  (`reprorl.actors.supervision`) with the current weights, shuts down.
 
 Which replica serves a request only affects speed (docs/design.md): a sample is a function of
 (weights, prompt ids, sampling params, request seed), and all of those travel with the
@@ -31,7 +31,7 @@ Placement: `device="cuda"` builds each built-in engine on the GPU Ray gives the 
 `scheduling` pins replica i to a GPU of the run's placement group on several GPUs, and
 a replacement to its dead replica's.
 
-Weight pushes (reprorl/rollout/weights.py): `update_weights` packs the tensors into one
+Weight pushes (reprorl/actors/weights.py): `update_weights` packs the tensors into one
 host buffer per dtype in Ray's object store (every backend, any device);
 `update_weights_shared` lets each built-in replica on the trainer's GPU copy device to
 device from the trainer's own buffer (CUDA IPC), the others still from the host.
@@ -51,16 +51,16 @@ import ray
 
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.determinism_report import model_part_info
-from reprorl.rollout.pool import ReplicaPoolBase
+from reprorl.actors.pool import ReplicaPoolBase
 from reprorl.rollout.request import GenerateOutput, SamplingParams
-from reprorl.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather
+from reprorl.actors.supervision import PART_TIMEOUT_S, KillSwitch, Restarts, gather
 
 if TYPE_CHECKING:
     import torch
 
     from reprorl.models.lora import LoraSpec
     from reprorl.rollout.engine import Engine
-    from reprorl.rollout.weights import PackedWeights, SharedWeights
+    from reprorl.actors.weights import PackedWeights, SharedWeights
 
 
 def build_engine(model_path: str, *, device: str = "cpu", dtype: str | None = None, lora: LoraSpec | None = None,
@@ -107,7 +107,7 @@ class RolloutReplica:
                              version: int) -> int:
         """Copy the weights in as `version`: a `SharedWeights` device to device from the
         trainer's buffer on this GPU (CUDA IPC), a `PackedWeights` in one copy per dtype."""
-        from reprorl.rollout.weights import PackedWeights, SharedWeights
+        from reprorl.actors.weights import PackedWeights, SharedWeights
 
         if isinstance(named_tensors, SharedWeights):
             await self._update_from_ipc(named_tensors, version)
@@ -135,7 +135,7 @@ class RolloutReplica:
 
     async def gpu_uuid(self) -> str | None:
         """The UUID of this replica's GPU (None on the CPU): who can take weights over CUDA IPC."""
-        from reprorl.rollout.weights import gpu_uuid
+        from reprorl.actors.weights import gpu_uuid
 
         return gpu_uuid(self.engine.device) if self.engine.device.type == "cuda" else None
 
@@ -199,8 +199,22 @@ class ReplicaPool(ReplicaPoolBase):
 
     The constructor starts every replica at once and waits until all are ready;
     `wait=False` returns as soon as they are asked for, and `wait_ready()` waits (so a
-    trainer starts its pools and worker groups together): reprorl/rollout/pool.py.
+    trainer starts its pools and worker groups together): reprorl/actors/pool.py.
     """
+
+    def _backend_gpus(self, num_gpus: float, device: str) -> float:
+        if self.backend != "vllm":
+            return num_gpus
+        from reprorl.rollout.vllm_replica import replica_gpus  # vLLM's module, for its backend alone
+
+        return replica_gpus(num_gpus if device == "cuda" else None)
+
+    def _started(self) -> None:
+        if self.backend == "vllm":
+            from reprorl.rollout.vllm_replica import warn_if_serialized
+
+            warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
+
 
     KIND = "rollout replica"
     NAME = "rollout"
@@ -268,7 +282,7 @@ class ReplicaPool(ReplicaPoolBase):
         same names, so that a replica that dies can be replaced at the current version:
         between pushes, the object store holds one copy of the weights (during a push, two).
         """
-        from reprorl.rollout.weights import PackedWeights
+        from reprorl.actors.weights import PackedWeights
 
         packed = named_tensors if isinstance(named_tensors, PackedWeights) else PackedWeights.pack(
             (name, t.detach().cpu()) for name, t in named_tensors)
@@ -287,7 +301,7 @@ class ReplicaPool(ReplicaPoolBase):
         `host_weights()`, which must give this version's weights until the next push (the
         trainer changes them only between `sleep` and the next push, when the pool is idle).
         """
-        from reprorl.rollout.weights import PackedWeights
+        from reprorl.actors.weights import PackedWeights
 
         names = next(iter(shares.values())).names if shares else frozenset()
         refs = {i: self.replicas[i].update_weights.remote(share, version)
@@ -355,7 +369,7 @@ class ReplicaPool(ReplicaPoolBase):
 
     def _bring_up(self, actor: Any) -> str:
         """Replay the kept pushes into a new replica, check it serves `self.version`, match `asleep`."""
-        from reprorl.rollout.weights import PackedWeights
+        from reprorl.actors.weights import PackedWeights
 
         for k, (source, names, version) in enumerate(self._pushes):
             if callable(source):  # a device push: the trainer's weights from the host, packed once

@@ -53,7 +53,7 @@ from reprorl.rollout.request import GenerateOutput, SamplingParams, check_prompt
 if TYPE_CHECKING:
     import torch
 
-    from reprorl.rollout.weights import PackedWeights
+    from reprorl.actors.weights import PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ class VllmReplica:
                              version: int) -> int:
         """Load new weights (HF names, every weight of the model; packed as the pool pushes
         them, or as pairs) into the running engine, as `version`."""
-        from reprorl.rollout.weights import PackedWeights
+        from reprorl.actors.weights import PackedWeights
 
         if version <= self.version:
             raise ValueError(

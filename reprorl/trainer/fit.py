@@ -48,8 +48,8 @@ from reprorl.models.hf_io import load_tokenizer
 from reprorl.models.lora import spec_from_config
 from reprorl.protocol import Batch
 from reprorl.reward.loop import RewardFnError, RewardTimeoutError
-from reprorl.rollout.pool import init_ray
-from reprorl.supervision import FaultError, PartTimeoutError, Restarts
+from reprorl.actors.pool import init_ray
+from reprorl.actors.supervision import FaultError, PartTimeoutError, Restarts
 from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.async_rollouts import AsyncRollouts, behaviour_version
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size

@@ -40,10 +40,10 @@ from reprorl.data.rewards import REWARD_FNS, check_ground_truth
 from reprorl.models.lora import LoraSpec
 from reprorl.reward.loop import RewardLoop, WeightedFn
 from reprorl.reward.user_fn import resolve_reward_fn
-from reprorl.rollout.pool import replica_cpus
+from reprorl.actors.pool import replica_cpus
 from reprorl.rollout.replica import ReplicaPool
 from reprorl.rollout.request import SamplingParams
-from reprorl.supervision import Restarts
+from reprorl.actors.supervision import Restarts
 from reprorl.resources.placement import Placement, Slot, plan_run, ray_options, reserve_gpus, resolve_device
 from reprorl.workers.group import WorkerGroup
 from reprorl.workers.optim import OptimArgs

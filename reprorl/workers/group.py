@@ -30,7 +30,7 @@ Every rank gets the run's determinism variables and `WORKER_ENV` through its run
 fails stops the group: the call raises `WorkerError` naming it, and the group's other
 processes are killed (they would wait for it in a collective). So does one that hangs: a
 call has `time_limit(part_timeout_s, tokens of its batch)` seconds (reprorl/rollout/
-supervision.py); past it the ranks that have not answered are named (a rank that waits in a
+actors/supervision.py); past it the ranks that have not answered are named (a rank that waits in a
 collective for a hung peer cannot be told from it), and the run stops, its last checkpoint intact.
 
 Start-up: the constructor asks Ray for the processes and waits until every rank is ready
@@ -55,8 +55,8 @@ from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.errors import CheckpointError, ReproRLError
 from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch
-from reprorl.supervision import PART_TIMEOUT_S, time_limit
-from reprorl.rollout.weights import SharedWeights
+from reprorl.actors.supervision import PART_TIMEOUT_S, time_limit
+from reprorl.actors.weights import SharedWeights
 from reprorl.workers.micro_batches import in_sample_order
 from reprorl.workers.optim import OptimArgs
 from reprorl.workers.worker import ShardWorker
@@ -148,7 +148,7 @@ class WorkerGroup:
     def _wait_placed(self, starting: list[Any]) -> None:
         """Fail, instead of waiting forever, when Ray has not started every rank within the
         pools' `READY_TIMEOUT_S`: a rank whose GPU share is never free stays pending."""
-        from reprorl.rollout import pool  # read at each wait, so that a test can shorten it
+        from reprorl.actors import pool  # read at each wait, so that a test can shorten it
 
         _, pending = ray.wait(starting, num_returns=len(starting), timeout=pool.READY_TIMEOUT_S)
         if pending:

@@ -59,7 +59,7 @@ from reprorl.fingerprint import tensor_digests
 from reprorl.io import atomic_write
 from reprorl.models.lora import LoraSpec
 from reprorl.protocol import Batch, tensor_to
-from reprorl.rollout.weights import PackedWeights, SharedWeights, gpu_uuid, share
+from reprorl.actors.weights import PackedWeights, SharedWeights, gpu_uuid, share
 from reprorl.workers import critic, policy
 from reprorl.workers.flat import (
     EMPTY_GRADIENT,
@@ -434,7 +434,7 @@ class ShardWorker:
     def share_weights(self, consumers: int) -> list[SharedWeights]:
         """Every weight (the model's dtype: the bf16 cast of the master with mixed precision,
         as `_publish_master` wrote it) packed into one buffer per dtype on this GPU, and one
-        CUDA IPC share of it per consumer (reprorl/rollout/weights.py says why one each).
+        CUDA IPC share of it per consumer (reprorl/actors/weights.py says why one each).
         The buffer is kept until `release_shared_weights`: call that once every consumer is done."""
         if self.device.type != "cuda":
             raise RuntimeError(f"share_weights: {self.name} runs on {self.device}; CUDA IPC needs a GPU")

@@ -26,7 +26,7 @@ def _batch(step: int) -> Batch:
 def manager(tiny_policy, ray_local):
     from reprorl.agent_loop.manager import AgentLoopManager
     from reprorl.rollout.replica import ReplicaPool
-    from reprorl.supervision import Restarts
+    from reprorl.actors.supervision import Restarts
 
     pool = ReplicaPool(tiny_policy, 1, seed=7, full_determinism=True, max_num_seqs=8, max_num_batched_tokens=256,
                        restarts=Restarts(2), part_timeout_s=4.0)

@@ -77,8 +77,8 @@ def test_a_replacement_keeps_its_dead_replicas_gpu(ray_with_gpus, monkeypatch):
     import ray
 
     from reprorl.reward import reward_model
-    from reprorl.rollout import pool as pool_module
-    from reprorl.supervision import Restarts
+    from reprorl.actors import pool as pool_module
+    from reprorl.actors.supervision import Restarts
 
     monkeypatch.setattr(reward_model, "RewardReplica", _Probe)
     # A replacement on another GPU would wait for a GPU share that is never free: fail soon.

@@ -176,7 +176,7 @@ def test_a_reward_replica_that_hangs_in_score_is_replaced_and_the_scores_kept(ra
     """Replica 1 SIGSTOPs itself at its first score call: past `part_timeout_s` it is killed
     and replaced, its chunk scored again, and the scores are the same bits."""
     from reprorl.reward.reward_model import RewardModelPool
-    from reprorl.supervision import HANG_ENV, Restarts
+    from reprorl.actors.supervision import HANG_ENV, Restarts
 
     monkeypatch.setenv(HANG_ENV, "reward replica 1@score#1")
     prompts, responses = _pairs(13, seed=5)

@@ -26,7 +26,7 @@ from reprorl import algos, cli
 from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from reprorl.protocol import Batch
-from reprorl.supervision import KILL_ENV
+from reprorl.actors.supervision import KILL_ENV
 from reprorl.trainer import async_rollouts
 from reprorl.trainer.async_rollouts import AsyncRollouts, behaviour_version
 from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV

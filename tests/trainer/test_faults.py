@@ -2,7 +2,7 @@
 
 Each test trains tiny GRPO runs through the CLI entry point (`reprorl.cli.main`, in this
 process, on the module's one Ray), with the test hook `REPRORL_TEST_KILL`
-(`reprorl.supervision.KILL_ENV`) making one part SIGKILL its own process at a
+(`reprorl.actors.supervision.KILL_ENV`) making one part SIGKILL its own process at a
 fixed point: "rollout replica 1@train/3/#1" = replica 1, on the first request of step 3
 it receives, so requests of that rollout are in flight on it and on the other replica.
 `reprorl compare` with a run nobody killed must say "bitwise identical". Replacements get
@@ -18,7 +18,7 @@ import pytest
 
 from reprorl import cli
 from reprorl.determinism_report import TEXT_FILE
-from reprorl.supervision import HANG_ENV, KILL_ENV
+from reprorl.actors.supervision import HANG_ENV, KILL_ENV
 from small_run import small_run_overrides
 
 # restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.

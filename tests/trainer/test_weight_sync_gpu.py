@@ -26,7 +26,7 @@ PROMPT = [1, 40, 41, 42, 2, 8, 1, 60, 8]
 def parts(tmp_path_factory, ray_local):
     from reprorl.models.tiny import make_tiny
     from reprorl.rollout.replica import ReplicaPool
-    from reprorl.supervision import Restarts
+    from reprorl.actors.supervision import Restarts
     from reprorl.workers.group import WorkerGroup
     from reprorl.workers.optim import OptimArgs
 

@@ -281,7 +281,7 @@ def test_a_rank_ray_cannot_place_fails_after_the_timeout_and_no_rank_outlives_it
     """Ranks asking for a GPU that this Ray does not have stay pending: `wait_ready` names
     them and the GPUs asked and free after READY_TIMEOUT_S, instead of waiting forever."""
     monkeypatch.setattr("reprorl.workers.group.ShardWorker", _FailingWorker)
-    monkeypatch.setattr("reprorl.rollout.pool.READY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("reprorl.actors.pool.READY_TIMEOUT_S", 1.0)
     group = WorkerGroup("critic", 2, "no-model", optim=None, seed=1, full_determinism=True, num_gpus=1, wait=False)
     workers = list(group.workers)
     with pytest.raises(WorkerError, match=r"^critic workers 0, 1 of 2 not started after 1 s \(not placed by Ray, or "

@@ -15,7 +15,7 @@ are both `ReplicaPoolBase`s:
   the pool started, the healthy ones too, then raises its error unchanged: the caller
   has no pool to shut down, and a live replica would keep its CPUs and GPU memory.
 - A replica found dead is replaced within the run's `Restarts` budget
-  (`reprorl.supervision.replace_dead`), by a new actor with the next unused id,
+  (`reprorl.actors.supervision.replace_dead`), by a new actor with the next unused id,
   brought up by the pool's `_bring_up` (the rollout pool: the current weights). A replica
   that does not answer a pool call within `part_timeout_s` is hung: killed and replaced alike.
 
@@ -33,7 +33,7 @@ from typing import Any
 import ray
 
 from reprorl.determinism import determinism_env, ray_runtime_env
-from reprorl.supervision import (
+from reprorl.actors.supervision import (
     PART_TIMEOUT_S,
     Restarts,
     gather,
@@ -137,15 +137,20 @@ class ReplicaPoolBase:
 
     def _gpus_per_replica(self, device: str, num_gpus: float | None) -> float:
         """Ray GPUs each replica asks for: `num_gpus` (a fraction when the run shares one GPU:
-        reprorl/resources/placement.py; None: 1 on cuda, 0 on cpu); on the vLLM backend
-        `vllm_replica.replica_gpus` of it (None off cuda: 1 when the cluster has GPUs)."""
+        reprorl/resources/placement.py; None: 1 on cuda, 0 on cpu), as the backend's hook
+        `_backend_gpus` turns it."""
         if num_gpus is None:
             num_gpus = 1 if device == "cuda" else 0
-        if self.backend == "vllm":
-            from reprorl.rollout.vllm_replica import replica_gpus
+        return self._backend_gpus(num_gpus, device)
 
-            num_gpus = replica_gpus(num_gpus if device == "cuda" else None)
+    def _backend_gpus(self, num_gpus: float, device: str) -> float:
+        """Hook: what a replica of `self.backend` asks of Ray for `num_gpus` on `device`. The
+        built-in engine: as given; the pools of the vLLM backend override it (vllm_replica.replica_gpus)."""
         return num_gpus
+
+    def _started(self) -> None:
+        """Hook: called once the first replica's determinism info is in (`first_info`); the
+        pools of the vLLM backend warn there when it serves one sequence at a time."""
 
     def _start_replicas(self, replica_cls: type, num_replicas: int, model_path: str, options: Mapping[str, Any], *,
                         num_gpus: float, max_num_seqs: int, wait: bool, scheduling: Sequence[Any] | None = None) -> None:
@@ -185,10 +190,7 @@ class ReplicaPoolBase:
         with self._killed_on_failure():
             wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica)
             self.first_info = self._get(self.replicas[0].determinism_info.remote(), f"{self.KIND} 0's determinism_info")
-        if self.backend == "vllm":
-            from reprorl.rollout.vllm_replica import warn_if_serialized
-
-            warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
+        self._started()
 
     @contextlib.contextmanager
     def _killed_on_failure(self) -> Iterator[None]:

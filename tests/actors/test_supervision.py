@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from reprorl.supervision import (
+from reprorl.actors.supervision import (
     HANG_ENV,
     KILL_ENV,
     RESTART_METRICS,
@@ -64,7 +64,7 @@ def test_kill_switch_reads_only_its_own_rules(monkeypatch):
 def test_hang_rules_sigstop_and_travel_to_the_actors(monkeypatch):
     import signal
 
-    from reprorl.supervision import time_limit
+    from reprorl.actors.supervision import time_limit
 
     monkeypatch.setenv(KILL_ENV, "rollout replica 1@train/3/#1")
     monkeypatch.setenv(HANG_ENV, "rollout replica 1@train/2/#1,rollout replica 0@train/2/#1")
@@ -77,7 +77,7 @@ def test_hang_rules_sigstop_and_travel_to_the_actors(monkeypatch):
 
 
 def test_kill_switch_sigkills_its_process_on_the_nth_request():
-    code = ("from reprorl.supervision import KillSwitch\n"
+    code = ("from reprorl.actors.supervision import KillSwitch\n"
             "s = KillSwitch.from_env('reward replica 0')\n"
             "s.see('score'); print('alive after 1', flush=True); s.see('score'); print('alive after 2')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -121,7 +121,7 @@ def test_gather_and_replace_dead(ray_local, actor_dead):
 
     import ray
 
-    from reprorl.supervision import gather, replace_dead
+    from reprorl.actors.supervision import gather, replace_dead
 
     part = ray.remote(num_cpus=0)(_Part)
     actors = {i: part.remote(i) for i in range(3)}

@@ -1,4 +1,4 @@
-"""What both replica pools share (reprorl/rollout/pool.py): their argument checks, the
+"""What both replica pools share (reprorl/actors/pool.py): their argument checks, the
 start-up wait that names the pool instead of hanging when Ray cannot place a replica, and
 a failed start that leaves none of the pool's actors alive."""
 
@@ -12,7 +12,7 @@ POOLS = [("reprorl.rollout.replica", "ReplicaPool", "RolloutReplica"),
 def test_both_pools_refuse_bad_counts_and_backends_naming_themselves(module, name, _, monkeypatch):
     import importlib
 
-    from reprorl.rollout import pool as pool_module
+    from reprorl.actors import pool as pool_module
 
     cls = getattr(importlib.import_module(module), name)
     monkeypatch.setattr(pool_module, "init_ray", lambda *a: pytest.fail("Ray started before the checks"))
@@ -29,7 +29,7 @@ class _Replica:
 
 @pytest.mark.slow  # Ray's start: 5-15 s here
 def test_wait_for_actors_names_the_pool_and_the_cpus_when_ray_cannot_place_a_replica(ray_local):
-    from reprorl.rollout.pool import wait_for_actors
+    from reprorl.actors.pool import wait_for_actors
 
     ray = ray_local
     placed = ray.remote(_Replica).options(num_cpus=0).remote()
@@ -63,7 +63,7 @@ class _HealthyReplica(_FailingReplica):
 
 def _started_actors(monkeypatch) -> list:
     """The handles of every actor a pool starts from now on (the pool is never returned when it fails)."""
-    from reprorl.rollout.pool import ReplicaPoolBase
+    from reprorl.actors.pool import ReplicaPoolBase
 
     started, start = [], ReplicaPoolBase._start
 
@@ -100,7 +100,7 @@ def test_a_pool_that_ray_cannot_place_in_time_kills_its_replicas_placed_or_not(r
     """Each of 2 replicas asks for 1.5 of Ray's 2 CPUs: one may start, the other stays pending.
     After `wait_ready`'s timeout, neither is left: the pending one would take the CPUs the
     moment they are free, the placed one holds them."""
-    from reprorl.rollout import pool as pool_module
+    from reprorl.actors import pool as pool_module
     from reprorl.rollout.replica import ReplicaPool
 
     monkeypatch.setattr("reprorl.rollout.replica.RolloutReplica", _HealthyReplica)

@@ -1,10 +1,10 @@
-"""Weight pushes as flat buffers (reprorl/rollout/weights.py): the packing both paths share,
+"""Weight pushes as flat buffers (reprorl/actors/weights.py): the packing both paths share,
 and what the CUDA IPC path refuses (the rest of it needs a GPU: tests/trainer/test_weight_sync_gpu.py)."""
 
 import pytest
 import torch
 
-from reprorl.rollout.weights import PackedWeights, SharedWeights, share
+from reprorl.actors.weights import PackedWeights, SharedWeights, share
 
 
 def _named():
@@ -57,7 +57,7 @@ def test_open_checks_the_gpu_and_names_this_process_device(monkeypatch):
 
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    from reprorl.rollout import weights
+    from reprorl.actors import weights
 
     monkeypatch.setattr(weights, "gpu_uuid", lambda device: "GPU-here")
     device_arg = list(inspect.signature(rebuild_cuda_tensor).parameters).index("storage_device")
