@@ -10,6 +10,7 @@ Without a CUDA device, Triton kernels run under its interpreter (on CPU tensors)
 checks their arithmetic; the variable must be set before triton is first imported.
 """
 
+import contextlib
 import os
 import time
 
@@ -60,6 +61,32 @@ def _ray_started_here():
             ray.shutdown()
 
 
+@contextlib.contextmanager
+def _without_run_variables():
+    """os.environ without a run's own variables (REPRORL_SEED, REPRORL_FULL_DETERMINISM) for
+    the block: Ray's processes inherit the environment it starts in, and the tests that
+    check an actor refuses to start without them need a Ray that never had them."""
+    from reprorl.determinism import ENV_FULL_DETERMINISM, ENV_SEED
+
+    saved = {key: os.environ.pop(key) for key in (ENV_SEED, ENV_FULL_DETERMINISM) if key in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _environ_restored():
+    """Every test leaves os.environ as it found it: a run trained in this process (`reprorl
+    train` through cli.main) sets the run's determinism variables, and a Ray started after
+    it would hand them to every actor."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def ray_local(_ray_started_here):
     """A local Ray (2 CPUs) for one test module, started if none is up.
@@ -73,7 +100,8 @@ def ray_local(_ray_started_here):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        with _without_run_variables():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         _ray_started_here["started"] = True
     yield ray
     if _ray_started_here["started"] and ray.is_initialized() and not _ray_is_clean(ray):
@@ -223,13 +251,3 @@ def _assert_grads_close(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.fixture
 def assert_grads_close():
     return _assert_grads_close
-
-
-@pytest.fixture
-def restore_environ():
-    """Undo changes to os.environ after a test (`reprorl train` run in-process sets the run's
-    determinism variables)."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)

@@ -24,9 +24,8 @@ from reprorl import cli
 from reprorl.determinism_report import REPORT_FILE, TEXT_FILE, build_report
 from small_run import small_run_overrides
 
-# restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
 # One Ray for the module (ray_local): the runs leave a caller's Ray up.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_environ")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 
 def train(assets, run_dir: Path, *overrides: str) -> Path:

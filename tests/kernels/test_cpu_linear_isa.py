@@ -9,7 +9,7 @@ import platform
 import pytest
 import torch
 
-from reprorl.kernels import build
+from reprorl.kernels import build, cpu
 
 pytestmark = [pytest.mark.slow,  # two builds of the linear's source, about 30 s each
               pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction sets")]

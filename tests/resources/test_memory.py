@@ -277,7 +277,6 @@ def test_config_memory_names_a_missing_model(tmp_path, capsys):
     assert "model.path=" in capsys.readouterr().err
 
 
-@pytest.mark.usefixtures("restore_environ")
 def test_a_cuda_run_that_cannot_fit_stops_before_any_part_starts(tmp_path, monkeypatch):
     from reprorl.data.synthetic import write_arithmetic_dataset
     from reprorl.models.tiny import make_tiny

@@ -261,7 +261,7 @@ def async_run(assets, tmp_path_factory):
 
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_local", "restore_environ")
+@pytest.mark.usefixtures("ray_local")
 def test_stale_runs_are_bitwise_identical_on_rerun(assets, tmp_path, async_run, assert_bitwise_identical, k):
     first = async_run(k)
     assert [r.get("async/staleness") for r in records(first) if r["step"] > 0] == [min(s - 1, k) for s in range(1, 5)]
@@ -270,7 +270,7 @@ def test_stale_runs_are_bitwise_identical_on_rerun(assets, tmp_path, async_run, 
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_local", "restore_environ")
+@pytest.mark.usefixtures("ray_local")
 def test_a_stale_run_has_the_same_bits_on_2_replicas_and_2_workers(assets, tmp_path, async_run,
                                                                    assert_bitwise_identical):
     run = train(assets, tmp_path / "wide", "trainer.max_staleness=1", "rollout.num_replicas=2",
@@ -279,7 +279,7 @@ def test_a_stale_run_has_the_same_bits_on_2_replicas_and_2_workers(assets, tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_local", "restore_environ")
+@pytest.mark.usefixtures("ray_local")
 def test_a_stale_run_differs_from_the_synchronous_one_from_its_second_step(assets, tmp_path, async_run):
     from reprorl.compare import compare_runs
 
@@ -289,7 +289,7 @@ def test_a_stale_run_differs_from_the_synchronous_one_from_its_second_step(asset
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_local", "restore_environ")
+@pytest.mark.usefixtures("ray_local")
 def test_a_replica_killed_in_a_stale_run_changes_no_bit(assets, tmp_path, async_run, assert_bitwise_identical):
     run = train(assets, tmp_path / "killed", "trainer.max_staleness=1", "rollout.num_replicas=2",
                 env={KILL_ENV: "rollout replica 1@train/3/#1"})
@@ -299,7 +299,7 @@ def test_a_replica_killed_in_a_stale_run_changes_no_bit(assets, tmp_path, async_
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("ray_local", "restore_environ")
+@pytest.mark.usefixtures("ray_local")
 def test_a_stale_run_killed_and_resumed_equals_the_uninterrupted_one(assets, tmp_path, async_run,
                                                                     assert_bitwise_identical):
     """SIGKILL of the driver right after step 2's checkpoint, which holds step 3's batch

@@ -268,7 +268,6 @@ def test_a_non_finite_reward_model_score_is_an_error(char_tokenizer):
         loop.compute(_reward_batch(4), char_tokenizer)
 
 
-@pytest.mark.usefixtures("restore_environ")  # Trainer sets the run's determinism variables
 def test_a_source_no_builtin_rule_knows_fails_at_start(inputs, tmp_path, no_workers):
     """data_source 'gsm8k' (verl names it 'openai/gsm8k') scored 0 on every sample, all run long."""
     rows = read_rows(inputs["train"])

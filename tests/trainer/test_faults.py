@@ -21,9 +21,8 @@ from reprorl.determinism_report import TEXT_FILE
 from reprorl.actors.supervision import HANG_ENV, KILL_ENV
 from small_run import small_run_overrides
 
-# restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
 # One Ray for the module (ray_local): the runs leave a caller's Ray up.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_environ")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 COMMON = ("rollout.num_replicas=2", "rollout.num_agent_workers=2")
 

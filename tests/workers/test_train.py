@@ -23,9 +23,8 @@ from reprorl.trainer.fit import Trainer
 from reprorl.workers.group import WorkerError
 from small_run import run_trainer, small_run_overrides
 
-# restore_environ (conftest.py): `reprorl train` sets determinism variables in this process.
 # One Ray for the module (ray_local): the runs leave a caller's Ray up.
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local", "restore_environ")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 ALGOS = {
     "grpo": ("algorithm.adv_estimator=grpo",),
