@@ -1,6 +1,7 @@
 """The agent-loop manager: a batch of prompts in, a batch of padded responses out.
 
     AgentLoopManager.generate_sequences(batch)
+      -> rollout_requests: each row as a typed request (request.py)
       -> plan_samples: per row, its identity (request id, seeds), params and priority
       -> contiguous chunks of rows to `num_workers` AgentLoopWorker actors
            -> each runs its rows' loops concurrently; every generate call goes through
@@ -23,14 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
+from reprorl.agent_loop.request import RolloutRequest, rollout_requests
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample
 from reprorl.agent_loop.tools import select_tools
 from reprorl.agent_loop.worker import AgentLoopWorker, ShippedTokenizer
@@ -44,8 +45,6 @@ from reprorl.actors.supervision import (
     PART_TIMEOUT_S, PartTimeoutError, gather, get_within, replace_dead, time_limit,
 )
 
-DO_SAMPLE = "__do_sample__"
-"""Control column: False marks a greedy row (ReMax's baseline) in a sampled batch."""
 AGENTS = ("single_turn", "tool")
 
 
@@ -55,7 +54,7 @@ def greedy_params(params: SamplingParams) -> SamplingParams:
 
 
 def plan_samples(
-    batch: Batch,
+    requests: list[RolloutRequest],
     *,
     run_seed: int,
     sampling_params: SamplingParams,
@@ -63,78 +62,46 @@ def plan_samples(
     max_response_length: int,
     max_prompt_length: int | None = None,
 ) -> list[AgentSample]:
-    """One `AgentSample` per row, in row order: the sample's whole identity, before routing.
+    """One `AgentSample` per request, in order: the sample's whole identity, before routing.
 
-    Reads the non-tensor columns `uid`, `repeat_index`, `prompt_ids` (token ids) or, when
-    there are none, `raw_prompt` (chat messages, templated by the worker), the optional
-    control column `__do_sample__`, and meta `step` (int) and `validate` (bool, default
-    False). `prompt_ids` wins when both are given: they are the dataset's, cut to
-    `data.max_prompt_length` by `data.overlong_prompts=truncate_*`, while the messages are
-    whole. For row i:
-    - priority i (its row number) and request id "{phase}/{step}/{uid}/{repeat_index}";
-    - seeds `request_seed(run_seed, step, uid, repeat_index, turn, phase=phase)`, with
-      phase "val" when validating (apart from training's seeds, see `request_seed`);
-    - params: `val_sampling_params` when validating, else `sampling_params`; greedy where
-      `__do_sample__` is False. Their `max_tokens` is kept (`rollout.max_tokens`); it must
-      be at most `max_response_length`, the width the responses are padded to.
-    A `prompt_ids` row longer than `max_prompt_length` (None: no limit) is a DataError
-    here, before any request reaches a replica.
-    Other non-tensor columns go to the loop in `extra` (e.g. `agent_name`, which picks
-    the row's loop in the worker); control columns do not.
+    For request i:
+    - priority i (its row number) and its `request_id`, "{phase}/{step}/{uid}/{repeat_index}";
+    - seeds `request_seed(run_seed, step, uid, repeat_index, turn, phase=phase)` (a
+      validation's phase "val" keeps them apart from training's, see `request_seed`);
+    - params: `val_sampling_params` for phase "val", else `sampling_params`; greedy where
+      `do_sample` is False. Their `max_tokens` is kept (`rollout.max_tokens`); it must be at
+      most `max_response_length`, the width the responses are padded to.
+    A prompt longer than `max_prompt_length` (None: no limit) is a DataError here, before
+    any request reaches a replica, and so are two requests of one (uid, repeat_index).
     """
-    n = len(batch)
-    step, validate = batch.meta.get("step"), batch.meta.get("validate", False)
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-        raise DataError(f"rollout batch meta 'step'={step!r}: expected an int")
-    if not isinstance(validate, (bool, np.bool_)):
-        raise DataError(f"rollout batch meta 'validate'={validate!r}: expected true or false")
-    phase = "val" if validate else "train"
-    for key in ("uid", "repeat_index"):
-        if key not in batch.non_tensors:
-            raise DataError(f"rollout batch has no non-tensor column {key!r}; columns: {batch.keys()}")
-    prompt_key = "prompt_ids" if "prompt_ids" in batch.non_tensors else "raw_prompt"
-    if prompt_key not in batch.non_tensors:
-        raise DataError(
-            f"rollout batch needs a non-tensor column 'raw_prompt' or 'prompt_ids'; columns: {batch.keys()}"
-        )
-    do_sample = batch.non_tensors.get(DO_SAMPLE, np.full(n, True, dtype=object))
-    base = val_sampling_params if validate else sampling_params
-    if base.max_tokens > max_response_length:
-        raise ValueError(f"sampling params max_tokens={base.max_tokens} is more than max_response_length="
-                         f"{max_response_length}, the width responses are padded to; expected at most that")
-    greedy = greedy_params(base)
-    skip = {DO_SAMPLE, "uid", "repeat_index", "prompt_ids", "raw_prompt"}
-    extra_keys = [k for k in batch.non_tensors if k not in skip]
-
     samples, seen = [], {}
-    for i in range(n):
-        uid, repeat = batch.non_tensors["uid"][i], batch.non_tensors["repeat_index"][i]
-        if isinstance(repeat, bool) or not isinstance(repeat, (int, np.integer)):
-            raise DataError(f"rollout batch row {i}: repeat_index={repeat!r}, expected an int")
-        if (uid, repeat) in seen:
+    for i, request in enumerate(requests):
+        base = val_sampling_params if request.phase == "val" else sampling_params
+        if base.max_tokens > max_response_length:
+            raise ValueError(f"sampling params max_tokens={base.max_tokens} is more than max_response_length="
+                             f"{max_response_length}, the width responses are padded to; expected at most that")
+        identity = (request.uid, request.repeat_index)
+        if identity in seen:
             # Same identity -> same seed and request id: a bug upstream (e.g. a ReMax
             # baseline row that reuses a sampled row's repeat_index).
-            raise DataError(f"rollout batch rows {seen[(uid, repeat)]} and {i} have the same "
-                            f"(uid, repeat_index) = ({uid!r}, {repeat}); every row needs its own")
-        seen[(uid, repeat)] = i
-        flag = do_sample[i]
-        if not isinstance(flag, (bool, np.bool_)):
-            raise DataError(f"rollout batch row {i}: {DO_SAMPLE}={flag!r}, expected true or false")
-        agent_name = batch.non_tensors["agent_name"][i] if "agent_name" in batch.non_tensors else AGENTS[0]
+            raise DataError(f"rollout batch rows {seen[identity]} and {i} have the same "
+                            f"(uid, repeat_index) = ({request.uid!r}, {request.repeat_index}); every row needs its own")
+        seen[identity] = i
+        agent_name = request.extra.get("agent_name", AGENTS[0])
         if agent_name not in AGENTS:
             raise DataError(f"rollout batch row {i}: agent_name={agent_name!r}, expected one of {AGENTS}")
-        prompt = batch.non_tensors[prompt_key][i]
-        if prompt_key == "prompt_ids" and max_prompt_length is not None and len(prompt) > max_prompt_length:
-            raise DataError(f"rollout batch row {i} (uid {uid!r}): prompt of {len(prompt)} tokens is longer than "
-                            f"max_prompt_length={max_prompt_length}; expected at most that")
+        ids = request.prompt_ids
+        if ids is not None and max_prompt_length is not None and len(ids) > max_prompt_length:
+            raise DataError(f"rollout batch row {i} (uid {request.uid!r}): prompt of {len(ids)} tokens is longer "
+                            f"than max_prompt_length={max_prompt_length}; expected at most that")
         samples.append(AgentSample(
             index=i,
-            request_id=f"{phase}/{int(step)}/{uid}/{int(repeat)}",
-            prompt_ids=[int(t) for t in prompt] if prompt_key == "prompt_ids" else None,
-            raw_prompt=list(prompt) if prompt_key == "raw_prompt" else None,
-            sampling_params=base if flag else greedy,
-            seed_identity=(run_seed, int(step), uid, int(repeat), phase),
-            extra={k: batch.non_tensors[k][i] for k in extra_keys},
+            request_id=request.request_id,
+            prompt_ids=None if ids is None else list(ids),
+            raw_prompt=request.raw_prompt,
+            sampling_params=base if request.do_sample else greedy_params(base),
+            seed_identity=(run_seed, request.step, request.uid, request.repeat_index, request.phase),
+            extra=dict(request.extra),
         ))
     return samples
 
@@ -299,16 +266,18 @@ class AgentLoopManager:
         wait_for_actors(list(self.workers.values()), "agent-loop workers", 0)
         self.first_worker_info = self._get(self.workers[0].determinism_info.remote(), "agent-loop worker 0")
 
-    def generate_sequences(self, batch: Batch) -> Batch:
-        """Responses for every row of `batch`, in row order (see `plan_samples`, `assemble`).
+    def generate_sequences(self, batch: Batch, do_sample: Sequence[bool] | None = None) -> Batch:
+        """Responses for every row of `batch`, in row order (see `rollout_requests`,
+        `plan_samples`, `assemble`); `do_sample`: a flag a row, False for a greedy row
+        (ReMax's baseline; None: every row sampled).
 
         Returns the tensors of `assemble`, the input's non-tensor columns plus
         `request_id`, `num_turns`, `finish_reason`, the input's tensor columns that
         `assemble` does not replace, and its meta plus `num_generate_calls` (engine calls).
         """
         self.num_generate_sequences_calls += 1
-        samples = plan_samples(batch, run_seed=self.run_seed, sampling_params=self.sampling_params,
-                               val_sampling_params=self.val_sampling_params,
+        samples = plan_samples(rollout_requests(batch, do_sample), run_seed=self.run_seed,
+                               sampling_params=self.sampling_params, val_sampling_params=self.val_sampling_params,
                                max_response_length=self.max_response_length,
                                max_prompt_length=self.max_prompt_length)
         outputs = self._run(samples)

@@ -24,7 +24,7 @@ GenerateFn = Callable[[str, list[int], SamplingParams, int, int], Awaitable[Any]
 
 @dataclass(frozen=True)
 class AgentSample:
-    """One row of a rollout batch, as the loop sees it (control columns already removed).
+    """One row of a rollout batch, as the loop sees it (`plan_samples` makes it from the row's request).
 
     `sampling_params.max_tokens` is the whole response budget (`rollout.max_tokens`, at
     most `max_response_length`); a multi-turn loop shares it among its turns.

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from reprorl import algos
-from reprorl.agent_loop.manager import DO_SAMPLE, AgentLoopManager
+from reprorl.agent_loop.manager import AgentLoopManager
 from reprorl.config import Config
 from reprorl.data.dataset import PromptDataset, PromptSampler
 from reprorl.errors import ConfigError
@@ -129,21 +129,19 @@ class Generator:
         repeated["repeat_index"] = [j for _ in range(len(prompts)) for j in range(n)]
         return repeated
 
-    def _rollout_batch(self, prompts: Batch) -> tuple[Batch, int]:
-        """The rows of the step's ONE rollout call, and how many of them are sampled.
+    def _rollout_batch(self, prompts: Batch) -> tuple[Batch, list[bool]]:
+        """The rows of the step's ONE rollout call, and whether each is sampled.
 
-        ReMax appends one greedy row per prompt (`DO_SAMPLE` False); the agent loop
-        gives those rows greedy params, and they are split off after the call.
+        ReMax appends one greedy row per prompt (do_sample False); the agent loop gives
+        those rows greedy params, and they are split off after the call.
         """
         n = self.cfg.rollout.n
         sampled = self._repeat(prompts, n)
         if not algos.estimator(self.cfg.algorithm.adv_estimator).greedy_baseline:
-            return sampled, len(sampled)
+            return sampled, [True] * len(sampled)
         baseline = prompts.slice(0, len(prompts))
         baseline["repeat_index"] = [n] * len(prompts)  # an identity apart from the n samples
-        sampled[DO_SAMPLE] = [True] * len(sampled)
-        baseline[DO_SAMPLE] = [False] * len(baseline)
-        return Batch.concat([sampled, baseline]), len(sampled)
+        return Batch.concat([sampled, baseline]), [True] * len(sampled) + [False] * len(baseline)
 
     def _generation_batch(self, step: int, positions: list[int], metrics: dict[str, float], gen_batch: int = 0
                           ) -> tuple[Batch, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -181,14 +179,13 @@ class Generator:
         t0 = time.perf_counter()
         prompts = self._prompt_batch(self.train_set, positions, step=step, validate=False, gen_batch=gen_batch)
         calls_before = self.agent.num_generate_sequences_calls
-        rollout, num_sampled = self._rollout_batch(prompts)
-        output = self.agent.generate_sequences(rollout)
+        rollout, do_sample = self._rollout_batch(prompts)
+        num_sampled = sum(do_sample)
+        output = self.agent.generate_sequences(rollout, do_sample)
         metrics["rollout/num_generate_calls"] = self.agent.num_generate_sequences_calls - calls_before
         metrics["rollout/turns_mean"] = float(sum(output.non_tensors["num_turns"]) / len(output))  # > 1: tool turns ran
         batch = output.slice(0, num_sampled)
         baseline = output.slice(num_sampled, len(output)) if num_sampled < len(output) else None
-        if baseline is not None:
-            batch.pop(non_tensor_keys=[DO_SAMPLE])
         metrics["timing/gen_s"] = time.perf_counter() - t0
         return batch, baseline
 

@@ -17,7 +17,7 @@ SAMPLING = SamplingParams(temperature=1.0, max_tokens=R)
 pytestmark = pytest.mark.slow
 
 
-def _batch(prompt_indices, repeats, step=0, do_sample=None, agent_name=None, validate=False):
+def _batch(prompt_indices, repeats, step=0, agent_name=None, validate=False):
     """Rows (prompt i, repeat r) for i in prompt_indices, r in range(repeats[i]), in that order."""
     uids, reps, msgs = [], [], []
     for i in prompt_indices:
@@ -26,8 +26,6 @@ def _batch(prompt_indices, repeats, step=0, do_sample=None, agent_name=None, val
             reps.append(r)
             msgs.append([{"role": "user", "content": QUESTIONS[i]}])
     cols = {"uid": uids, "repeat_index": reps, "raw_prompt": msgs, "data_source": ["arith"] * len(uids)}
-    if do_sample is not None:
-        cols["__do_sample__"] = do_sample
     if agent_name is not None:
         cols["agent_name"] = [agent_name] * len(uids)
     return Batch(non_tensors=cols, meta={"step": step, "validate": validate})
@@ -123,17 +121,18 @@ def _greedy_reference(model_dir, prompt_ids, max_new):
 def test_greedy_rows_equal_the_argmax_path_and_mix_with_sampled_rows(managers, tiny_policy):
     # Rows: q0 sampled, q0 greedy, q1 sampled, q1 greedy (the ReMax layout: one call).
     mixed = managers[(3, 3)].generate_sequences(
-        _batch([0, 1], 2, step=4, do_sample=[True, False, True, False]))
+        _batch([0, 1], 2, step=4), do_sample=[True, False, True, False])
     sampled = managers[(1, 1)].generate_sequences(_batch([0, 1], 2, step=4))
-    greedy = managers[(3, 1)].generate_sequences(_batch([0, 1], 2, step=4, do_sample=[False] * 4))
+    greedy = managers[(3, 1)].generate_sequences(_batch([0, 1], 2, step=4), do_sample=[False] * 4)
     for key in ("responses", "response_mask", "rollout_log_probs"):
         assert torch.equal(mixed[key][[0, 2]], sampled[key][[0, 2]]), key
         assert torch.equal(mixed[key][[1, 3]], greedy[key][[1, 3]]), key
     # Greedy ignores the seed: both copies of a prompt agree, and differ from sampling.
     assert torch.equal(greedy["responses"][0], greedy["responses"][1])
     assert not torch.equal(mixed["responses"][0], mixed["responses"][1])
-    # The control column is carried through to the output, untouched.
-    assert list(mixed["__do_sample__"]) == [True, False, True, False]
+    # The flags are the call's, not a column: the output holds the input's columns alone.
+    assert set(mixed.non_tensors) == {"uid", "repeat_index", "raw_prompt", "data_source", "request_id",
+                                      "num_turns", "finish_reason"}
     # And greedy is the argmax path of the model itself (first 32 tokens: the reference
     # recomputes the whole sequence per token).
     for row in (1, 3):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from reprorl.agent_loop.manager import assemble, greedy_params, plan_samples, split_contiguous
+from reprorl.agent_loop.request import rollout_requests
 from reprorl.agent_loop.single_turn import AgentOutput
 from reprorl.determinism import request_seed
 from reprorl.errors import DataError
@@ -15,20 +16,18 @@ TRAIN = SamplingParams(temperature=0.9, top_p=0.8, top_k=20, max_tokens=3)
 VAL = SamplingParams(temperature=0.5, max_tokens=3)
 
 
-def _batch(do_sample=None, validate=False):
+def _batch(validate=False):
     cols = {
         "uid": ["a", "a", "b"],
         "repeat_index": [0, 1, 0],
         "prompt_ids": [[5, 6], [5, 6], [7]],
         "data_source": ["x", "x", "y"],
     }
-    if do_sample is not None:
-        cols["__do_sample__"] = do_sample
     return Batch(non_tensors=cols, meta={"step": 4, "validate": validate})
 
 
-def _plan(batch):
-    return plan_samples(batch, run_seed=9, sampling_params=TRAIN, val_sampling_params=VAL, max_response_length=16)
+def _plan(batch, do_sample=None):
+    return plan_samples(rollout_requests(batch, do_sample), run_seed=9, sampling_params=TRAIN, val_sampling_params=VAL, max_response_length=16)
 
 
 def test_plan_identity_seeds_and_priorities():
@@ -44,12 +43,21 @@ def test_plan_identity_seeds_and_priorities():
     assert [s.extra for s in samples] == [{"data_source": "x"}, {"data_source": "x"}, {"data_source": "y"}]
 
 
+def test_rows_become_typed_requests():
+    from reprorl.agent_loop.request import RolloutRequest
+
+    requests = rollout_requests(_batch(validate=True), do_sample=[True, False, True])
+    assert requests[1] == RolloutRequest(uid="a", repeat_index=1, step=4, phase="val", prompt_ids=[5, 6],
+                                         do_sample=False, extra={"data_source": "x"})
+    assert [r.request_id for r in requests] == ["val/4/a/0", "val/4/a/1", "val/4/b/0"]
+
+
 def test_plan_keeps_max_tokens_and_refuses_more_than_the_response_width():
     """rollout.max_tokens bounds the responses (it was overwritten by max_response_length)."""
     samples = _plan(_batch())
     assert [s.sampling_params.max_tokens for s in samples] == [3, 3, 3]
     with pytest.raises(ValueError, match="max_tokens=17 is more than max_response_length=16"):
-        plan_samples(_batch(), run_seed=9, sampling_params=SamplingParams(max_tokens=17), val_sampling_params=VAL,
+        plan_samples(rollout_requests(_batch()), run_seed=9, sampling_params=SamplingParams(max_tokens=17), val_sampling_params=VAL,
                      max_response_length=16)
 
 
@@ -60,14 +68,13 @@ def test_plan_validation_uses_its_params_and_phase():
     assert samples[0].sampling_params == SamplingParams(temperature=0.5, max_tokens=3)
 
 
-def test_plan_do_sample_rows_are_greedy_and_the_column_stays_out():
-    samples = _plan(_batch(do_sample=[True, False, True]))
+def test_plan_do_sample_rows_are_greedy():
+    samples = _plan(_batch(), do_sample=[True, False, True])
     greedy = SamplingParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=3)
     assert greedy_params(TRAIN.__class__(0.9, 0.8, 20, max_tokens=3)) == greedy
     assert [s.sampling_params for s in samples] == [SamplingParams(0.9, 0.8, 20, max_tokens=3), greedy,
                                                    SamplingParams(0.9, 0.8, 20, max_tokens=3)]
-    for s in samples:
-        assert "__do_sample__" not in s.extra and "__do_sample__" not in repr(s)
+    assert all(s.extra == {"data_source": s.extra["data_source"]} for s in samples)
 
 
 def test_plan_errors():
@@ -78,8 +85,10 @@ def test_plan_errors():
         _plan(Batch(non_tensors={"uid": ["a"], "repeat_index": [0], "prompt_ids": [[1]]}))
     with pytest.raises(DataError, match="needs a non-tensor column 'raw_prompt' or 'prompt_ids'"):
         _plan(Batch(non_tensors={"uid": ["a"], "repeat_index": [0]}, meta={"step": 0}))
-    with pytest.raises(DataError, match="row 1: __do_sample__=1, expected true or false"):
-        _plan(_batch(do_sample=[True, 1, True]))
+    with pytest.raises(DataError, match="row 1: do_sample=1, expected true or false"):
+        _plan(_batch(), do_sample=[True, 1, True])
+    with pytest.raises(ValueError, match="do_sample has 2 flags for a rollout batch of 3 rows"):
+        _plan(_batch(), do_sample=[True, False])
 
 
 def test_raw_prompt_rows_keep_their_messages():

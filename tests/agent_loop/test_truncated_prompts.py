@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from reprorl.agent_loop.manager import plan_samples
+from reprorl.agent_loop.request import rollout_requests
 from reprorl.agent_loop.worker import AgentLoopWorker, ShippedTokenizer
 from reprorl.data.dataset import PromptDataset
 from reprorl.errors import DataError
@@ -71,7 +72,7 @@ def _batch(dataset):
 
 
 def _plan(batch, **kwargs):
-    return plan_samples(batch, run_seed=3, sampling_params=SAMPLING, val_sampling_params=SAMPLING,
+    return plan_samples(rollout_requests(batch), run_seed=3, sampling_params=SAMPLING, val_sampling_params=SAMPLING,
                         max_response_length=200, **kwargs)
 
 

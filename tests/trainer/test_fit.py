@@ -104,11 +104,11 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
     calls, trained = [], []
     generate, update = trainer.parts.agent.generate_sequences, trainer.parts.actor.update
 
-    def spy_generate(batch):
-        out = generate(batch)
+    def spy_generate(batch, do_sample):
+        out = generate(batch, do_sample)
         # The same prompts as greedy rows alone, at the same weights: the baseline's reference.
         baseline_only = batch.slice(len(batch) - cfg.data.train_batch_size, len(batch))
-        calls.append((batch, out, generate(baseline_only)))
+        calls.append((do_sample, out, generate(baseline_only, [False] * len(baseline_only))))
         return out
 
     def spy_update(batch, *args, **kwargs):
@@ -120,14 +120,14 @@ def test_remax_one_rollout_call_greedy_baseline_never_trained_on(assets, tmp_pat
     try:
         trainer.fit()
         assert len(calls) == 1  # sampled rows and greedy baselines: ONE rollout call
-        sent, out, greedy_alone = calls[0]
+        do_sample, out, greedy_alone = calls[0]
         n, prompts = cfg.rollout.n, cfg.data.train_batch_size
-        assert list(sent.non_tensors["__do_sample__"]) == [True] * (prompts * n) + [False] * prompts
+        assert list(do_sample) == [True] * (prompts * n) + [False] * prompts
         # The baseline rows are greedy: the same responses as a call holding only them.
         assert torch.equal(greedy_alone["responses"], out["responses"][prompts * n:])
-        # The training batch holds the sampled rows only, without the control column.
+        # The training batch holds the sampled rows only.
         batch = trained[0]
-        assert len(batch) == prompts * n and "__do_sample__" not in batch.non_tensors
+        assert len(batch) == prompts * n
         assert torch.equal(batch["responses"], out["responses"][: prompts * n])
         # Advantages by hand: terminal reward, gamma 1, no KL in the reward -> every valid
         # token's advantage is the sample's score minus its prompt's greedy score.
