@@ -34,10 +34,7 @@ FLOORS = (
 FLOOR = {part: i for i, parts in enumerate(FLOORS) for part in parts}
 
 # (importing module, imported module) -> what removes it.
-KNOWN = {
-    ("reprorl.reward.vllm_reward", "reprorl.rollout.vllm_replica"):
-        "issue 54 item 2: the shared vLLM actor start-up moves to the actors layer",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _module_name(path: Path) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 import ray
 
+from reprorl.actors.vllm_engine import replica_gpus, warn_if_serialized
 from reprorl.determinism import determinism_env, ray_runtime_env
 from reprorl.actors.supervision import (
     PART_TIMEOUT_S,
@@ -137,20 +138,13 @@ class ReplicaPoolBase:
 
     def _gpus_per_replica(self, device: str, num_gpus: float | None) -> float:
         """Ray GPUs each replica asks for: `num_gpus` (a fraction when the run shares one GPU:
-        reprorl/resources/placement.py; None: 1 on cuda, 0 on cpu), as the backend's hook
-        `_backend_gpus` turns it."""
+        reprorl/resources/placement.py; None: 1 on cuda, 0 on cpu); a vLLM replica's as
+        `vllm_engine.replica_gpus` turns it."""
         if num_gpus is None:
             num_gpus = 1 if device == "cuda" else 0
-        return self._backend_gpus(num_gpus, device)
-
-    def _backend_gpus(self, num_gpus: float, device: str) -> float:
-        """Hook: what a replica of `self.backend` asks of Ray for `num_gpus` on `device`. The
-        built-in engine: as given; the pools of the vLLM backend override it (vllm_replica.replica_gpus)."""
+        if self.backend == "vllm":
+            return replica_gpus(num_gpus if device == "cuda" else None)
         return num_gpus
-
-    def _started(self) -> None:
-        """Hook: called once the first replica's determinism info is in (`first_info`); the
-        pools of the vLLM backend warn there when it serves one sequence at a time."""
 
     def _start_replicas(self, replica_cls: type, num_replicas: int, model_path: str, options: Mapping[str, Any], *,
                         num_gpus: float, max_num_seqs: int, wait: bool, scheduling: Sequence[Any] | None = None) -> None:
@@ -190,7 +184,8 @@ class ReplicaPoolBase:
         with self._killed_on_failure():
             wait_for_actors(list(self.replicas.values()), f"{self.NAME} replicas", self.num_cpus_per_replica)
             self.first_info = self._get(self.replicas[0].determinism_info.remote(), f"{self.KIND} 0's determinism_info")
-        self._started()
+        if self.backend == "vllm":
+            warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
 
     @contextlib.contextmanager
     def _killed_on_failure(self) -> Iterator[None]:

@@ -217,20 +217,6 @@ class RewardModelPool(ReplicaPoolBase):
     Start-up, waiting and replacement are the rollout pool's: reprorl/actors/pool.py.
     """
 
-    def _backend_gpus(self, num_gpus: float, device: str) -> float:
-        if self.backend != "vllm":
-            return num_gpus
-        from reprorl.reward.vllm_reward import replica_gpus  # vLLM's module, for its backend alone
-
-        return replica_gpus(num_gpus if device == "cuda" else None)
-
-    def _started(self) -> None:
-        if self.backend == "vllm":
-            from reprorl.reward.vllm_reward import warn_if_serialized
-
-            warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
-
-
     KIND = "reward replica"
     NAME = "reward model"
 

@@ -5,7 +5,7 @@
 classification head's raw output at the last token (`use_activation=False`: no sigmoid),
 the same number the built-in scorer gives.
 
-Determinism follows the rollout backend (`reprorl.rollout.vllm_replica`): the run's
+Determinism follows the rollout backend (`reprorl.rollout.vllm_replica`; the engine set-up both share: `reprorl.actors.vllm_engine`): the run's
 environment is checked inside vLLM's worker at start; without batch invariance (vLLM's CPU
 build) determinism mode scores one sequence per forward (`max_num_seqs=1`, one warning per
 pool), so a score never depends on the batch around it.
@@ -22,9 +22,7 @@ import torch
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
 from reprorl.reward.chat import ChatScorer
-from reprorl.rollout.vllm_replica import (  # noqa: F401 - replica_gpus, warn_if_serialized: the reward pool's hooks
-    WORKER_ENV_KEYS, engine_kwargs, replica_gpus, vllm_env, vllm_mode, warn_if_serialized,
-)
+from reprorl.actors.vllm_engine import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode
 
 
 class VllmRewardScorer(ChatScorer):
@@ -38,7 +36,7 @@ class VllmRewardScorer(ChatScorer):
         expected_env: the run's `determinism_env`, checked inside vLLM's worker.
         where: names this scorer in errors ("reward replica 0").
         engine options: max_model_len, gpu_memory_utilization, kv_cache_gib, enforce_eager
-            (see `reprorl.rollout.vllm_replica.engine_kwargs`).
+            (see `reprorl.actors.vllm_engine.engine_kwargs`).
     """
 
     def __init__(self, model_path: str, *, max_num_seqs: int, max_num_batched_tokens: int,

@@ -202,20 +202,6 @@ class ReplicaPool(ReplicaPoolBase):
     trainer starts its pools and worker groups together): reprorl/actors/pool.py.
     """
 
-    def _backend_gpus(self, num_gpus: float, device: str) -> float:
-        if self.backend != "vllm":
-            return num_gpus
-        from reprorl.rollout.vllm_replica import replica_gpus  # vLLM's module, for its backend alone
-
-        return replica_gpus(num_gpus if device == "cuda" else None)
-
-    def _started(self) -> None:
-        if self.backend == "vllm":
-            from reprorl.rollout.vllm_replica import warn_if_serialized
-
-            warn_if_serialized(self.first_info, self.max_num_seqs, self.NAME)
-
-
     KIND = "rollout replica"
     NAME = "rollout"
 

@@ -35,192 +35,18 @@ the tests compare with the trainer's.
 from __future__ import annotations
 
 import itertools
-import json
-import logging
 import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from reprorl.determinism import (
-    ENV_FULL_DETERMINISM,
-    ENV_SEED,
-    check_worker_env,
-    enable_full_determinism,
-    is_full_determinism,
-)
+from reprorl.actors.vllm_engine import WORKER_ENV_KEYS, weights_to_bytes, engine_kwargs, vllm_env, vllm_mode
+from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.rollout.request import GenerateOutput, SamplingParams, check_prompt
 
 if TYPE_CHECKING:
     import torch
 
     from reprorl.actors.weights import PackedWeights
-
-logger = logging.getLogger(__name__)
-
-# What the worker check covers: the variables reprorl owns. Under VLLM_BATCH_INVARIANT vLLM
-# pins its own NCCL_* and CUBLAS_WORKSPACE_CONFIG inside its workers for its own kernels.
-WORKER_ENV_KEYS = ("PYTHONHASHSEED", ENV_FULL_DETERMINISM, ENV_SEED, "VLLM_BATCH_INVARIANT")
-EXTENSION = "reprorl.rollout.vllm_replica.VllmWorkerExtension"
-GIB = 1 << 30
-
-
-def vllm_mode(full_determinism: bool, max_num_seqs: int, *, cuda: bool) -> dict[str, Any]:
-    """How a vLLM engine runs for this mode and platform (the determinism report records it).
-
-    >>> vllm_mode(True, 64, cuda=False)
-    {'backend': 'vllm', 'batch_invariant': False, 'max_num_seqs': 1, 'prefix_caching': False}
-    >>> vllm_mode(True, 64, cuda=True)
-    {'backend': 'vllm', 'batch_invariant': True, 'max_num_seqs': 64, 'prefix_caching': False}
-    """
-    batch_invariant = full_determinism and cuda  # VLLM_BATCH_INVARIANT is a CUDA feature
-    return {
-        "backend": "vllm",
-        "batch_invariant": batch_invariant,
-        "max_num_seqs": 1 if full_determinism and not batch_invariant else max_num_seqs,
-        "prefix_caching": not full_determinism,
-    }
-
-
-SERIALIZED_WARNING = (
-    "vLLM without batch invariance (its CPU build has none): with full_determinism "
-    "each replica serves ONE sequence at a time (max_num_seqs=1 instead of {n}) "
-    "so that no sample shares a forward pass; expect much lower throughput"
-)
-
-
-def replica_gpus(share: float | None = None) -> float:
-    """GPUs each vLLM replica asks Ray for: `share` (the run's placement, a fraction when the
-    trainer shares one GPU: reprorl/resources/placement.py) when given; else 1 on a cluster
-    with GPUs (Ray hides GPUs from an actor that asks for none), else 0.
-
-    From vLLM's docs (not run here: vLLM cannot be installed on our GPU machine): one
-    vLLM engine with tensor_parallel_size=1 runs in the Ray actor's own process on the GPU
-    Ray assigned it (`CUDA_VISIBLE_DEVICES`); a Ray GPU fraction does NOT cap its memory,
-    so several engines and the trainer fit on one GPU only when each engine's
-    `gpu_memory_utilization` (rollout.vllm_gpu_memory_utilization, the share of the
-    whole GPU's memory it may take for weights, activations and KV cache) stays within its
-    share and the shares add up to less than 1 with the trainer's memory. vLLM's sleep
-    mode (`enable_sleep_mode=True`; `sleep(level=1)` offloads the weights to host memory
-    and drops the KV cache, `wake_up()` restores them) is what frees the GPU while the
-    trainer updates (the replica's sleep/wake_up).
-    """
-    import ray
-
-    if share is not None:
-        return share
-    return 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
-
-
-def warn_if_serialized(info: Mapping[str, Any], requested_max_num_seqs: int, pool: str) -> None:
-    """Log a pool's one warning when its vLLM replicas serve one sequence at a time.
-
-    `info` is one replica's `determinism_info()`: the mode is decided inside the replica,
-    where vLLM sees the platform.
-    """
-    if info["max_num_seqs"] < requested_max_num_seqs:
-        logger.warning("%s: %s", pool, SERIALIZED_WARNING.format(n=requested_max_num_seqs))
-
-
-def _to_bytes(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
-    """(name, dtype name, shape, raw bytes) of each tensor: what vLLM's RPC carries intact."""
-    import torch
-
-    out = []
-    for name, t in named_tensors:
-        t = t.detach().to("cpu").contiguous()
-        out.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()))
-    return out
-
-
-def _from_bytes(payload: Iterable[tuple[str, str, list[int], bytes]]) -> list[tuple[str, torch.Tensor]]:
-    import torch
-
-    return [
-        (name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).reshape(shape))
-        for name, dtype, shape, raw in payload
-    ]
-
-
-class VllmWorkerExtension:
-    """Methods mixed into vLLM's worker class (`worker_extension_cls`): they run in the worker
-    process that holds the model, reached through `collective_rpc`."""
-
-    def reprorl_init(self, expected_env: Mapping[str, str], where: str) -> dict[str, Any]:
-        """Check the run's environment here, turn on deterministic algorithms where safe; returns `reprorl_info`."""
-        import torch
-
-        check_worker_env(expected_env, where=where)
-        # On CUDA, VLLM_BATCH_INVARIANT sets vLLM's own switches; enable_full_determinism
-        # would fight its cuBLAS workspace setting, so only the CPU worker gets ours.
-        if is_full_determinism() and not torch.cuda.is_available():
-            enable_full_determinism(int(os.environ[ENV_SEED]))
-        return self.reprorl_info()
-
-    def reprorl_info(self) -> dict[str, Any]:
-        """This worker process: pid, torch's switches, threads and the determinism variables."""
-        import torch
-
-        return {
-            "pid": os.getpid(),
-            "num_threads": torch.get_num_threads(),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "dtype": str(self.model_runner.model_config.dtype).removeprefix("torch."),
-            "env": {k: os.environ[k] for k in WORKER_ENV_KEYS if k in os.environ},
-        }
-
-    def reprorl_load_weights(self, payload: list[tuple[str, str, list[int], bytes]]) -> int:
-        """Load (HF name, tensor) pairs sent by `_to_bytes`; returns how many."""
-        weights = _from_bytes(payload)
-        # reload_weights, not model.load_weights: vLLM's CPU linears repack their weights
-        # after loading, and the reload runs that step again.
-        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
-        model = self.model_runner.model
-        if getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False):
-            # The reload gives a tied lm_head (which gets no weights of its own) its OLD
-            # tensor back: tie it to the new embedding again and repack it.
-            model.lm_head.weight = model.model.embed_tokens.weight
-            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-        return len(weights)
-
-
-def engine_kwargs(model_path: str, *, runner: str, max_num_seqs: int, max_num_batched_tokens: int,
-                  prefix_caching: bool, cuda: bool, seed: int, max_model_len: int | None = None,
-                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float | None = None,
-                  enforce_eager: bool = False) -> dict[str, Any]:
-    """vLLM's engine arguments for one of our engines (rollout: runner "generate"; reward: "pooling")."""
-    return dict(
-        model=model_path,
-        runner=runner,
-        # The checkpoint's dtype, as the built-in engine and the trainer load it (vLLM's
-        # CPU build would otherwise serve a float32 checkpoint in bfloat16).
-        dtype=checkpoint_dtype(model_path),
-        seed=seed,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        kv_cache_memory_bytes=None if kv_cache_gib is None else int(kv_cache_gib * GIB),
-        enforce_eager=enforce_eager,
-        enable_prefix_caching=prefix_caching,
-        scheduling_policy="priority",
-        logprobs_mode="processed_logprobs",
-        worker_extension_cls=EXTENSION,
-        enable_sleep_mode=cuda,  # vLLM's CPU worker has no sleep mode
-        disable_log_stats=True,
-    )
-
-
-def checkpoint_dtype(model_path: str) -> str:
-    """The dtype an HF directory's config.json names ("dtype" or the older "torch_dtype"); "auto" if none."""
-    with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    return str(config.get("dtype") or config.get("torch_dtype") or "auto")
-
-
-def vllm_env(full_determinism: bool, *, cuda: bool) -> dict[str, str]:
-    """The variables vLLM's processes need on top of the run's: batch invariance on CUDA."""
-    return {"VLLM_BATCH_INVARIANT": "1"} if full_determinism and cuda else {}
-
 
 class VllmReplica:
     """One vLLM async engine; create with `ray.remote(VllmReplica)` (as `ReplicaPool` does).
@@ -331,7 +157,7 @@ class VllmReplica:
             )
         if isinstance(named_tensors, PackedWeights):  # vLLM's worker takes them from host memory
             named_tensors = named_tensors.unpack("cpu")
-        await self.engine.collective_rpc("reprorl_load_weights", args=(_to_bytes(named_tensors),))
+        await self.engine.collective_rpc("reprorl_load_weights", args=(weights_to_bytes(named_tensors),))
         # Cached prefixes hold keys/values of the old weights.
         if not await self.engine.reset_prefix_cache() and self.mode["prefix_caching"]:
             raise RuntimeError("update_weights: vLLM could not reset its prefix cache (requests in flight?)")

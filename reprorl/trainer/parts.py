@@ -299,7 +299,7 @@ def _rollout(cfg: Config, placement: Placement, gpus: Any, lora: LoraSpec | None
 
 
 def _vllm_options(ro: RolloutConfig) -> dict[str, Any]:
-    """The rollout section's vllm_* settings as `vllm_replica.engine_kwargs` names them."""
+    """The rollout section's vllm_* settings as `actors.vllm_engine.engine_kwargs` names them."""
     return {"gpu_memory_utilization": ro.vllm_gpu_memory_utilization, "kv_cache_gib": ro.vllm_kv_cache_gib,
             "enforce_eager": ro.vllm_enforce_eager}
 

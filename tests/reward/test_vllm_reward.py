@@ -41,7 +41,7 @@ def pool(ray_local, reward_model):
     messages = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: messages.append(record.getMessage())
-    log = logging.getLogger("reprorl.rollout.vllm_replica")
+    log = logging.getLogger("reprorl.actors.vllm_engine")
     log.addHandler(handler)
     try:
         pool = RewardModelPool(reward_model, 2, seed=SEED, full_determinism=True, backend="vllm",

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from reprorl.determinism import determinism_env, request_seed  # noqa: E402
 from reprorl.rollout.replica import ReplicaPool  # noqa: E402
 from reprorl.rollout.request import SamplingParams  # noqa: E402
-from reprorl.rollout.vllm_replica import VllmWorkerExtension, vllm_mode  # noqa: E402
+from reprorl.actors.vllm_engine import VllmWorkerExtension, vllm_mode  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ class _Records(logging.Handler):
 def _make_pool(policy, num_replicas):
     """A determinism-mode vLLM pool and the warnings logged while it started."""
     records = _Records()
-    log = logging.getLogger("reprorl.rollout.vllm_replica")
+    log = logging.getLogger("reprorl.actors.vllm_engine")
     log.addHandler(records)
     try:
         pool = ReplicaPool(policy, num_replicas, seed=SEED, full_determinism=True, backend="vllm",
