@@ -20,6 +20,7 @@ FLOORS = (
     ("reprorl", "errors", "io"),  # "reprorl": the package's own __init__ (its version)
     ("kernels",),  # every op of a forward pass; the C++ extension; the pinned host math
     ("determinism",),  # hashing, seeds, the environment; pins the kernels' host math
+    ("sandbox",),  # untrusted programs, isolated: below data, whose code rewards run them
     ("algos", "data", "determinism_report", "fingerprint", "protocol"),
     ("models",),
     ("actors",),  # what every actor shares: supervision, the replica pool, the weight transport

@@ -12,17 +12,22 @@ trainer would get from rendering the conversation.
 
 Determinism: turn k is sampled with `sample.seed(k)` (= `request_seed(..., turn=k)`),
 the request id is the same for every turn (sticky routing), and tools are pure
-functions of their arguments; so the transcript is a function of the sample's identity.
+functions of their arguments, or, with state (the `python` tool), of the trajectory's
+calls so far, in a session of the trajectory's own (`session_tools`); so the transcript
+is a function of the sample's identity. A tool call runs on a thread, so a program in the
+sandbox does not hold up the worker's other trajectories.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 from reprorl.agent_loop.single_turn import AgentOutput, AgentSample, GenerateFn, output_log_probs
-from reprorl.agent_loop.tools import TOOL_RESPONSE_END, TOOL_RESPONSE_START, TOOLS, parse_tool_calls, run_tool_call
+from reprorl.agent_loop.tools import (SESSIONS, TOOL_RESPONSE_END, TOOL_RESPONSE_START, TOOLS, parse_tool_calls,
+                                      run_tool_call, session_tools)
 
 
 class ToolAgentLoop:
@@ -39,6 +44,10 @@ class ToolAgentLoop:
         self.tokenizer = tokenizer
         self.max_turns = max_turns
         self.tools = tools
+        if any(fn in SESSIONS for fn in tools.values()):  # the python tool: refuse now if it cannot be isolated
+            from reprorl.sandbox import require_isolation
+
+            require_isolation()
         self.eos_id = tokenizer.eos_token_id
         # What the template puts after an assistant message's eos ("\n" in ChatML): the
         # model stops at eos, so the tool turn starts with it.
@@ -70,6 +79,7 @@ class ToolAgentLoop:
         response: list[int] = []
         mask: list[int] = []
         log_probs: list[float] = []
+        tools = session_tools(self.tools)
         turn = 0
         while True:
             params = dataclasses.replace(sample.sampling_params, max_tokens=budget - len(response))
@@ -87,8 +97,9 @@ class ToolAgentLoop:
             calls = parse_tool_calls(self.tokenizer.decode(tokens, skip_special_tokens=False))
             if not calls:
                 break
+            outputs = [await asyncio.to_thread(run_tool_call, call, tools) for call in calls]
             tool_ids = self.tool_turn_ids(
-                [run_tool_call(call, self.tools) for call in calls],
+                outputs,
                 model_ended_with_eos=bool(tokens) and tokens[-1] == self.eos_id,
             )
             room = budget - len(response)

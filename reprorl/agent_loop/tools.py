@@ -3,7 +3,9 @@
 A tool is a function of keyword arguments that returns a string (what the model reads
 back). `TOOLS` maps the name the model writes to a built-in function; a run's tool loop
 may call the tools its config names (`rollout.tools`, see `select_tools`: built-ins by
-name, the user's own functions by module or file; null = every built-in), and the chat
+name, the user's own functions by module or file; null = every built-in of `TOOLS`; the
+`python` tool, which runs programs in the sandbox, only when named: `NAMED_TOOLS`). A tool
+with state per trajectory has a session class in `SESSIONS` (`session_tools`), and the chat
 template lists their schemas in the prompt (`tool_schemas`). Tool calls use the
 Qwen/Hermes format, one JSON object per call between markers (single tokens in the
 project's tokenizer):
@@ -25,6 +27,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from reprorl.agent_loop.python_tool import PythonSession, python
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -108,6 +112,20 @@ def calculator(expression: str) -> str:
 
 
 TOOLS: dict[str, Callable[..., str]] = {"calculator": calculator}
+NAMED_TOOLS: dict[str, Callable[..., str]] = {"python": python}
+"""Built-ins that `rollout.tools` must name (null leaves them out): they run the sandbox."""
+SESSIONS: dict[Callable[..., str], type] = {python: PythonSession}
+"""tool -> the class of its per-trajectory state; the tool loop makes one per trajectory."""
+
+
+def session_tools(tools: dict[str, Callable[..., str]]) -> dict[str, Callable[..., str]]:
+    """`tools` for one trajectory: each tool with state (`SESSIONS`) bound to a fresh session.
+
+    >>> fresh = session_tools({"python": python, "calculator": calculator})
+    >>> fresh["calculator"] is calculator, fresh["python"] is python
+    (True, False)
+    """
+    return {name: SESSIONS[fn]().run if fn in SESSIONS else fn for name, fn in tools.items()}
 
 
 def select_tools(entries: list[str] | None) -> dict[str, Callable[..., str]]:
@@ -152,11 +170,12 @@ def tool_schema(fn: Callable[..., str], entry: str | None = None) -> dict[str, A
 
 def _resolve(entry: str) -> list[Callable[..., str]]:
     """The functions one `rollout.tools` entry names (`select_tools`)."""
-    if entry in TOOLS:
-        return [TOOLS[entry]]
+    if entry in TOOLS or entry in NAMED_TOOLS:
+        return [TOOLS.get(entry) or NAMED_TOOLS[entry]]
     source, _, name = entry.rpartition(":") if ":" in entry else (entry, "", "")
     if not source.endswith(".py") and not name:
-        raise ValueError(f"unknown tool {entry!r}; expected a built-in ({', '.join(sorted(TOOLS))}), "
+        builtins = ", ".join(sorted({**TOOLS, **NAMED_TOOLS}))
+        raise ValueError(f"unknown tool {entry!r}; expected a built-in ({builtins}), "
                          "package.module:function, path/to/file.py:function or path/to/file.py")
     module = _load_file(source, entry) if source.endswith(".py") else _import(source, entry)
     if name:

@@ -47,6 +47,12 @@ GPU_WARM_START_STEPS = 1200
 GPU_WARM_START_BATCH_SIZE = 64
 GPU_WARM_START_LR = 3e-4
 
+# The code example's assets (examples/code.yaml): the project's code task and a tiny policy
+# made from a seed, not warm-started: it will rarely write a program that passes, which is
+# fine, since the example is there to run the sandboxed reward path and show its bits repeat.
+CODE_DATA_DIR = "data/code"
+CODE_POLICY_PATH = "models/tiny-code-policy"
+
 
 def prepare_default_assets(cfg: Config) -> None:
     """Make the default data and model if `cfg` uses their default paths and they are missing."""
@@ -59,6 +65,17 @@ def prepare_default_assets(cfg: Config) -> None:
         make_default_policy(Path(cfg.model.path), Path(cfg.data.train_files[0]))
     if cfg.model.path == GPU_POLICY_PATH and not Path(cfg.model.path).exists():
         make_gpu_policy(Path(cfg.model.path), Path(cfg.data.train_files[0]))
+    code_files = [f"{CODE_DATA_DIR}/train.parquet", f"{CODE_DATA_DIR}/val.parquet"]
+    if data_files == code_files and not all(Path(p).exists() for p in data_files):
+        from reprorl.data.code_tasks import write_code_dataset
+
+        logger.info("making the code task's data in %s", CODE_DATA_DIR)
+        write_code_dataset(CODE_DATA_DIR, seed=DATA_SEED)
+    if cfg.model.path == CODE_POLICY_PATH and not Path(cfg.model.path).exists():
+        from reprorl.models.tiny import make_tiny
+
+        logger.info("making the code example's tiny policy in %s", CODE_POLICY_PATH)
+        make_tiny(Path(CODE_POLICY_PATH), kind="policy", seed=MODEL_SEED)
 
 
 def make_default_data(out_dir: Path) -> dict[str, Path]:

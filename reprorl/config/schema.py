@@ -141,10 +141,11 @@ class RolloutConfig:
     num_agent_workers: int = _field(1, "agent-loop workers sending requests to the replicas", ge=1)
     max_turns: int = _field(4, "most assistant turns in the tool loop", ge=1)
     tools: list[str] | None = _field(
-        None, "tools the tool loop may call: a built-in by name (calculator), package.module:function, "
-        "path/to/file.py:function, or path/to/file.py (its public functions); a function of yours needs type hints "
-        "and a docstring with an Args: line per parameter (its JSON schema, which the chat template shows the "
-        "model, is derived from them); null = every built-in; [] = none, an error with agent_loop=tool"
+        None, "tools the tool loop may call: a built-in by name (calculator; python, a code interpreter in the "
+        "sandbox with state per trajectory: docs/code.md), package.module:function, path/to/file.py:function, or "
+        "path/to/file.py (its public functions); a function of yours needs type hints and a docstring with an Args: "
+        "line per parameter (its JSON schema, which the chat template shows the model, is derived from them); null = "
+        "the calculator (python is used only when named); [] = none, an error with agent_loop=tool"
     )
     gpu_memory_utilization: float = _field(
         0.3, "backend=native on a GPU: share of the GPU's free memory at start-up that one replica's KV cache may "
@@ -219,6 +220,12 @@ class RewardConfig:
         "at the limit: with full_determinism the run stops naming the sample (a 0 would depend on timing), without "
         "it the sample scores 0 (metric reward/fn_timeouts); null = no limit, calls run in the trainer's process",
         gt=0,
+    )
+    num_workers: int = _field(
+        1, "rule-reward processes per rule function (with timeout_s set): a batch's samples are cut into this many "
+        "contiguous runs scored side by side, the scores put back in sample order, so the count changes no bit; a "
+        "process that dies or hangs is replaced and its call run again. Code rewards, which run each response's "
+        "program in the sandbox, gain from it (docs/code.md)", ge=1,
     )
     max_error_rate: float = _field(
         0.1, "the largest share of a batch's samples (a step's, or a validation batch's) on which the rule function "

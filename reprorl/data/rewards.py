@@ -19,6 +19,7 @@ import re
 import threading
 from decimal import Decimal
 
+from reprorl.data.code import CODE_SOURCES, check_code_ground_truth, code_answer, code_score
 from reprorl.errors import DataError
 
 # A bare integer, then only end tokens (if the decoder kept special tokens) and whitespace.
@@ -288,17 +289,20 @@ REWARD_FNS = {
     "HuggingFaceH4/MATH-500": math_score,
     "math": math_score,
     "math_dapo": math_dapo_score,  # DAPO-Math-17k's data_source in verl's recipe
+    **dict.fromkeys(CODE_SOURCES, code_score),  # programs run against tests in the sandbox (data/code.py)
 }
 _ANSWER_BY_SCORER = {arithmetic_score: arithmetic_answer, gsm8k_score: gsm8k_answer, math_score: math_answer,
-                     math_dapo_score: math_dapo_answer}
+                     math_dapo_score: math_dapo_answer, code_score: code_answer}
 ANSWER_FNS = {source: _ANSWER_BY_SCORER[fn] for source, fn in REWARD_FNS.items()}
 """data_source -> the final answer its scorer reads from a response (or None)."""
 
 
 def check_ground_truth(data_source: str, ground_truth: str) -> None:
     """Raise ValueError if the rule reward of `data_source` could never match `ground_truth`
-    (a GSM8K answer that is not a number, an arithmetic answer that is not an integer):
-    every response to such a row would score 0 without a word. Other sources pass.
+    (a GSM8K answer that is not a number, an arithmetic answer that is not an integer, code
+    tests that are not verl's test JSON): every response to such a row would score 0 without
+    a word. Other sources pass. A code row also checks, once, that the sandbox can isolate a
+    program here (`SandboxError` if not).
 
     >>> check_ground_truth("openai/gsm8k", "3/4")
     Traceback (most recent call last):
@@ -309,6 +313,8 @@ def check_ground_truth(data_source: str, ground_truth: str) -> None:
         gsm8k_truth(ground_truth)
     elif data_source == "reprorl/arithmetic" and not re.fullmatch(r"-?[0-9]+", ground_truth.strip()):
         raise ValueError(f"arithmetic ground truth {ground_truth!r} is not an integer")
+    elif data_source in CODE_SOURCES:
+        check_code_ground_truth(ground_truth)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:

@@ -43,7 +43,8 @@ SAME_BITS_KEYS = frozenset({
     "trainer.project_name", "trainer.experiment_name", "trainer.allow_changed_keys",
     "rollout.num_replicas", "rollout.num_agent_workers", "rollout.routing", "rollout.max_num_seqs",
     "rollout.max_num_batched_tokens", "rollout.gpu_memory_utilization", "rollout.lookahead",
-    "reward.num_replicas", "reward.max_num_seqs", "reward.max_error_rate",  # that one: only whether a step stops
+    "reward.num_replicas", "reward.num_workers", "reward.max_num_seqs",
+    "reward.max_error_rate",  # that one: only whether a step stops
     "model.gradient_checkpointing", "model.gpu_gradient_vectors", "model.shard_params",
     "data.val_batch_size", "resources.gpu_share_rollout",
     "resources.rollout_gpus", "trainer.log_generations", "actor.log_prob_check_freq",

@@ -22,8 +22,10 @@ function, and `raw_prompt` (chat messages) for the reward model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
@@ -161,6 +163,10 @@ class RewardLoop:
             False: it scores 0.0 and is counted (`reward/fn_timeouts`).
         start_timeout_s: how long the child may take to load the function (its imports;
             `RuleWorker`); `trainer.part_timeout_s` in a run.
+        num_workers: child processes per rule function (`reward.num_workers`): a batch's
+            calls are cut into this many contiguous runs of samples, scored side by side
+            (code rewards, which run programs, gain from it) and put back in sample order,
+            so the scores do not depend on the count.
         max_error_rate: the largest share of a batch's samples on which the rule function
             may fail (raise, or time out) and score 0; more raises `RewardFnError` naming
             the function, the count and the first failure. None: no limit.
@@ -187,6 +193,7 @@ class RewardLoop:
         timeout_s: float | None = None,
         timeout_is_error: bool = True,
         start_timeout_s: float = START_TIMEOUT_S,
+        num_workers: int = 1,
         max_error_rate: float | None = None,
         overlong_buffer: int | None = None,
         overlong_penalty_factor: float = 0.0,
@@ -211,11 +218,20 @@ class RewardLoop:
         self.timeout_is_error = timeout_is_error
         self.fn_errors_total = 0  # over the run, for the log line
         self.fn_timeouts_total = 0
-        self._workers: list[RuleWorker | None] = [None] * len(self.fns)  # a child process per function
+        if num_workers < 1:
+            raise ValueError(f"RewardLoop: num_workers={num_workers}; expected >= 1")
+        self._workers: list[list[RuleWorker]] = [[] for _ in self.fns]  # child processes per function
         if timeout_s is not None:
+            ids, lock = itertools.count(len(self.fns) * num_workers), threading.Lock()
+
+            def next_id() -> int:  # a replacement's id, new across the loop's workers
+                with lock:
+                    return next(ids)
+
             for k, (_, fn, _) in enumerate(self.fns):
                 try:
-                    self._workers[k] = RuleWorker(fn, start_timeout_s, batch=batch)
+                    self._workers[k] = [RuleWorker(fn, start_timeout_s, batch=batch, worker_id=k * num_workers + j,
+                                                   next_id=next_id) for j in range(num_workers)]
                 except Exception as err:  # cloudpickle refuses some objects (locks, generators)
                     raise ReproRLError(
                         f"reward.fn {_fn_name(fn)!r} cannot be sent to a rule-reward "
@@ -225,8 +241,8 @@ class RewardLoop:
 
     def close(self) -> None:
         """Stop the rule-reward processes, if any run."""
-        for worker in self._workers:
-            if worker is not None:
+        for workers in self._workers:
+            for worker in workers:
                 worker.close()
 
     def _rule_scores(self, batch: Batch, solutions: Sequence[str]
@@ -274,11 +290,10 @@ class RewardLoop:
                    ) -> tuple[list[float], list[str | None], int, int]:
         """(function k's scores, the answers it reported, samples on which it raised,
         samples on which it timed out), in sample order; a failed call has no answer."""
-        worker = self._workers[k]
-        if worker is None:
+        if not self._workers[k]:
             outcomes = [self._call_here(self.fns[k].fn, call) for call in calls]
         else:
-            outcomes = worker.run(calls, self.timeout_s, stop_at_timeout=self.timeout_is_error)
+            outcomes = self._run_in_workers(self._workers[k], calls)
         if self.batch:  # the one call's outcome is every sample's
             (outcome,) = outcomes
             if outcome.kind == "ok":
@@ -311,6 +326,36 @@ class RewardLoop:
             preds.append(outcome.pred)
         self._check_failures(self.fns[k].fn, outcomes, data_sources)
         return scores, preds, errors, timeouts
+
+    def _run_in_workers(self, workers: Sequence[RuleWorker], calls: Sequence[dict[str, Any]]) -> list[Outcome]:
+        """The outcomes of `calls` in sample order, contiguous runs of them scored side by side,
+        one run a worker; with `timeout_is_error` they end at the first timeout, as one worker's do."""
+        size = -(-len(calls) // len(workers))  # ceil: the first workers take one more
+        chunks = [calls[i : i + size] for i in range(0, len(calls), size)]
+        results: list[list[Outcome]] = [[] for _ in chunks]
+        errors: list[BaseException] = []
+
+        def score(j: int) -> None:
+            try:
+                results[j] = workers[j].run(chunks[j], self.timeout_s, stop_at_timeout=self.timeout_is_error)
+            except BaseException as err:  # noqa: BLE001 - a worker that cannot start: raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=score, args=(j,)) for j in range(1, len(chunks))]
+        for thread in threads:
+            thread.start()
+        if chunks:
+            score(0)  # the first run in this thread
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        outcomes = []
+        for chunk, result in zip(chunks, results):
+            outcomes += result
+            if len(result) < len(chunk):  # stopped at a timeout: nothing after it counts
+                break
+        return outcomes
 
     def _check_failures(self, fn: Callable[..., Any], outcomes: Sequence[Outcome], data_sources: Sequence[str]) -> None:
         """Raise `RewardFnError` if more than `max_error_rate` of `outcomes` failed."""

@@ -16,11 +16,18 @@ lives in the child, and starts afresh after a timeout.
 
 The calls of one `run` go over in one message; the child answers call by call, and each
 answer must come within `timeout_s` of the one before it: the time the call itself took.
+A child that dies or hangs mid-call is replaced and the call runs once more in the new one,
+so a worker killed from outside (the OOM killer, a test's kill hook) changes no score; a
+call that kills or hangs its child twice is the function's failure ("error", "timeout").
+Each child has an id (`worker_id`, then a new one per replacement, as the Ray parts have),
+the part "rule-reward worker <id>" of the `REPRORL_TEST_KILL` hooks, whose key is "score".
 This module imports no torch, so a child starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 import os
 import signal
@@ -36,6 +43,8 @@ from typing import Any
 import cloudpickle
 
 from reprorl.errors import ReproRLError
+
+logger = logging.getLogger(__name__)
 
 
 def call_rule_fn(fn: Callable[..., Any], kwargs: Mapping[str, Any]) -> tuple[float, str | None]:
@@ -100,32 +109,41 @@ class RuleWorker:
     `start_timeout_s`: how long a child may take to load `fn` and say it is ready (its
     imports); past it the child is killed and the start fails naming the limit. With
     `batch`, each call is `call_batch_fn`'s (lists in, a list of scores out), else
-    `call_rule_fn`'s.
+    `call_rule_fn`'s. `worker_id`: the first child's id; `next_id`: where a replacement's
+    comes from (shared by the workers of one pool, so no two children share an id).
     """
 
     def __init__(
-        self, fn: Callable[..., Any], start_timeout_s: float = START_TIMEOUT_S, *, batch: bool = False
+        self, fn: Callable[..., Any], start_timeout_s: float = START_TIMEOUT_S, *, batch: bool = False,
+        worker_id: int = 0, next_id: Callable[[], int] | None = None,
     ) -> None:
         self._payload = cloudpickle.dumps((fn, batch))
         self.start_timeout_s = start_timeout_s
+        self.worker_id = worker_id
+        self._next_id = next_id or itertools.count(worker_id + 1).__next__
+        self._started = False
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
 
     def run(self, calls: Sequence[Mapping[str, Any]], timeout_s: float, *, stop_at_timeout: bool) -> list[Outcome]:
         """One `Outcome` per call of `calls` (keyword dicts), in order.
 
-        A call that gives no answer within `timeout_s` seconds is a "timeout": its child
-        is killed; with `stop_at_timeout` the outcomes end there, else a new child takes
-        the calls after it. A child that dies mid-call (a crash, `os._exit`) makes that
-        call an "error" and is replaced the same way.
+        A child that gives no answer within `timeout_s` seconds, or dies mid-call, is
+        killed and replaced, and the call runs again in the new one. Failing twice, the
+        call is a "timeout" (with `stop_at_timeout` the outcomes end there) or an "error"
+        (a crash, `os._exit`), and a new child takes the calls after it.
         """
         outcomes: list[Outcome] = []
+        retried = -1  # the call that already failed once
         while len(outcomes) < len(calls):
             conn = self._start()
             conn.send(list(calls[len(outcomes):]))
             while len(outcomes) < len(calls):
                 if not conn.poll(timeout_s):
                     self.close()
+                    if self._retry(len(outcomes), retried, f"hung (no answer within {timeout_s:g} s)"):
+                        retried = len(outcomes)
+                        break
                     outcomes.append(Outcome("timeout"))
                     if stop_at_timeout:
                         return outcomes
@@ -134,6 +152,9 @@ class RuleWorker:
                     kind, value = conn.recv()
                 except EOFError:
                     code = self.close()
+                    if self._retry(len(outcomes), retried, f"died (exit code {code})"):
+                        retried = len(outcomes)
+                        break
                     outcomes.append(Outcome("error", error=f"the rule-reward process died (exit code {code})"))
                     break
                 if kind == "ok":  # (score, pred), as call_rule_fn / call_batch_fn give them
@@ -141,6 +162,14 @@ class RuleWorker:
                 else:
                     outcomes.append(Outcome("error", error=value))
         return outcomes
+
+    def _retry(self, call: int, retried: int, how: str) -> bool:
+        """Whether call `call` runs again after its child `how` (once: not if it is `retried`)."""
+        if call == retried:
+            return False
+        logger.warning("rule-reward worker %d %s on call %d; a new one runs the call again", self.worker_id, how,
+                       call)
+        return True
 
     @property
     def pid(self) -> int | None:
@@ -162,10 +191,14 @@ class RuleWorker:
         if self._proc is not None and self._proc.poll() is None:
             return self._conn
         self.close()  # a child that died between runs (the OOM killer, say) is replaced
+        if self._started:
+            self.worker_id = self._next_id()
+        self._started = True
         ours, theirs = Pipe()
         # The parent's sys.path, so the child imports what the caller can (the package, tests).
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p or os.getcwd() for p in sys.path))
-        code = f"from reprorl.reward.rule_worker import serve; serve({theirs.fileno()}, {os.getpid()})"
+        code = (f"from reprorl.reward.rule_worker import serve; "
+                f"serve({theirs.fileno()}, {os.getpid()}, {self.worker_id})")
         self._proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self._conn = ours
@@ -184,7 +217,7 @@ class RuleWorker:
         return ours
 
 
-def serve(fd: int, parent_pid: int) -> None:
+def serve(fd: int, parent_pid: int, worker_id: int = 0) -> None:
     """The child's loop: load the function, then answer each batch of calls call by call."""
     _die_with_parent()
     if os.getppid() != parent_pid:  # the parent died before the line above
@@ -197,16 +230,29 @@ def serve(fd: int, parent_pid: int) -> None:
         conn.send(("load_error", traceback.format_exc(limit=-3)))
         return
     conn.send(("ready", None))
+    kill_switch = _kill_switch(worker_id)
     while True:
         try:
             calls = conn.recv()
         except EOFError:  # the parent closed the pipe
             return
         for kwargs in calls:
+            if kill_switch is not None:
+                kill_switch.see("score")
             try:
                 conn.send(("ok", call(fn, kwargs)))
             except Exception:  # noqa: BLE001 - any failure of user code: the parent counts it
                 conn.send(("error", traceback.format_exc()))
+
+
+def _kill_switch(worker_id: int) -> Any:
+    """The test hooks' `KillSwitch` of this child, or None; imported only when a hook is set
+    (the supervision module imports Ray, which a child does not otherwise need)."""
+    if not (os.environ.get("REPRORL_TEST_KILL") or os.environ.get("REPRORL_TEST_HANG")):
+        return None
+    from reprorl.actors.supervision import KillSwitch
+
+    return KillSwitch.from_env(f"rule-reward worker {worker_id}")
 
 
 def _die_with_parent() -> None:

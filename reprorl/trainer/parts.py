@@ -277,7 +277,7 @@ def _reward_loop(cfg: Config, reward_fn: Any, reward_model: Any) -> RewardLoop:
     return RewardLoop(reward_fn, reward_model, rule_weight=rw.rule_weight, model_weight=rw.model_weight,
                       batch=rw.reward_manager == "batch", timeout_s=rw.timeout_s,
                       timeout_is_error=cfg.full_determinism, max_error_rate=rw.max_error_rate,
-                      start_timeout_s=cfg.trainer.part_timeout_s,
+                      start_timeout_s=cfg.trainer.part_timeout_s, num_workers=rw.num_workers,
                       overlong_buffer=buffer.len if buffer.enable else None,
                       overlong_penalty_factor=buffer.penalty_factor, max_length=cfg.rollout.max_tokens)
 

@@ -159,7 +159,7 @@ def test_a_file_gives_its_public_functions_and_their_schemas(tools_file):
 
 
 @pytest.mark.parametrize("entry,message", [
-    ("nope", "unknown tool 'nope'; expected a built-in \\(calculator\\), package.module:function"),
+    ("nope", "unknown tool 'nope'; expected a built-in \\(calculator, python\\), package.module:function"),
     ("{dir}/missing.py", "'{dir}/missing.py': no file {dir}/missing.py"),
     ("{file}:nothing", "'{file}:nothing': {file} has no function 'nothing'"),
     ("no_such_module_xyz:f", "'no_such_module_xyz:f': importing no_such_module_xyz failed: ModuleNotFoundError"),
