@@ -189,7 +189,7 @@ def test_batched_tokens_below_running_sequences_is_a_config_error(capsys):
 def test_rollout_tools_are_checked_by_name():
     assert load_config().rollout.tools is None  # null: every tool
     assert load_config(None, ["rollout.tools=[calculator]"]).rollout.tools == ["calculator"]
-    with pytest.raises(ConfigError, match=r"^rollout.tools: unknown tool 'search'; expected a built-in \(calculator\), "):
+    with pytest.raises(ConfigError, match=r"^rollout.tools: unknown tool 'search'; expected a built-in \(calculator, python\), "):
         load_config(None, ["rollout.tools=[calculator, search]"])
     with pytest.raises(ConfigError, match=r"^rollout.tools=\[\] with rollout.agent_loop=tool: the tool loop needs "):
         load_config(None, ["rollout.tools=[]", "rollout.agent_loop=tool"])
@@ -376,10 +376,13 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
 
 
 @pytest.mark.slow
-def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(inputs, tmp_path, ray_local):
+def test_a_reward_past_its_time_limit_stops_a_deterministic_run_at_that_step(inputs, tmp_path, ray_local,
+                                                                             monkeypatch):
     """full_determinism: a sample that would score 0 by timing instead stops the run, naming
-    the step, the sample, its data source and the limit; the last checkpoint is intact."""
+    the step, the sample, its data source and the limit; the last checkpoint is intact. The
+    hung call runs twice (a hung worker is replaced once) and hangs both times."""
     run_dir = tmp_path / "run"
+    monkeypatch.setenv("HANG_AT_STEP_2_CALLS", str(tmp_path / "calls"))
     hanging = f"{Path(__file__).parent / 'hang_at_step_2.py'}:hang_at_step_2"
     trainer = Trainer(config(inputs, run_dir, f"reward.fn={hanging}", "reward.timeout_s=2", "trainer.total_steps=3",
                              "trainer.save_freq=1"))
