@@ -101,7 +101,7 @@ def ray_local(_ray_started_here):
 
     if not ray.is_initialized():
         with _without_run_variables():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         _ray_started_here["started"] = True
     yield ray
     if _ray_started_here["started"] and ray.is_initialized() and not _ray_is_clean(ray):

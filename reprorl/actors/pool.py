@@ -48,7 +48,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Connect to Ray unless this process already did.
 
     `address` (or `RAY_ADDRESS`) joins a running cluster, as `ray.init(address=...)`;
-    without one, a local instance is started (`num_cpus` caps it; None = all cores).
+    without one, a local instance of this process's own is started (`num_cpus` caps it;
+    None = all cores), even where another Ray runs on the machine: `ray.init()` alone
+    would join that one, a run's CPUs and actors then mixed with a stranger's.
     Each actor gets the run's variables through its own `runtime_env`, so a Ray started
     by someone else (tests, a notebook) works too.
     """
@@ -58,7 +60,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
 
 
 def replica_cpus(num_replicas: int, free: float | None = None) -> float:

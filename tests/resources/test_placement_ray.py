@@ -24,7 +24,7 @@ def ray_with_gpus():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=2, num_gpus=GPUS, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=GPUS, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -271,7 +271,7 @@ def test_a_reward_pool_on_the_gpu_scores_the_same_bits_every_call(rm_path):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(include_dashboard=False)
+        ray.init(address="local", include_dashboard=False)
     prompts, responses = _pairs(13, seed=5)
     pool = RewardModelPool(rm_path, 1, seed=0, full_determinism=True, max_num_seqs=4, device="cuda",
                            dtype="bfloat16", num_gpus=0.25)
