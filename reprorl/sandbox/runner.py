@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -41,6 +42,8 @@ ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEE
 """The program's whole environment: nothing of the caller's (keys, tokens, paths) reaches it."""
 CGROUP_DIR = "reprorl-sandbox"  # under the pids hierarchy; one child cgroup per program
 _MiB = 1 << 20
+
+logger = logging.getLogger(__name__)
 
 
 class SandboxError(ReproRLError):
@@ -101,9 +104,26 @@ def run(files: dict[str, str], argv: list[str], stdin: str = "", limits: Limits 
     `files`: name -> text, written to the program's directory (read-only to it); `argv`
     names them as `{dir}/name` (the placeholder is filled in). Raises `SandboxError` if
     the program cannot be isolated here.
+
+    A program SIGKILLed before its CPU limit was killed from outside (the OOM killer, an
+    operator): a verdict of the machine's, not of the program's, so it runs once more, as
+    a rule-reward worker's call that died does; a second such end is its verdict ("error").
     """
     _check_root()
-    root = Path(tempfile.mkdtemp(prefix="reprorl-sandbox-"))
+    result = _run_once(files, argv, stdin, limits)
+    if _killed_from_outside(result, limits):
+        logger.warning("a sandboxed program was SIGKILLed after %.2f s of its %d s of CPU time; it runs once more",
+                       result.cpu_s, limits.cpu_s)
+        result = _run_once(files, argv, stdin, limits)
+    return result
+
+
+def _killed_from_outside(result: Result, limits: Limits) -> bool:
+    return result.status == "error" and result.signal == signal.SIGKILL and result.cpu_s < limits.cpu_s - 0.05
+
+
+def _run_once(files: dict[str, str], argv: list[str], stdin: str, limits: Limits) -> Result:
+    root = Path(tempfile.mkdtemp(prefix=f"reprorl-sandbox-{os.getpid()}-"))  # whose it is, as its cgroup's name
     cgroup = _new_cgroup(limits.processes)
     try:
         for name, text in files.items():

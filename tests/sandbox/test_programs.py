@@ -2,6 +2,7 @@
 behind: no process, no directory or cgroup of the sandbox, no file outside it."""
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -32,14 +33,15 @@ PROGRAMS = {
 
 
 def _our_processes() -> list[str]:
-    """Command lines of live processes that belong to a sandboxed program (its paths name the sandbox)."""
+    """Command lines of live processes that belong to a sandboxed program of this process (its
+    paths name the sandbox and this process: other test processes may run programs meanwhile)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
             cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if proc.name.isdigit() and "reprorl-sandbox-" in cmdline:
+        if proc.name.isdigit() and f"reprorl-sandbox-{os.getpid()}-" in cmdline:
             found.append(cmdline)
     return found
 
@@ -47,7 +49,7 @@ def _our_processes() -> list[str]:
 def _leftovers() -> dict[str, list]:
     cgroups = Path("/sys/fs/cgroup/pids") / CGROUP_DIR
     return {"processes": _our_processes(),
-            "directories": sorted(Path(tempfile.gettempdir()).glob("reprorl-sandbox-*")),
+            "directories": sorted(Path(tempfile.gettempdir()).glob(f"reprorl-sandbox-{os.getpid()}-*")),
             "cgroups": sorted(p.name for p in cgroups.glob(f"{os.getpid()}-*")) if cgroups.is_dir() else [],
             "escaped": [ESCAPE] if ESCAPE.exists() else []}
 
@@ -62,10 +64,43 @@ def test_each_kind_of_program_scores_right_and_leaves_nothing(kind, monkeypatch)
 
 
 def test_verdicts_name_what_happened():
-    assert run_python("while True:\n    pass", limits=FAST).status == "timeout"
+    looped = run_python("while True:\n    pass", limits=FAST)
+    assert looped.status == "timeout", looped
     assert run_python("print('x' * 5_000_000)", limits=FAST).status == "output_limit"
     crashed = run_python("raise ValueError('boom')", limits=FAST)
     assert crashed.status == "error" and crashed.exit_code == 1 and 'File "main.py"' in crashed.stderr
+
+
+def test_a_program_killed_from_outside_runs_once_more(caplog, monkeypatch):
+    """A SIGKILL below the CPU limit came from outside the sandbox (PID 1 of a namespace
+    cannot be SIGKILLed from inside it): the program runs again; ended so twice, an error."""
+    from reprorl.sandbox import runner
+
+    real = runner._run_once
+    for plan in (["killed", "real"], ["killed", "killed"]):
+        ends = list(plan)
+
+        def planned(*args):
+            if ends.pop(0) == "killed":
+                return runner.Result("error", "", "", None, signal.SIGKILL, 0.3)
+            return real(*args)
+
+        monkeypatch.setattr(runner, "_run_once", planned)
+        with caplog.at_level("WARNING", logger="reprorl.sandbox.runner"):
+            result = run_python("print(6 * 7)", limits=FAST)
+        assert ends == [] and [r.getMessage().split("; ")[1] for r in caplog.records] == ["it runs once more"]
+        caplog.clear()
+        if plan[1] == "real":
+            assert (result.status, result.stdout) == ("ok", "42\n")
+        else:  # killed twice: the second end is the verdict
+            assert (result.status, result.signal) == ("error", signal.SIGKILL)
+    assert _leftovers() == {"processes": [], "directories": [], "cgroups": [], "escaped": []}
+
+
+def test_pid_1_of_the_sandbox_cannot_sigkill_itself():
+    """Why an early SIGKILL is taken for one from outside: the program's own is ignored."""
+    result = run_python("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\nprint('alive')", limits=FAST)
+    assert (result.status, result.stdout) == ("ok", "alive\n")
 
 
 def test_the_program_sees_a_clean_environment_and_writes_only_its_directory(monkeypatch):
