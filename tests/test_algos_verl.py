@@ -9,7 +9,11 @@ repository, path and commit it was read at:
   verl/utils/torch_functional.py at the same commit;
 - TRL: huggingface/trl trl/experimental/gmpo/gmpo_trainer.py @ f2cd57710ae345ea6428ae95363267fcf38a3dc8;
 - AReaL: inclusionAI/AReaL areal/utils/functional/functional.py @ 4aef98d8d818af55b43621aaadba047ae10f4e77;
-- prime-rl: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py @ 559b44772e471d1538537b8805cc77f3824a5e64.
+- prime-rl: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py @ 559b44772e471d1538537b8805cc77f3824a5e64;
+- GDPO: NVlabs/GDPO @ b080e63d0126870ad08acc8ebc3f04b728175a9e, NVIDIA's verl fork
+  verl-GDPO/verl/trainer/ppo/ray_trainer.py (`compute_advantage`, branch "gdpo") with its
+  core_algos.py and utils/torch_functional.py, and its TRL fork
+  trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py (`apply_gdpo`: how weights enter).
 
 Where the bits differ, the test says why and holds the difference under 1e-6.
 """
@@ -22,6 +26,7 @@ import torch
 
 from reprorl.algos import (
     dppo_policy_loss,
+    gdpo_advantages,
     geo_mean_policy_loss,
     gpg_advantages,
     gpg_policy_loss,
@@ -241,6 +246,74 @@ def prime_rl_dppo_batch(old, new, adv, mask, *args):
     return torch.stack(sums).sum() / mask.sum()
 
 
+# ---------------------------------------------------------------- GDPO (NVlabs/GDPO)
+
+
+def gdpo_verl_grpo(token_level_rewards, eos_mask, index, epsilon=1e-6):
+    """verl-GDPO's core_algos.compute_grpo_outcome_advantage (its first return)."""
+    response_length = token_level_rewards.shape[-1]
+    non_zero_mask = (token_level_rewards != 0)
+    scores = (token_level_rewards * non_zero_mask).sum(dim=-1)
+    id2score = defaultdict(list)
+    id2mean = {}
+    id2std = {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+                id2std[idx] = torch.tensor(1.0)
+            elif len(id2score[idx]) > 1:
+                id2mean[idx] = torch.mean(torch.tensor(id2score[idx]))
+                id2std[idx] = torch.std(torch.tensor([id2score[idx]]))
+        for i in range(bsz):
+            scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+        scores = scores.unsqueeze(-1).tile([1, response_length]) * eos_mask
+    return scores
+
+
+def gdpo_verl_masked_mean(values, mask, axis=None):
+    return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
+
+
+def gdpo_verl_masked_whiten(values, mask):
+    """verl-GDPO's torch_functional.masked_whiten (shift_mean=True) with its masked_var (unbiased)."""
+    mean = gdpo_verl_masked_mean(values, mask)
+    centered_values = values - gdpo_verl_masked_mean(values, mask)
+    variance = gdpo_verl_masked_mean(centered_values**2, mask)
+    mask_sum = mask.sum()
+    variance = variance * (mask_sum / (mask_sum - 1))
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def gdpo_verl(token_level_scores_correctness, token_level_scores_format, response_mask, index):
+    """compute_advantage's "gdpo" branch: two rewards, summed unweighted, whitened over tokens."""
+    correctness_normalized_score = gdpo_verl_grpo(token_level_scores_correctness, response_mask, index)
+    format_normalized_score = gdpo_verl_grpo(token_level_scores_format, response_mask, index)
+    new_advantage = correctness_normalized_score + format_normalized_score
+    return gdpo_verl_masked_whiten(new_advantage, response_mask) * response_mask
+
+
+def gdpo_trl_pre_bn(rewards_per_func, reward_weights, num_generations, eps=1e-4):
+    """The TRL fork's `pre_bn_advantages` (groups of num_generations consecutive rows): the
+    weighted sum of the group-normalised rewards, before its batch normalisation."""
+    rewards_per_func_filter = torch.nan_to_num(rewards_per_func)
+    all_reward_advantage = []
+    for i in range(len(reward_weights)):
+        reward_i = rewards_per_func_filter[:, i]
+        each_reward_mean_grouped = reward_i.view(-1, num_generations).mean(dim=1)
+        each_reward_std_grouped = reward_i.view(-1, num_generations).std(dim=1)
+        each_reward_mean_grouped = each_reward_mean_grouped.repeat_interleave(num_generations, dim=0)
+        each_reward_std_grouped = each_reward_std_grouped.repeat_interleave(num_generations, dim=0)
+        each_reward_advantage = reward_i - each_reward_mean_grouped
+        each_reward_advantage = each_reward_advantage / (each_reward_std_grouped + eps)
+        all_reward_advantage.append(each_reward_advantage)
+    combined_reward_advantage = torch.stack(all_reward_advantage, dim=1)
+    return (combined_reward_advantage * reward_weights.unsqueeze(0)).nansum(dim=1)
+
+
 # ---------------------------------------------------------------- random inputs
 
 
@@ -372,3 +445,41 @@ def test_dppo_masks_the_tokens_prime_rl_masks():
         masked = torch.stack([prime_rl_dppo(new[i], old[i], adv[i], mask[i] > 0, 0.05, 0.1, 1.0, 1e-3)[1]
                               for i in range(len(old))])
         assert stats["clipfrac"] == (masked.float() * mask).sum() / mask.sum()
+
+
+def random_components(g, trial):
+    """Two reward components `[2, B]` as `random_scores` makes one: binary on even trials
+    (groups of equal scores, whose normalised term is 0), normal on odd ones."""
+    first, ids, mask = random_scores(g, trial)
+    second, _, _ = random_scores(g, trial + 1)
+    return torch.stack([first, second]), ids, mask
+
+
+def test_gdpo_against_nvidias_verl_fork():
+    g = torch.Generator().manual_seed(6)
+    for trial in range(20):
+        scores, ids, mask = random_components(g, trial)
+        if trial % 4 == 1:  # a group of one: mean 0, std 1 in both
+            ids[5] = "alone"
+        ours = gdpo_advantages(scores, [1.0, 1.0], mask, list(ids))
+        ref = gdpo_verl(token_rewards(scores[0], mask), token_rewards(scores[1], mask), mask, ids)
+        # The same operations in the same order: the whitening's sums over the batch's tokens are
+        # one torch sum in both at this size (thread_free_sum cuts only longer tensors)
+        assert torch.equal(ours, ref), trial
+
+
+def test_gdpo_weights_enter_as_in_nvidias_trl_fork():
+    """The fork's weighted sum of the normalised terms, then verl-GDPO's whitening over tokens.
+    The TRL fork's eps (1e-4 on the group std and on the batch std) and its whitening over
+    samples differ from the verl fork's (1e-6; tokens, 1e-8 under the root): the verl fork is
+    the reference for those, so its eps goes in here."""
+    g = torch.Generator().manual_seed(7)
+    for trial in range(20):
+        scores, _, mask = random_components(g, trial)
+        weights = torch.rand(2, generator=g) * 2 - 0.5  # one may be negative
+        groups = [f"p{i // 4}" for i in range(len(mask))]  # the TRL fork's: consecutive rows
+        pre_bn = gdpo_trl_pre_bn(scores.T, weights, 4, eps=1e-6)
+        ref = gdpo_verl_masked_whiten(pre_bn.unsqueeze(-1) * mask, mask) * mask
+        ours = gdpo_advantages(scores, weights.tolist(), mask, groups)
+        # float32 weights there, their exact values as Python floats here: the same products
+        assert torch.equal(ours, ref), trial
