@@ -31,7 +31,7 @@ def test_only_gae_needs_a_critic_and_remax_alone_has_a_greedy_baseline():
     assert [e.name for e in ESTIMATORS.values() if e.needs_critic] == ["gae"]
     assert [e.name for e in ESTIMATORS.values() if e.greedy_baseline] == ["remax"]
     assert [e.name for e in ESTIMATORS.values() if e.group_based] == [
-        "grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo", "gpg"]
+        "grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo", "gpg", "gdpo"]
 
 
 def test_every_policy_loss_takes_the_one_signature():
