@@ -73,6 +73,8 @@ def _grpo_passk(x: AdvantageInputs) -> torch.Tensor:
 
 
 def _gdpo(x: AdvantageInputs) -> torch.Tensor:
+    if x.reward_components is None:
+        raise ValueError("gdpo reads each reward term on its own: AdvantageInputs.reward_components is None")
     return adv.gdpo_advantages(x.reward_components.T, x.component_weights, x.response_mask, list(x.group_ids))
 
 
