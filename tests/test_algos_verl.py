@@ -10,11 +10,12 @@ repository, path and commit it was read at:
 - TRL: huggingface/trl trl/experimental/gmpo/gmpo_trainer.py @ f2cd57710ae345ea6428ae95363267fcf38a3dc8;
 - AReaL: inclusionAI/AReaL areal/utils/functional/functional.py @ 4aef98d8d818af55b43621aaadba047ae10f4e77;
 - prime-rl: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py @ 559b44772e471d1538537b8805cc77f3824a5e64;
-- GDPO: NVlabs/GDPO @ b080e63d0126870ad08acc8ebc3f04b728175a9e, NVIDIA's verl fork
-  verl-GDPO/verl/trainer/ppo/ray_trainer.py (`compute_advantage`, branch "gdpo") with its
-  core_algos.py and utils/torch_functional.py, and its TRL fork
-  trl-GDPO/trl-0.18.0-gdpo/trl/trainer/grpo_trainer.py (`apply_gdpo`: how weights enter).
-
+- GDPO: no release of verl has it; the reference composes upstream verl's
+  compute_grpo_outcome_advantage and masked_whiten (volcengine/verl
+  b178a3cd56f58b2d502255daba591e92833930a7, Apache-2.0) as the paper (arXiv:2601.05242)
+  and NVIDIA's own verl fork (NVlabs/GDPO verl-GDPO, read at b080e63d, not copied: its
+  license is non-commercial) combine them: each term normalised in its group, weighted,
+  summed, then whitened over the batch's tokens.
 Where the bits differ, the test says why and holds the difference under 1e-6.
 """
 
@@ -246,14 +247,12 @@ def prime_rl_dppo_batch(old, new, adv, mask, *args):
     return torch.stack(sums).sum() / mask.sum()
 
 
-# ---------------------------------------------------------------- GDPO (NVlabs/GDPO)
+# ---------------------------------------------------------------- GDPO (upstream verl's pieces)
 
 
-def gdpo_verl_grpo(token_level_rewards, eos_mask, index, epsilon=1e-6):
-    """verl-GDPO's core_algos.compute_grpo_outcome_advantage (its first return)."""
-    response_length = token_level_rewards.shape[-1]
-    non_zero_mask = (token_level_rewards != 0)
-    scores = (token_level_rewards * non_zero_mask).sum(dim=-1)
+def verl_grpo(token_level_rewards, response_mask, index, epsilon=1e-6):
+    """verl's core_algos.compute_grpo_outcome_advantage (norm_adv_by_std_in_grpo=True), its first return."""
+    scores = token_level_rewards.sum(dim=-1)
     id2score = defaultdict(list)
     id2mean = {}
     id2std = {}
@@ -266,52 +265,32 @@ def gdpo_verl_grpo(token_level_rewards, eos_mask, index, epsilon=1e-6):
                 id2mean[idx] = torch.tensor(0.0)
                 id2std[idx] = torch.tensor(1.0)
             elif len(id2score[idx]) > 1:
-                id2mean[idx] = torch.mean(torch.tensor(id2score[idx]))
-                id2std[idx] = torch.std(torch.tensor([id2score[idx]]))
+                scores_tensor = torch.stack(id2score[idx])
+                id2mean[idx] = torch.mean(scores_tensor)
+                id2std[idx] = torch.std(scores_tensor)
         for i in range(bsz):
             scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
-        scores = scores.unsqueeze(-1).tile([1, response_length]) * eos_mask
+        scores = scores.unsqueeze(-1) * response_mask
     return scores
 
 
-def gdpo_verl_masked_mean(values, mask, axis=None):
-    return (values * mask).sum(axis=axis) / mask.sum(axis=axis)
-
-
-def gdpo_verl_masked_whiten(values, mask):
-    """verl-GDPO's torch_functional.masked_whiten (shift_mean=True) with its masked_var (unbiased)."""
-    mean = gdpo_verl_masked_mean(values, mask)
-    centered_values = values - gdpo_verl_masked_mean(values, mask)
-    variance = gdpo_verl_masked_mean(centered_values**2, mask)
+def verl_masked_whiten(values, mask):
+    """verl's torch_functional.masked_whiten (shift_mean=True) with its masked_var (unbiased)."""
+    mean = verl_masked_mean(values, mask)
+    centered_values = values - mean
+    variance = verl_masked_mean(centered_values**2, mask)
     mask_sum = mask.sum()
     variance = variance * (mask_sum / (mask_sum - 1))
     return (values - mean) * torch.rsqrt(variance + 1e-8)
 
 
-def gdpo_verl(token_level_scores_correctness, token_level_scores_format, response_mask, index):
-    """compute_advantage's "gdpo" branch: two rewards, summed unweighted, whitened over tokens."""
-    correctness_normalized_score = gdpo_verl_grpo(token_level_scores_correctness, response_mask, index)
-    format_normalized_score = gdpo_verl_grpo(token_level_scores_format, response_mask, index)
-    new_advantage = correctness_normalized_score + format_normalized_score
-    return gdpo_verl_masked_whiten(new_advantage, response_mask) * response_mask
-
-
-def gdpo_trl_pre_bn(rewards_per_func, reward_weights, num_generations, eps=1e-4):
-    """The TRL fork's `pre_bn_advantages` (groups of num_generations consecutive rows): the
-    weighted sum of the group-normalised rewards, before its batch normalisation."""
-    rewards_per_func_filter = torch.nan_to_num(rewards_per_func)
-    all_reward_advantage = []
-    for i in range(len(reward_weights)):
-        reward_i = rewards_per_func_filter[:, i]
-        each_reward_mean_grouped = reward_i.view(-1, num_generations).mean(dim=1)
-        each_reward_std_grouped = reward_i.view(-1, num_generations).std(dim=1)
-        each_reward_mean_grouped = each_reward_mean_grouped.repeat_interleave(num_generations, dim=0)
-        each_reward_std_grouped = each_reward_std_grouped.repeat_interleave(num_generations, dim=0)
-        each_reward_advantage = reward_i - each_reward_mean_grouped
-        each_reward_advantage = each_reward_advantage / (each_reward_std_grouped + eps)
-        all_reward_advantage.append(each_reward_advantage)
-    combined_reward_advantage = torch.stack(all_reward_advantage, dim=1)
-    return (combined_reward_advantage * reward_weights.unsqueeze(0)).nansum(dim=1)
+def gdpo_reference(components, weights, response_mask, index):
+    """GDPO from verl's pieces: each term [B] through verl's GRPO, weighted and summed in the
+    terms' order, whitened over the batch's valid tokens (masked to the response)."""
+    total = 0
+    for scores, weight in zip(components, weights):
+        total = total + weight * verl_grpo(token_rewards(scores, response_mask), response_mask, index)
+    return verl_masked_whiten(total, response_mask) * response_mask
 
 
 # ---------------------------------------------------------------- random inputs
@@ -455,31 +434,15 @@ def random_components(g, trial):
     return torch.stack([first, second]), ids, mask
 
 
-def test_gdpo_against_nvidias_verl_fork():
+def test_gdpo_equals_verls_grpo_and_whitening_composed():
     g = torch.Generator().manual_seed(6)
     for trial in range(20):
         scores, ids, mask = random_components(g, trial)
         if trial % 4 == 1:  # a group of one: mean 0, std 1 in both
             ids[5] = "alone"
-        ours = gdpo_advantages(scores, [1.0, 1.0], mask, list(ids))
-        ref = gdpo_verl(token_rewards(scores[0], mask), token_rewards(scores[1], mask), mask, ids)
+        weights = [1.0, 1.0] if trial % 2 == 0 else (torch.rand(2, generator=g) * 2 - 0.5).tolist()  # one may be < 0
+        ours = gdpo_advantages(scores, weights, mask, list(ids))
+        ref = gdpo_reference(scores, weights, mask, ids)
         # The same operations in the same order: the whitening's sums over the batch's tokens are
         # one torch sum in both at this size (thread_free_sum cuts only longer tensors)
-        assert torch.equal(ours, ref), trial
-
-
-def test_gdpo_weights_enter_as_in_nvidias_trl_fork():
-    """The fork's weighted sum of the normalised terms, then verl-GDPO's whitening over tokens.
-    The TRL fork's eps (1e-4 on the group std and on the batch std) and its whitening over
-    samples differ from the verl fork's (1e-6; tokens, 1e-8 under the root): the verl fork is
-    the reference for those, so its eps goes in here."""
-    g = torch.Generator().manual_seed(7)
-    for trial in range(20):
-        scores, _, mask = random_components(g, trial)
-        weights = torch.rand(2, generator=g) * 2 - 0.5  # one may be negative
-        groups = [f"p{i // 4}" for i in range(len(mask))]  # the TRL fork's: consecutive rows
-        pre_bn = gdpo_trl_pre_bn(scores.T, weights, 4, eps=1e-6)
-        ref = gdpo_verl_masked_whiten(pre_bn.unsqueeze(-1) * mask, mask) * mask
-        ours = gdpo_advantages(scores, weights.tolist(), mask, groups)
-        # float32 weights there, their exact values as Python floats here: the same products
         assert torch.equal(ours, ref), trial
