@@ -19,6 +19,7 @@ from reprorl.algos import (
     discounted_returns,
     entropy_from_logits,
     gae_advantages,
+    gdpo_advantages,
     gpg_advantages,
     grpo_outcome_advantages,
     grpo_passk_advantages,
@@ -259,6 +260,32 @@ def test_gpg_scales_the_centred_score_by_the_share_of_nonzero_scores():
     # all scores 0: alpha = 5 / 1, every advantage 0
     assert torch.equal(gpg_advantages(torch.zeros(2, dtype=F64), torch.ones(2, 1, dtype=F64), [0, 0]),
                        torch.zeros(2, 1, dtype=F64))
+
+
+def test_gdpo_normalises_each_component_in_its_group_then_whitens_the_weighted_sum():
+    # component 1 (weight 1): group a [1, 0] -> mean 0.5, unbiased std sqrt(0.5) -> +-1/sqrt(2);
+    #   group b [1, 1] all equal -> 0 (0 over std 0 + eps)
+    # component 2 (weight 0.5): group a [0.2, 0.2] -> 0; group b [0, 1] -> -+1/sqrt(2)
+    # sums a = 1/sqrt(2), -a, -c, c with c = 0.5/sqrt(2); tokens (rows b have one each):
+    # a, a, -a, -a, -c, c: mean 0, unbiased var (4 * 0.5 + 2 * 0.125) / 5 = 0.45
+    # -> a / sqrt(0.45) = sqrt(10/9) = 1.0540925533894598, c / sqrt(0.45) = sqrt(5/18) = 0.5270462766947299
+    mask = t([[1, 1], [1, 1], [1, 0], [1, 0]])
+    scores = t([[1.0, 0.0, 1.0, 1.0], [0.2, 0.2, 0.0, 1.0]])
+    adv = gdpo_advantages(scores, [1.0, 0.5], mask, ["a", "a", "b", "b"])
+    a, c = 1.0540925533894598, 0.5270462766947299
+    # eps = 1e-6 on both groups' std 1/sqrt(2) scales both terms alike, which the whitening undoes
+    # up to its 1e-8 under the root: within 1e-7
+    assert_close(adv, [[a, a], [-a, -a], [-c, 0], [c, 0]], tol=1e-7)
+    # K tensors [B] are the same input as one [K, B]
+    assert torch.equal(gdpo_advantages([scores[0], scores[1]], [1.0, 0.5], mask, ["a", "a", "b", "b"]), adv)
+
+
+def test_gdpo_of_one_component_is_grpo_whitened_over_the_batch():
+    mask = t(MASK6)
+    adv = gdpo_advantages(t([SCORES]), [1.0], mask, IDS)
+    assert torch.equal(adv, masked_whiten(grpo_outcome_advantages(t(SCORES), mask, IDS), mask))
+    with pytest.raises(ValueError, match="gdpo: 1 reward components and 2 weights"):
+        gdpo_advantages(t([SCORES]), [1.0, 0.5], mask, IDS)
 
 
 # ---------------------------------------------------------------- aggregation

@@ -1,8 +1,10 @@
 """The registry (reprorl/algos/registry.py) is the one description of the config's choices."""
 
+import dataclasses
 import inspect
 import typing
 
+import pytest
 import torch
 
 from reprorl import algos
@@ -31,7 +33,7 @@ def test_only_gae_needs_a_critic_and_remax_alone_has_a_greedy_baseline():
     assert [e.name for e in ESTIMATORS.values() if e.needs_critic] == ["gae"]
     assert [e.name for e in ESTIMATORS.values() if e.greedy_baseline] == ["remax"]
     assert [e.name for e in ESTIMATORS.values() if e.group_based] == [
-        "grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo", "gpg"]
+        "grpo", "rloo", "reinforce_pp_baseline", "grpo_passk", "opo", "gpg", "gdpo"]
 
 
 def test_every_policy_loss_takes_the_one_signature():
@@ -49,3 +51,15 @@ def test_every_policy_loss_takes_the_one_signature():
         again, _ = algos.policy_loss(entry.name, old, new, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
                                      clip_ratio_c=3.0, loss_agg_mode="token-mean", **norms)
         assert torch.equal(loss, again)
+
+
+def test_gdpo_reads_the_reward_terms_not_the_token_rewards():
+    components = torch.tensor([[1.0, 0.2], [0.0, 0.2], [1.0, 0.0], [1.0, 1.0]])  # [B, K]
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    inputs = algos.AdvantageInputs(torch.zeros(4, 2), mask, ["a", "a", "b", "b"], 1.0, 1.0, True,
+                                   reward_components=components, component_weights=(1.0, 0.5))
+    adv, returns = ESTIMATORS["gdpo"].advantages(inputs)
+    assert torch.equal(adv, algos.gdpo_advantages(components.T, [1.0, 0.5], mask, ["a", "a", "b", "b"]))
+    assert adv.abs().sum() > 0 and returns is adv
+    with pytest.raises(ValueError, match="reward_components is None"):
+        ESTIMATORS["gdpo"].advantages(dataclasses.replace(inputs, reward_components=None))

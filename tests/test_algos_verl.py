@@ -9,8 +9,13 @@ repository, path and commit it was read at:
   verl/utils/torch_functional.py at the same commit;
 - TRL: huggingface/trl trl/experimental/gmpo/gmpo_trainer.py @ f2cd57710ae345ea6428ae95363267fcf38a3dc8;
 - AReaL: inclusionAI/AReaL areal/utils/functional/functional.py @ 4aef98d8d818af55b43621aaadba047ae10f4e77;
-- prime-rl: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py @ 559b44772e471d1538537b8805cc77f3824a5e64.
-
+- prime-rl: PrimeIntellect-ai/prime-rl src/prime_rl/trainer/rl/loss.py @ 559b44772e471d1538537b8805cc77f3824a5e64;
+- GDPO: no release of verl has it; the reference composes upstream verl's
+  compute_grpo_outcome_advantage and masked_whiten (volcengine/verl
+  b178a3cd56f58b2d502255daba591e92833930a7, Apache-2.0) as the paper (arXiv:2601.05242)
+  and NVIDIA's own verl fork (NVlabs/GDPO verl-GDPO, read at b080e63d, not copied: its
+  license is non-commercial) combine them: each term normalised in its group, weighted,
+  summed, then whitened over the batch's tokens.
 Where the bits differ, the test says why and holds the difference under 1e-6.
 """
 
@@ -22,6 +27,7 @@ import torch
 
 from reprorl.algos import (
     dppo_policy_loss,
+    gdpo_advantages,
     geo_mean_policy_loss,
     gpg_advantages,
     gpg_policy_loss,
@@ -241,6 +247,52 @@ def prime_rl_dppo_batch(old, new, adv, mask, *args):
     return torch.stack(sums).sum() / mask.sum()
 
 
+# ---------------------------------------------------------------- GDPO (upstream verl's pieces)
+
+
+def verl_grpo(token_level_rewards, response_mask, index, epsilon=1e-6):
+    """verl's core_algos.compute_grpo_outcome_advantage (norm_adv_by_std_in_grpo=True), its first return."""
+    scores = token_level_rewards.sum(dim=-1)
+    id2score = defaultdict(list)
+    id2mean = {}
+    id2std = {}
+    with torch.no_grad():
+        bsz = scores.shape[0]
+        for i in range(bsz):
+            id2score[index[i]].append(scores[i])
+        for idx in id2score:
+            if len(id2score[idx]) == 1:
+                id2mean[idx] = torch.tensor(0.0)
+                id2std[idx] = torch.tensor(1.0)
+            elif len(id2score[idx]) > 1:
+                scores_tensor = torch.stack(id2score[idx])
+                id2mean[idx] = torch.mean(scores_tensor)
+                id2std[idx] = torch.std(scores_tensor)
+        for i in range(bsz):
+            scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+        scores = scores.unsqueeze(-1) * response_mask
+    return scores
+
+
+def verl_masked_whiten(values, mask):
+    """verl's torch_functional.masked_whiten (shift_mean=True) with its masked_var (unbiased)."""
+    mean = verl_masked_mean(values, mask)
+    centered_values = values - mean
+    variance = verl_masked_mean(centered_values**2, mask)
+    mask_sum = mask.sum()
+    variance = variance * (mask_sum / (mask_sum - 1))
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def gdpo_reference(components, weights, response_mask, index):
+    """GDPO from verl's pieces: each term [B] through verl's GRPO, weighted and summed in the
+    terms' order, whitened over the batch's valid tokens (masked to the response)."""
+    total = 0
+    for scores, weight in zip(components, weights):
+        total = total + weight * verl_grpo(token_rewards(scores, response_mask), response_mask, index)
+    return verl_masked_whiten(total, response_mask) * response_mask
+
+
 # ---------------------------------------------------------------- random inputs
 
 
@@ -372,3 +424,25 @@ def test_dppo_masks_the_tokens_prime_rl_masks():
         masked = torch.stack([prime_rl_dppo(new[i], old[i], adv[i], mask[i] > 0, 0.05, 0.1, 1.0, 1e-3)[1]
                               for i in range(len(old))])
         assert stats["clipfrac"] == (masked.float() * mask).sum() / mask.sum()
+
+
+def random_components(g, trial):
+    """Two reward components `[2, B]` as `random_scores` makes one: binary on even trials
+    (groups of equal scores, whose normalised term is 0), normal on odd ones."""
+    first, ids, mask = random_scores(g, trial)
+    second, _, _ = random_scores(g, trial + 1)
+    return torch.stack([first, second]), ids, mask
+
+
+def test_gdpo_equals_verls_grpo_and_whitening_composed():
+    g = torch.Generator().manual_seed(6)
+    for trial in range(20):
+        scores, ids, mask = random_components(g, trial)
+        if trial % 4 == 1:  # a group of one: mean 0, std 1 in both
+            ids[5] = "alone"
+        weights = [1.0, 1.0] if trial % 2 == 0 else (torch.rand(2, generator=g) * 2 - 0.5).tolist()  # one may be < 0
+        ours = gdpo_advantages(scores, weights, mask, list(ids))
+        ref = gdpo_reference(scores, weights, mask, ids)
+        # The same operations in the same order: the whitening's sums over the batch's tokens are
+        # one torch sum in both at this size (thread_free_sum cuts only longer tensors)
+        assert torch.equal(ours, ref), trial

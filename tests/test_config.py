@@ -196,7 +196,7 @@ OVERRIDE_ERRORS = [
     (["actor.betas=[0.9]"], "actor.betas: expected a list of 2 numbers, got [0.9]"),
     (["rollout=3"], "rollout: expected a mapping of keys, got 3"),
     # choices
-    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: expected one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, opo, gpg, got 'ppo'"),
+    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator: expected one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, grpo_passk, opo, gpg, gdpo, got 'ppo'"),
     (["data.overlong_prompts=drop"], "data.overlong_prompts: expected one of error, filter, truncate_left, truncate_right, got 'drop'"),
     (["actor.kl_loss_type=low_var_kl"], "actor.kl_loss_type: expected one of k1, k2, k3, abs, k1+, k2+, k3+, abs+, got 'low_var_kl'"),
     (["model.dtype=float16"], "model.dtype: expected one of float32, bfloat16, got 'float16'"),
@@ -347,6 +347,15 @@ OVERRIDE_ERRORS = [
     ),
     (["actor.policy_loss=sapo", "actor.tau_neg=0"], "actor.tau_neg: expected a number > 0, got 0"),
     (["algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one"),
+    (
+        ["algorithm.adv_estimator=gdpo", "algorithm.use_kl_in_reward=true", "actor.use_kl_loss=false"],
+        "algorithm.use_kl_in_reward with algorithm.adv_estimator=gdpo: it normalises each reward term on its own and "
+        "the KL penalty is none of them, so it would be ignored; use actor.use_kl_loss",
+    ),
+    (
+        ["algorithm.adv_estimator=gdpo", "rollout.n=1"],
+        "algorithm.adv_estimator=gdpo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1",
+    ),
 ]
 
 
@@ -461,11 +470,11 @@ def test_yaml_has_help_comments():
     lines = config_to_yaml(load_config()).splitlines()
     i = lines.index("  temperature: 1.0  # a number >= 0")
     assert lines[i - 3 : i] == ["  # sampling temperature for training rollouts; 0 = greedy (an error with grpo, remax,",
-                                "  # rloo, reinforce_pp_baseline, grpo_passk, opo, gpg, which compare samples that must",
-                                "  # differ)"]
+                                "  # rloo, reinforce_pp_baseline, grpo_passk, opo, gpg, gdpo, which compare samples that",
+                                "  # must differ)"]
     i = lines.index("  adv_estimator: grpo  # one of gae, grpo, remax, rloo, reinforce_pp, reinforce_pp_baseline, "
-                    "grpo_passk, opo, gpg")
-    assert lines[i - 11] == "  # advantage estimator: gae = PPO's GAE on the critic's values (trains a critic); grpo"
+                    "grpo_passk, opo, gpg, gdpo")
+    assert lines[i - 14] == "  # advantage estimator: gae = PPO's GAE on the critic's values (trains a critic); grpo"
     # every field's help is printed, whole (wrapped lines joined back)
     comments = " ".join(line.strip().removeprefix("# ") for line in lines if line.strip().startswith("# "))
     for key, f in _leaf_fields():

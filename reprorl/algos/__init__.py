@@ -14,6 +14,7 @@ The names are re-exported here, so `from reprorl import algos; algos.masked_mean
 from reprorl.algos.advantages import (
     discounted_returns,
     gae_advantages,
+    gdpo_advantages,
     gpg_advantages,
     grpo_outcome_advantages,
     grpo_passk_advantages,
@@ -72,6 +73,6 @@ __all__ = [
     "gspo_policy_loss", "kl_cov_policy_loss", "kl_penalty", "masked_mean", "masked_sum", "masked_var",
     "masked_whiten", "policy_loss", "ppo_policy_loss", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "remax_advantages", "rloo_advantages", "scores_to_token_rewards",
-    "token_priority", "value_loss", "gpg_advantages", "grpo_passk_advantages", "opo_advantages",
+    "token_priority", "value_loss", "gdpo_advantages", "gpg_advantages", "grpo_passk_advantages", "opo_advantages",
     "dppo_policy_loss", "geo_mean_policy_loss", "gpg_policy_loss", "sapo_policy_loss",
 ]

@@ -236,3 +236,35 @@ def gpg_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_ids:
         group = scores[idx]
         advantages[idx] = alpha * (group if len(rows) == 1 else group - group.mean())
     return advantages.unsqueeze(-1) * response_mask
+
+
+def gdpo_advantages(
+    component_scores: torch.Tensor | Sequence[torch.Tensor],
+    weights: Sequence[float],
+    response_mask: torch.Tensor,
+    group_ids: Sequence[Hashable],
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GDPO advantages (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization", arXiv:2601.05242; NVIDIA's verl fork,
+    NVlabs/GDPO verl-GDPO/verl/trainer/ppo/ray_trainer.py).
+
+    Each reward component k is normalised within the group on its own, as GRPO normalises
+    one score: n_ki = (s_ki - mean_g(s_k)) / (std_g(s_k) + eps) (`grpo_outcome_advantages`:
+    unbiased std; a group of one has mean 0, std 1; a component equal across a group gives
+    it 0). Then A_i = sum_k w_k n_ki, whitened over all valid tokens of the batch
+    (`masked_whiten`: unbiased variance, + 1e-8 under the root), as the fork does.
+    Normalising before summing keeps a component of small spread from being drowned by one
+    of large spread, and distinct combinations of rewards from collapsing to one advantage.
+    One component: GRPO, then whitened over the batch.
+
+    component_scores `[K, B]` (or K tensors `[B]`), weights: K floats, response_mask
+    `[B, T]`, group_ids: B ids. Returns `[B, T]`.
+    """
+    scores = torch.stack(list(component_scores))  # [K, B]
+    if len(weights) != len(scores):
+        raise ValueError(f"gdpo: {len(scores)} reward components and {len(weights)} weights")
+    total = torch.zeros_like(response_mask, dtype=scores.dtype)  # [B, T]
+    for component, weight in zip(scores, weights):  # in the components' order: fixed bits
+        total = total + weight * grpo_outcome_advantages(component, response_mask, group_ids, eps=eps)
+    return masked_whiten(total, response_mask)

@@ -36,6 +36,10 @@ class AdvantageInputs:
     """The critic's values (gae only)."""
     reward_baselines: torch.Tensor | None = None
     """`[B]`: the reward of the greedy response to each sample's prompt (remax only)."""
+    reward_components: torch.Tensor | None = None
+    """`[B, K]`: each term of the reward on its own (`reprorl.reward.loop.Rewards.components`; gdpo only)."""
+    component_weights: Sequence[float] = ()
+    """The K weights of those terms (`RewardLoop.component_weights`)."""
 
 
 def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +72,12 @@ def _grpo_passk(x: AdvantageInputs) -> torch.Tensor:
     return adv.grpo_passk_advantages(scores, x.response_mask, list(x.group_ids), norm_by_std=x.norm_by_std)
 
 
+def _gdpo(x: AdvantageInputs) -> torch.Tensor:
+    if x.reward_components is None:
+        raise ValueError("gdpo reads each reward term on its own: AdvantageInputs.reward_components is None")
+    return adv.gdpo_advantages(x.reward_components.T, x.component_weights, x.response_mask, list(x.group_ids))
+
+
 def _opo(x: AdvantageInputs) -> torch.Tensor:
     return adv.opo_advantages(x.token_rewards.sum(-1), x.response_mask, list(x.group_ids))
 
@@ -93,6 +103,10 @@ class Estimator:
     token_rewards: bool = True
     """Reads the per-token rewards; False: each sample's sum of them, its sequence score, and
     so gives every token of a sample one same advantage."""
+    reward_components: bool = False
+    """Reads each term of the reward on its own (`AdvantageInputs.reward_components`), not their
+    weighted sum: the batch carries them from the reward loop, and the KL penalty cannot be in
+    the reward (it is none of the terms)."""
 
     def advantages(self, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages, returns) `[B, T]`; without a critic the returns are the advantages."""
@@ -126,6 +140,11 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("gpg", adv.gpg_advantages, _gpg,
               "GPG: the score minus its group's mean, times batch size / nonzero scores", group_based=True,
               token_rewards=False),
+    Estimator("gdpo", adv.gdpo_advantages, _gdpo,
+              "GDPO: each reward term (each reward.fns function, the reward model, the overlong penalty) minus "
+              "its group's mean over its group's std, summed with its weight, then whitened over the batch's "
+              "tokens; one term: grpo then whitened", group_based=True, token_rewards=False,
+              reward_components=True),
 )}
 
 

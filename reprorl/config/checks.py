@@ -113,6 +113,11 @@ def validate(cfg: Config) -> None:
     _check_off_policy(cfg)
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
+    if algo.use_kl_in_reward and estimator(algo.adv_estimator).reward_components:
+        raise ConfigError(
+            f"algorithm.use_kl_in_reward with algorithm.adv_estimator={algo.adv_estimator}: it normalises each reward "
+            "term on its own and the KL penalty is none of them, so it would be ignored; use actor.use_kl_loss"
+        )
     batches = [("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size,
                 actor.ppo_max_token_len_per_micro_batch)]
     if estimator(algo.adv_estimator).needs_critic:

@@ -267,7 +267,7 @@ class FilterGroupsConfig:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["gae", "grpo", "remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk",
-                           "opo", "gpg"] = _field(
+                           "opo", "gpg", "gdpo"] = _field(
         "grpo", "advantage estimator: " + "; ".join(f"{e.name} = {e.help}" for e in ESTIMATORS.values())
     )
     gamma: float = _field(1.0, "discount factor", ge=0, le=1)

@@ -1,6 +1,7 @@
 """The reward loop: one score per sample, from a rule function and/or a reward model.
 
-    RewardLoop.compute(batch, tokenizer) -> Rewards(scores [B] float32, rule [B] | None, metrics, answers)
+    RewardLoop.compute(batch, tokenizer) -> Rewards(scores [B] float32, rule [B] | None, metrics, answers,
+                                                    components [B, K])
       1. decode each response (model tokens only, no eos/pad) -> solution_str
       2. rule reward per sample, in sample order, in a main thread (math-verify's
          timeout needs signals): a child process's under a per-call time limit
@@ -10,7 +11,8 @@
          rule reward is their weighted sum (`weighted_sum`); a batch function is called
          once with lists instead of once per sample
       3. reward-model scores of (prompt messages, response text), if a model is given
-      4. score = rule_weight * rule + model_weight * model (+ DAPO's `overlong_penalty`)
+      4. score = rule_weight * rule + model_weight * model (+ DAPO's `overlong_penalty`);
+         each of its terms is also kept on its own (`Rewards.components`, for GDPO)
       5. each sample's final answer, when a rule function reports one (verl's "pred" in
          its result dict; the built-in rewards do): validation's majority vote (maj@n)
 
@@ -77,6 +79,9 @@ class Rewards(NamedTuple):
     answers: list[str | None] | None = None
     """Each sample's final answer as the first rule function that reports answers gave it
     (None where it gave none); None when no function reports any."""
+    components: torch.Tensor | None = None
+    """[B, K] float32: each term of `scores` on its own, in the order of `RewardLoop.component_weights`:
+    each rule function's score, the reward model's, the overlong penalty (those that run)."""
 
 
 def decode_responses(responses: torch.Tensor, response_mask: torch.Tensor, tokenizer: Any) -> list[str]:
@@ -214,6 +219,14 @@ class RewardLoop:
         self.reward_model = reward_model
         self.rule_weight = float(rule_weight)
         self.model_weight = float(model_weight)
+        self.rule_runs = reward_model is None or self.rule_weight != 0.0
+        # The weight of each column of Rewards.components: the score is their weighted sum (up to rounding).
+        weights = [self.rule_weight * weight for _, _, weight in self.fns] if self.rule_runs else []
+        if reward_model is not None:
+            weights.append(self.model_weight)
+        if overlong_buffer is not None:
+            weights.append(1.0)
+        self.component_weights = tuple(weights)
         self.timeout_s = timeout_s
         self.timeout_is_error = timeout_is_error
         self.fn_errors_total = 0  # over the run, for the log line
@@ -246,11 +259,11 @@ class RewardLoop:
                 worker.close()
 
     def _rule_scores(self, batch: Batch, solutions: Sequence[str]
-                     ) -> tuple[torch.Tensor, int, int, dict[str, float], list[str | None] | None]:
-        """([B] float32 rule scores, samples on which a function raised, samples on which one
-        timed out, {"reward/<name>/mean": ...} of several functions, the answers of the first
-        function that reports any), in sample order. The scores are the one function's, or
-        the weighted sum of several."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, int, int, dict[str, float], list[str | None] | None]:
+        """([B] float32 rule scores, [B, K] float32 each function's, samples on which a function
+        raised, samples on which one timed out, {"reward/<name>/mean": ...} of several functions,
+        the answers of the first function that reports any), in sample order. The rule scores are
+        the one function's, or the weighted sum of several."""
         calls = self._rule_calls(batch, solutions)
         data_sources = batch.non_tensors["data_source"]
         per_fn, errors, timeouts, fn_means, answers = [], 0, 0, {}, None
@@ -265,7 +278,8 @@ class RewardLoop:
         self.fn_errors_total += errors
         self.fn_timeouts_total += timeouts
         rule = weighted_sum(per_fn, [w for _, _, w in self.fns]) if self.named else per_fn[0]
-        return torch.tensor(rule, dtype=torch.float32), errors, timeouts, fn_means, answers
+        each = torch.tensor(per_fn, dtype=torch.float32).T.contiguous()  # [K, B] -> [B, K]
+        return torch.tensor(rule, dtype=torch.float32), each, errors, timeouts, fn_means, answers
 
     def _rule_calls(self, batch: Batch, solutions: Sequence[str]) -> list[dict[str, Any]]:
         """The keyword arguments of each sample's call, in sample order; with `batch`, ONE
@@ -397,9 +411,10 @@ class RewardLoop:
         B = len(solutions)
         total = torch.zeros(B, dtype=torch.float32)
         metrics: dict[str, float] = {"reward/fn_errors": 0.0}
-        rule, answers = None, None
-        if self.reward_model is None or self.rule_weight != 0.0:
-            rule, errors, timeouts, fn_means, answers = self._rule_scores(batch, solutions)
+        rule, answers, components = None, None, []  # components: [B, k] parts of Rewards.components
+        if self.rule_runs:
+            rule, per_fn, errors, timeouts, fn_means, answers = self._rule_scores(batch, solutions)
+            components.append(per_fn)
             total = total + self.rule_weight * rule
             metrics["reward/rule_mean"] = _mean(rule)
             metrics["reward/fn_errors"] = float(errors)
@@ -418,14 +433,16 @@ class RewardLoop:
                     f"{model[bad[0]].item()}); expected finite scores: check reward.model_path's weights"
                 )
             total = total + self.model_weight * model.float()
+            components.append(model.float().unsqueeze(-1))
             metrics["reward/model_mean"] = _mean(model)
         if self.overlong_buffer is not None:
             penalty = overlong_penalty(response_lengths(batch), self.max_length, self.overlong_buffer,
                                        self.overlong_penalty_factor)  # [B]
             total = total + penalty
+            components.append(penalty.unsqueeze(-1))
             metrics["reward/overlong_penalty_mean"] = _mean(penalty)
         metrics["reward/mean"] = _mean(total)
-        return Rewards(total, rule, metrics, answers)
+        return Rewards(total, rule, metrics, answers, torch.cat(components, dim=-1))
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:

@@ -54,7 +54,7 @@ from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.async_rollouts import AsyncRollouts, behaviour_version
 from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
 from reprorl.trainer.dynamic_sampling import FilterGroupsError
-from reprorl.trainer.generation import Generator, ScoredBatch
+from reprorl.trainer.generation import REWARD_COMPONENTS, Generator, ScoredBatch
 from reprorl.trainer.log_probs import actor_batch, add_log_probs_and_values
 from reprorl.resources.memory import check_gpu_memory, gpu_total_bytes
 from reprorl.resources.placement import resolve_device
@@ -200,12 +200,15 @@ class Trainer:
         if scored is None:
             scored = self.generator.generate(step)
         batch, scores, metrics = scored.batch, scored.scores, dict(scored.metrics)
+        # gdpo's reward terms [B*n, K] out of the batch: the workers read none of it (and would trim
+        # it as a response-width column where K = R)
+        components = batch.pop([REWARD_COMPONENTS])[REWARD_COMPONENTS] if REWARD_COMPONENTS in batch else None
         mask = batch["response_mask"].float()
         staleness = step - 1 - behaviour_version(step, self.cfg.trainer.max_staleness)
         correction = add_log_probs_and_values(self.cfg, self.parts, batch, mask, metrics, step=step,
                                               check_due=self._log_prob_check_due(), staleness=staleness)
         token_rewards = self._token_rewards(batch, scores, mask, metrics)
-        advantages, returns = self._advantages(batch, token_rewards, mask, scored.reward_baselines)
+        advantages, returns = self._advantages(batch, token_rewards, mask, scored.reward_baselines, components)
         batch["advantages"] = advantages
         batch["returns"] = returns
         _require_finite(batch, ("old_log_probs", "ref_log_probs", "values", "advantages", "returns"))
@@ -282,14 +285,18 @@ class Trainer:
         return self.parts.actor.weight_digests()
 
     def _advantages(
-        self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor, reward_baselines: torch.Tensor | None
+        self, batch: Batch, token_rewards: torch.Tensor, mask: torch.Tensor, reward_baselines: torch.Tensor | None,
+        reward_components: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages, returns) `[B*n, R]` for the configured estimator."""
+        """(advantages, returns) `[B*n, R]` for the configured estimator; `reward_components`
+        `[B*n, K]` the reward's terms (with an estimator that reads them, else None)."""
         algo = self.cfg.algorithm
         est = algos.estimator(algo.adv_estimator)
+        weights = () if reward_components is None else self.parts.reward_loop.component_weights
         return est.advantages(algos.AdvantageInputs(
             token_rewards, mask, batch.non_tensors["uid"], algo.gamma, algo.lam, algo.norm_adv_by_std,
             values=batch["values"] if est.needs_critic else None, reward_baselines=reward_baselines,
+            reward_components=reward_components, component_weights=weights,
         ))
 
     # ------------------------------------------------------------------ validation

@@ -33,6 +33,10 @@ from reprorl.reward.loop import RewardLoop
 from reprorl.trainer.dynamic_sampling import GroupFilter
 from reprorl.trainer.val_metrics import per_source_metrics
 
+REWARD_COMPONENTS = "reward_components"
+"""The batch column of each sample's reward terms `[B*n, K]` (`Rewards.components`), with an
+estimator that reads them (gdpo); the fit loop takes it out before the workers see the batch."""
+
 TEST_KILL_IN_FILL_ENV = "REPRORL_TEST_KILL_IN_FILL"
 """A test hook like fit.py's `TEST_KILL_AT_STEP_ENV`: with it set to "S:K" and
 `algorithm.filter_groups` on, the trainer SIGKILLs its own process when step S, its batch
@@ -198,6 +202,10 @@ class Generator:
         rewards = self.reward_loop.compute(batch, self.tokenizer)  # [B*n]
         scores, rule = rewards.scores, rewards.rule
         metrics.update(rewards.metrics)
+        if algos.estimator(self.cfg.algorithm.adv_estimator).reward_components:
+            # A column, so dynamic sampling and a checkpoint's batches in flight keep it with its rows;
+            # only for the estimator that reads it, so other runs' batches stay as they were.
+            batch[REWARD_COMPONENTS] = rewards.components  # [B*n, K]
         reward_baselines = None
         if baseline is not None:
             # ReMax's baseline is the greedy response's reward only, without the KL penalty

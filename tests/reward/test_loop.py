@@ -84,7 +84,7 @@ def test_rule_scores_in_sample_order(char_tokenizer):
     batch = _batch(char_tokenizer, ["7<|im_end|>", "8<|im_end|>", " 7", "#### 7"],
                    data_sources=["reprorl/arithmetic"] * 3 + ["openai/gsm8k"],
                    extra_infos=[{"index": i} for i in range(4)])
-    scores, _, metrics, _ = RewardLoop(compute_score).compute(batch, char_tokenizer)
+    scores, _, metrics, *_ = RewardLoop(compute_score).compute(batch, char_tokenizer)
     assert scores.dtype == torch.float32
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0, 1.0]))
     assert metrics == {"reward/fn_errors": 0.0, "reward/fn_timeouts": 0.0, "reward/rule_mean": 0.75,
@@ -100,7 +100,7 @@ def test_rule_fn_gets_its_row(char_tokenizer):
 
     batch = _batch(char_tokenizer, ["ab", "cde"], data_sources=["s0", "s1"], ground_truths=["g0", "g1"],
                    extra_infos=[{"i": 0}, None])
-    scores, _, _, _ = RewardLoop(record).compute(batch, char_tokenizer)
+    scores, *_ = RewardLoop(record).compute(batch, char_tokenizer)
     assert seen == [("s0", "ab", "g0", {"i": 0}), ("s1", "cde", "g1", None)]
     assert torch.equal(scores, torch.tensor([2.0, 3.0]))
     # Without an extra_info column the function gets None.
@@ -118,8 +118,8 @@ def test_raising_fn_scores_zero_counted_and_logged_once(char_tokenizer, caplog):
     loop = RewardLoop(flaky)
     batch = _batch(char_tokenizer, ["ok", "bad1", "ok", "bad2"])
     with caplog.at_level(logging.ERROR, logger="reprorl.reward.loop"):
-        scores, _, metrics, _ = loop.compute(batch, char_tokenizer)
-        scores2, _, metrics2, _ = loop.compute(batch, char_tokenizer)  # the same run, a later step
+        scores, _, metrics, *_ = loop.compute(batch, char_tokenizer)
+        scores2, _, metrics2, *_ = loop.compute(batch, char_tokenizer)  # the same run, a later step
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert torch.equal(scores2, scores)
     assert metrics["reward/fn_errors"] == 2.0 and metrics2["reward/fn_errors"] == 2.0
@@ -133,7 +133,7 @@ def test_raising_fn_scores_zero_counted_and_logged_once(char_tokenizer, caplog):
 
 def test_unknown_data_source_counts_as_an_error(char_tokenizer):
     batch = _batch(char_tokenizer, ["7", "7"], data_sources=["reprorl/arithmetic", "nobody/knows"])
-    scores, _, metrics, _ = RewardLoop(compute_score).compute(batch, char_tokenizer)
+    scores, _, metrics, *_ = RewardLoop(compute_score).compute(batch, char_tokenizer)
     assert torch.equal(scores, torch.tensor([1.0, 0.0]))
     assert metrics["reward/fn_errors"] == 1.0
 
@@ -148,7 +148,7 @@ def test_failing_on_more_than_max_error_rate_stops_naming_the_function_and_first
     batch = _batch(char_tokenizer, ["ok", "ok", "bad1", "ok", "nan", "ok", "ok", "ok"],
                    data_sources=[f"s{i}" for i in range(8)])
     for rate in (None, 1.0, 0.25):  # 2 of 8 fail: at most a quarter is allowed
-        scores, _, metrics, _ = RewardLoop(_fails_on_bad, max_error_rate=rate).compute(batch, char_tokenizer)
+        scores, _, metrics, *_ = RewardLoop(_fails_on_bad, max_error_rate=rate).compute(batch, char_tokenizer)
         assert metrics["reward/fn_errors"] == 2.0 and scores.tolist() == [1, 1, 0, 1, 0, 1, 1, 1]
     with pytest.raises(RewardFnError) as info:
         RewardLoop(_fails_on_bad, max_error_rate=0.2).compute(batch, char_tokenizer)
@@ -221,7 +221,7 @@ class FixedModel:
 def test_weights_combine(char_tokenizer):
     batch = _batch(char_tokenizer, ["7", "8", "7<|im_end|>"])
     model = FixedModel([0.5, -2.0, 0.25])
-    scores, rule, metrics, _ = RewardLoop(compute_score, model, rule_weight=2.0, model_weight=0.5).compute(
+    scores, rule, metrics, *_ = RewardLoop(compute_score, model, rule_weight=2.0, model_weight=0.5).compute(
         batch, char_tokenizer)
     # rule [1, 0, 1] * 2 + model [0.5, -2, 0.25] * 0.5 (all exact in float32)
     assert torch.equal(scores, torch.tensor([2.25, -1.0, 2.125]))
@@ -238,7 +238,7 @@ def test_model_only_skips_the_rule_fn(char_tokenizer):
         raise AssertionError("the rule function must not run with rule_weight=0")
 
     batch = _batch(char_tokenizer, ["a", "b"], ground_truths=[None, None])
-    scores, rule, metrics, _ = RewardLoop(never, FixedModel([3.0, 4.0]), rule_weight=0.0).compute(batch, char_tokenizer)
+    scores, rule, metrics, *_ = RewardLoop(never, FixedModel([3.0, 4.0]), rule_weight=0.0).compute(batch, char_tokenizer)
     assert torch.equal(scores, torch.tensor([3.0, 4.0]))
     assert rule is None
     assert "reward/rule_mean" not in metrics and metrics["reward/model_mean"] == 3.5
@@ -280,7 +280,7 @@ def test_weighted_sum_by_hand():
 def test_weighted_functions_sum_in_order_and_log_each(char_tokenizer):
     batch = _batch(char_tokenizer, ["7<|im_end|>", "12ab", "x"])
     loop = RewardLoop([WeightedFn("digits", _digits, 1.0), WeightedFn("length", _length, -0.5)])
-    scores, rule, metrics, _ = loop.compute(batch, char_tokenizer)
+    scores, rule, metrics, *_ = loop.compute(batch, char_tokenizer)
     # digits [1, 2, 0], lengths [1, 4, 1] ("7" without its end token): 1 - 0.5, 2 - 2, 0 - 0.5
     assert torch.equal(scores, torch.tensor([0.5, 0.0, -0.5]))
     assert torch.equal(rule, scores)
@@ -290,7 +290,7 @@ def test_weighted_functions_sum_in_order_and_log_each(char_tokenizer):
 
 
 def test_one_function_alone_logs_no_name(char_tokenizer):
-    _, _, metrics, _ = RewardLoop(_digits).compute(_batch(char_tokenizer, ["7"]), char_tokenizer)
+    _, _, metrics, *_ = RewardLoop(_digits).compute(_batch(char_tokenizer, ["7"]), char_tokenizer)
     assert not any(key.count("/") > 1 for key in metrics)
 
 
@@ -320,7 +320,7 @@ def test_batch_function_is_called_once_with_lists(char_tokenizer, timeout_s):
     fn = recorded if timeout_s is None else _batch_digits
     loop = RewardLoop([WeightedFn("digits", fn, 2.0)], batch=True, timeout_s=timeout_s)
     try:
-        scores, _, metrics, _ = loop.compute(batch, char_tokenizer)
+        scores, _, metrics, *_ = loop.compute(batch, char_tokenizer)
     finally:
         loop.close()
     assert torch.equal(scores, torch.tensor([2.0, 4.0, 0.0]))
@@ -355,9 +355,30 @@ def test_overlong_penalty_is_added_to_the_score(char_tokenizer):
     batch["prompts"] = torch.zeros(len(batch), P, dtype=torch.long)
     batch["attention_mask"] = torch.cat([prompt_mask, batch["response_mask"]], dim=1)  # lengths 2, 8, 1
     loop = RewardLoop(compute_score, overlong_buffer=4, overlong_penalty_factor=1.0, max_length=8)
-    scores, rule, metrics, _ = loop.compute(batch, char_tokenizer)
+    scores, rule, metrics, *_ = loop.compute(batch, char_tokenizer)
     assert torch.equal(rule, torch.tensor([1.0, 0.0, 0.0]))
     assert torch.equal(scores, torch.tensor([1.0, -1.0, 0.0]))  # 8 tokens of 8: -(8 - 4) / 4
     assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-1 / 3)
     with pytest.raises(ValueError, match="overlong_buffer=9"):
         RewardLoop(compute_score, overlong_buffer=9, max_length=8)
+
+
+def test_components_are_the_terms_of_the_score_each_with_its_weight(char_tokenizer):
+    # GDPO's input: each rule function's score, the model's and the overlong penalty as columns
+    batch = _batch(char_tokenizer, ["7<|im_end|>", "12abcdef", "x"])
+    batch["prompts"] = torch.zeros(len(batch), 3, dtype=torch.long)
+    batch["attention_mask"] = torch.cat([torch.ones(len(batch), 3, dtype=torch.long), batch["response_mask"]], dim=1)
+    loop = RewardLoop([WeightedFn("digits", _digits, 1.0), WeightedFn("length", _length, -0.5)],
+                      FixedModel([0.5, -2.0, 0.25]), rule_weight=2.0, model_weight=0.5, overlong_buffer=4,
+                      overlong_penalty_factor=1.0, max_length=8)
+    rewards = loop.compute(batch, char_tokenizer)
+    # digits [1, 2, 0], lengths [1, 8, 1], model [0.5, -2, 0.25], penalty of 2, 8, 1 tokens [0, -1, 0]
+    assert torch.equal(rewards.components, torch.tensor([[1.0, 1, 0.5, 0], [2, 8, -2, -1], [0, 1, 0.25, 0]]))
+    assert loop.component_weights == (2.0, -1.0, 0.5, 1.0)  # rule_weight times each function's
+    # the score is their weighted sum: 2 - 1 + 0.25, 4 - 8 - 1 - 1, 0 - 1 + 0.125
+    assert torch.equal(rewards.scores, torch.tensor([1.25, -6.0, -0.875]))
+    # a reward model alone (rule_weight 0: no rule function runs): its score is the one term
+    model_only = RewardLoop(_digits, FixedModel([3.0, 4.0]), rule_weight=0.0, model_weight=2.0)
+    assert torch.equal(model_only.compute(_batch(char_tokenizer, ["a", "b"]), char_tokenizer).components,
+                       torch.tensor([[3.0], [4.0]]))
+    assert model_only.component_weights == (2.0,)

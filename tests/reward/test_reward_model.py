@@ -220,7 +220,7 @@ def test_reward_loop_with_the_reward_model(scorer, char_tokenizer):
     prompts = [[{"role": "user", "content": "What is 12+7?"}]] * 3
     batch = Batch({"responses": responses, "response_mask": (responses != char_tokenizer.pad_token_id).long()},
                   {"raw_prompt": prompts, "data_source": ["reprorl/arithmetic"] * 3, "ground_truth": ["19"] * 3})
-    scores, _, metrics, _ = RewardLoop(compute_score, scorer, rule_weight=1.0, model_weight=0.5).compute(batch, char_tokenizer)
+    scores, _, metrics, *_ = RewardLoop(compute_score, scorer, rule_weight=1.0, model_weight=0.5).compute(batch, char_tokenizer)
     model = scorer.score(prompts, ["19", "20", "19"])
     assert torch.equal(model[0], model[2])  # same (prompt, response), different rows
     assert torch.equal(scores, torch.tensor([1.0, 0.0, 1.0]) + 0.5 * model)

@@ -52,7 +52,7 @@ def test_without_determinism_a_timed_out_sample_scores_zero_and_is_counted(char_
     loop = RewardLoop(HANGING, timeout_s=LIMIT_S, timeout_is_error=False)
     try:
         with caplog.at_level(logging.WARNING, logger="reprorl.reward.loop"):
-            scores, rule, metrics, _ = loop.compute(_batch(char_tokenizer, ["ab", "hang", "boom", "hang", "abc"]),
+            scores, rule, metrics, *_ = loop.compute(_batch(char_tokenizer, ["ab", "hang", "boom", "hang", "abc"]),
                                                  char_tokenizer)
         # The calls after each timeout ran in a fresh process; the raising one is an error.
         assert torch.equal(scores, torch.tensor([2.0, 0.0, 0.0, 0.0, 3.0]))

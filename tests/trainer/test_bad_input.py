@@ -252,7 +252,7 @@ def _reward_batch(n: int) -> Batch:
 def test_a_nan_or_inf_reward_counts_as_a_failed_reward_function(char_tokenizer):
     returns = iter([0.5, float("nan"), float("-inf"), {"score": float("inf")}, 1.0])
     loop = RewardLoop(lambda **kw: next(returns))
-    scores, _, metrics, _ = loop.compute(_reward_batch(5), char_tokenizer)
+    scores, _, metrics, *_ = loop.compute(_reward_batch(5), char_tokenizer)
     assert torch.equal(scores, torch.tensor([0.5, 0.0, 0.0, 0.0, 1.0]))
     assert metrics["reward/fn_errors"] == 3.0 and metrics["reward/mean"] == 0.3
 
