@@ -356,7 +356,18 @@ OVERRIDE_ERRORS = [
         ["algorithm.adv_estimator=gdpo", "rollout.n=1"],
         "algorithm.adv_estimator=gdpo compares samples of one prompt: it needs rollout.n >= 2, got rollout.n=1",
     ),
+    (
+        ["algorithm.adv_estimator=gdpo", "algorithm.norm_adv_by_std=false"],
+        "algorithm.norm_adv_by_std=false with algorithm.adv_estimator=gdpo: only grpo and grpo_passk read it "
+        "(whether to divide by the group's std), so it would be ignored; leave it true",
+    ),
 ]
+
+
+def test_norm_adv_by_std_false_is_taken_where_it_is_read():
+    for name in ("grpo", "grpo_passk"):  # Dr. GRPO, and pass@k likewise
+        assert not load_config(None, [f"algorithm.adv_estimator={name}", "algorithm.norm_adv_by_std=false"]
+                               ).algorithm.norm_adv_by_std
 
 
 def test_greedy_rollouts_are_allowed_where_samples_need_not_differ():

@@ -103,6 +103,9 @@ class Estimator:
     token_rewards: bool = True
     """Reads the per-token rewards; False: each sample's sum of them, its sequence score, and
     so gives every token of a sample one same advantage."""
+    divides_by_group_std: bool = False
+    """Reads `algorithm.norm_adv_by_std` (whether to divide by the group's std); the others
+    refuse it set to false, which they would ignore."""
     reward_components: bool = False
     """Reads each term of the reward on its own (`AdvantageInputs.reward_components`), not their
     weighted sum: the batch carries them from the reward loop, and the KL penalty cannot be in
@@ -121,7 +124,7 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               needs_critic=True),
     Estimator("grpo", adv.grpo_outcome_advantages, _grpo,
               "GRPO: the score minus its group's mean, over the group's std (norm_adv_by_std)",
-              group_based=True, token_rewards=False),
+              group_based=True, token_rewards=False, divides_by_group_std=True),
     Estimator("remax", adv.remax_advantages, _remax,
               "ReMax: the return-to-go minus the greedy response's reward", greedy_baseline=True),
     Estimator("rloo", adv.rloo_advantages, _rloo, "RLOO: the score minus the mean of the group's other scores",
@@ -133,7 +136,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               group_based=True, token_rewards=False),
     Estimator("grpo_passk", adv.grpo_passk_advantages, _grpo_passk,
               "pass@k (k = rollout.n): only a group's best sample gets an advantage, its score minus the "
-              "second best (over the group's std with norm_adv_by_std)", group_based=True, token_rewards=False),
+              "second best (over the group's std with norm_adv_by_std)", group_based=True, token_rewards=False,
+              divides_by_group_std=True),
     Estimator("opo", adv.opo_advantages, _opo,
               "OPO: the score minus the group's length-weighted mean score (the optimal baseline)",
               group_based=True, token_rewards=False),

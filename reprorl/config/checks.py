@@ -9,7 +9,7 @@ import difflib
 import re
 
 from reprorl.agent_loop.tools import select_tools
-from reprorl.algos.registry import POLICY_LOSSES, estimator
+from reprorl.algos.registry import ESTIMATORS, POLICY_LOSSES, estimator
 from reprorl.config.schema import Config, RolloutConfig, config_keys
 from reprorl.errors import ConfigError
 
@@ -103,6 +103,12 @@ def validate(cfg: Config) -> None:
             f"it needs rollout.n >= 2, got rollout.n={rollout.n}"
         )
     _check_sampling_varies(rollout, algo.adv_estimator)
+    if not algo.norm_adv_by_std and not estimator(algo.adv_estimator).divides_by_group_std:
+        raise ConfigError(
+            f"algorithm.norm_adv_by_std=false with algorithm.adv_estimator={algo.adv_estimator}: only "
+            + " and ".join(e.name for e in ESTIMATORS.values() if e.divides_by_group_std)
+            + " read it (whether to divide by the group's std), so it would be ignored; leave it true"
+        )
     if POLICY_LOSSES[actor.policy_loss].sequence_advantages and estimator(algo.adv_estimator).token_rewards:
         raise ConfigError(
             f"actor.policy_loss={actor.policy_loss} takes one advantage a sequence, and algorithm.adv_estimator="
