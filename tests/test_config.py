@@ -361,7 +361,19 @@ OVERRIDE_ERRORS = [
         "algorithm.norm_adv_by_std=false with algorithm.adv_estimator=gdpo: only grpo and grpo_passk read it "
         "(whether to divide by the group's std), so it would be ignored; leave it true",
     ),
+    (
+        ["model.lora_rank=4", "rollout.backend=vllm", "model.shard_params=true"],
+        "model.shard_params=true with model.lora_rank=4 and rollout.backend=vllm: vLLM's replicas take the adapters "
+        "merged into the base weights, and merging needs a layer's weights on one rank; use model.shard_params=false "
+        "or rollout.backend=native",
+    ),
 ]
+
+
+def test_lora_with_vllm_is_taken():
+    """vLLM's replicas take the merged weights (workers/worker.py `pushed_weights`)."""
+    cfg = load_config(None, ["model.lora_rank=4", "rollout.backend=vllm"])
+    assert (cfg.model.lora_rank, cfg.rollout.backend) == (4, "vllm")
 
 
 def test_norm_adv_by_std_false_is_taken_where_it_is_read():

@@ -202,10 +202,11 @@ def _check_lora(cfg: Config) -> None:
         resolve_targets(model.target_modules)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if cfg.rollout.backend == "vllm":
+    if cfg.rollout.backend == "vllm" and model.shard_params:
         raise ConfigError(
-            f"model.lora_rank={model.lora_rank} with rollout.backend=vllm: the vLLM backend takes no adapters here; "
-            "use rollout.backend=native"
+            f"model.shard_params=true with model.lora_rank={model.lora_rank} and rollout.backend=vllm: vLLM's "
+            "replicas take the adapters merged into the base weights, and merging needs a layer's weights on one "
+            "rank; use model.shard_params=false or rollout.backend=native"
         )
     if model.ref_path != model.path:
         raise ConfigError(

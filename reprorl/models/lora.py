@@ -130,11 +130,24 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     `merge_and_unload`: the product in float32, then cast to W's dtype), and no adapter
     tensors: what a plain HF model of the same config loads."""
     state = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
-    with torch.no_grad():
-        for name, linear in adapted_linears(model):
-            delta = (linear.lora_B.float() @ linear.lora_A.float()) * linear.lora_scaling
-            state[f"{name}.weight"] = (linear.weight.float() + delta).to(linear.weight.dtype)
+    for name, linear in adapted_linears(model):
+        state[f"{name}.weight"] = merged_weight(linear)
     return state
+
+
+def merged_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter but the adapters, in `named_parameters` order, each
+    adapted weight merged as `merged_state` merges it: what a server of the plain model (vLLM)
+    takes as the LoRA policy's weights."""
+    merged = {f"{name}.weight": merged_weight(linear) for name, linear in adapted_linears(model)}
+    return [(n, merged.get(n, p.detach())) for n, p in model.named_parameters() if ".lora_" not in n]
+
+
+def merged_weight(linear: nn.Module) -> torch.Tensor:
+    """`W + (B @ A) * scaling`, the product in float32, then cast to W's dtype."""
+    with torch.no_grad():
+        delta = (linear.lora_B.float() @ linear.lora_A.float()) * linear.lora_scaling
+        return (linear.weight.float() + delta).to(linear.weight.dtype)
 
 
 def peft_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -215,8 +215,10 @@ def _start_worker_groups(parts: Parts, cfg: Config, placement: Placement, lora: 
               "gpu_gradient_vectors": cfg.model.gpu_gradient_vectors, "shard_params": cfg.model.shard_params,
               "wait": False,
               "part_timeout_s": cfg.trainer.part_timeout_s}
+    # vLLM's replicas serve the plain model: with LoRA they take the merged weights.
     parts.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
-                              lora=lora, **common, **_pinned(placement.actor, parts.gpus))
+                              lora=lora, push_merged_lora=cfg.rollout.backend == "vllm",
+                              **common, **_pinned(placement.actor, parts.gpus))
     if placement.ref:  # a KL term without LoRA (placement.plan_run)
         parts.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common,
                                 **_pinned(placement.ref, parts.gpus))

@@ -28,7 +28,8 @@ with the adapters switched off.
 Weights for the rollout replicas come from any rank's model (the group asks rank 0):
 `named_weights` as CPU tensors (the host path), or `share_weights`, one buffer per dtype
 on the GPU handed out through CUDA IPC to replicas on the same GPU and freed by
-`release_shared_weights`; both carry every weight, or the adapters alone with LoRA.
+`release_shared_weights`; both carry every weight, or the adapters alone with LoRA (or,
+with `push_merged_lora`, for vLLM's replicas, every base weight with the adapters merged).
 `weight_digests` gives the fingerprint's digests of every weight (the frozen base too).
 
 A rank's shard on disk (`save_shard`): `shard_<rank>.pt` with the real elements of its
@@ -57,7 +58,7 @@ from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determin
 from reprorl.determinism_report import model_part_info
 from reprorl.fingerprint import tensor_digests
 from reprorl.io import atomic_write
-from reprorl.models.lora import LoraSpec
+from reprorl.models.lora import LoraSpec, merged_parameters
 from reprorl.protocol import Batch, tensor_to
 from reprorl.actors.weights import PackedWeights, SharedWeights, gpu_uuid, share
 from reprorl.workers import critic, policy
@@ -99,7 +100,7 @@ class ShardWorker:
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
                  device: str = "cpu", gradient_checkpointing: bool = False, gpu_gradient_vectors: int = 0,
-                 lora: LoraSpec | None = None, shard_params: bool = False) -> None:
+                 lora: LoraSpec | None = None, shard_params: bool = False, push_merged_lora: bool = False) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
         torch.set_num_threads(WORKER_THREADS)
@@ -123,6 +124,10 @@ class ShardWorker:
         self.optim_args = optim
         self.trainable = optim is not None
         self.lora = lora
+        if push_merged_lora and shard_params:
+            raise ValueError(f"{self.name}: push_merged_lora with shard_params; merging needs every weight of a layer "
+                             "on one rank")
+        self.push_merged_lora = push_merged_lora and lora is not None
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._grad_sink: GradTree | Exchange | None = None  # what `_fold_grad` feeds, during an update's backward
@@ -384,7 +389,11 @@ class ShardWorker:
 
     def pushed_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The weights the replicas take after an update: every one, or with LoRA the
-        adapters alone (the replicas built the same frozen base)."""
+        adapters alone (the built-in replicas made the same frozen base), or with
+        `push_merged_lora` every base weight with the adapters merged in (vLLM serves the
+        plain model)."""
+        if self.push_merged_lora:
+            return merged_parameters(self.model)
         named = self.model.named_parameters()
         return [(n, p) for n, p in named if p.requires_grad] if self.lora is not None else list(named)
 

@@ -9,7 +9,8 @@ import transformers
 from kernel_backends import BACKENDS, INTERPRETED, backend_and_device
 from reprorl.models.hf_io import load_model
 from reprorl.models.lora import (
-    TARGETS, LoraSpec, adapted_linears, adapters_disabled, merged_state, peft_state, resolve_targets,
+    TARGETS, LoraSpec, adapted_linears, adapters_disabled, merged_parameters, merged_state, peft_state,
+    resolve_targets,
 )
 from reprorl.models.transformer import CausalLM
 
@@ -105,6 +106,21 @@ def test_merged_state_loads_as_a_plain_model(policy_dir):
     ids, mask = batch(args.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(plain(ids, mask)[mask.bool()], adapted(ids, mask)[mask.bool()], **TOL)
+
+
+def test_merged_parameters_are_the_plain_models_parameters_with_merged_values(policy_dir):
+    """What vLLM's replicas take with LoRA: the plain model's parameters, in its order, the
+    adapted weights equal to `merged_state`'s bit for bit, the others the base's own."""
+    adapted, args = load_model(policy_dir, lora=SPEC)
+    randomize_b(adapted)
+    pushed = merged_parameters(adapted)
+    assert [n for n, _ in pushed] == [n for n, _ in CausalLM(args).named_parameters()]
+    state = merged_state(adapted)
+    adapted_names = {f"{name}.weight" for name, _ in adapted_linears(adapted)}
+    for name, tensor in pushed:
+        assert torch.equal(tensor, state[name]), name
+        base = dict(adapted.named_parameters())[name]
+        assert torch.equal(tensor, base) != (name in adapted_names), name  # merged exactly where adapted
 
 
 @pytest.mark.parametrize("name", BACKENDS)

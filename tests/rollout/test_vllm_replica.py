@@ -227,3 +227,31 @@ def test_weight_update_reaches_vllm_and_matches_the_trainer(pool2, policy, in_pr
         pool2.update_weights(original.items(), version=1)
     pool2.update_weights(original.items(), version=2)  # back to the checkpoint: the same samples again
     assert run(pool2.replicas, reqs) == before
+
+
+def test_lora_policy_reaches_vllm_as_merged_weights(pool1, policy, in_process_group):
+    """rollout.backend=vllm with LoRA: vLLM serves the plain model, so the actor pushes the
+    base weights with its adapters merged in (`push_merged_lora`), and the served log-probs
+    are the adapted policy's (to rounding), not the base's."""
+    from reprorl.models.lora import TARGETS, LoraSpec, adapted_linears
+
+    spec = LoraSpec(rank=4, alpha=8.0, target_modules=TARGETS, seed=SEED)
+    base = in_process_group("ref", policy, batch_invariant=True)
+    actor = in_process_group("actor", policy, batch_invariant=True, lora=spec, push_merged_lora=True)
+    model = actor.workers[0].model
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # lora_B starts at zero, where the adapted policy is the base
+        for _, linear in adapted_linears(model):
+            linear.lora_B.copy_(0.2 * torch.randn(linear.lora_B.shape, generator=g))
+    pushed = actor.named_weights()
+    assert [n for n, _ in pushed] == [n for n, _ in base.named_weights()]  # the plain model's, no adapters
+
+    sequence = PROMPTS[1] + list(range(40, 52))
+    base_log_probs = _trainer_log_probs(base, sequence)
+    adapted_log_probs = _trainer_log_probs(actor, sequence)
+    assert (adapted_log_probs - base_log_probs).abs().max() > 1e-2  # the adapters change the policy
+    version = ray.get(pool1.replicas[0].weight_version.remote())
+    pool1.update_weights(pushed, version=version + 1)
+    served = torch.tensor(ray.get(pool1.replicas[0].prompt_log_probs.remote(sequence)))
+    assert (served - adapted_log_probs).abs().max() < 1e-4  # rounding, as in the test above
+    pool1.update_weights(base.named_weights(), version=version + 2)  # the checkpoint's weights again
