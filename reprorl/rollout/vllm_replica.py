@@ -26,7 +26,8 @@ Determinism (docs/design.md), kept the same way as the built-in engine where vLL
   built-in engine does not: the trainer's `rollout/log_prob_max_gap` then shows the gap.
 
 Weight updates go as raw bytes through `collective_rpc` (vLLM's RPC turns tensors into
-lists) to the worker, which reloads them in place (`reload_weights`, HF names: it redoes
+lists) to the worker (asleep on CUDA, after waking the weights alone: their memory is
+unmapped while asleep), which reloads them in place (`reload_weights`, HF names: it redoes
 the CPU build's weight repacking) and re-ties a tied lm_head; the prefix cache is reset
 after each update. `prompt_log_probs` reads the served weights back as log-probs, which
 the tests compare with the trainer's.
@@ -83,6 +84,8 @@ class VllmReplica:
         self.max_model_len = self.engine.model_config.max_model_len
         self.version = 0
         self.asleep = False
+        self.cuda = cuda
+        self._weights_awake = False  # asleep, but the weights back on the GPU for an update
         self.worker_info: dict[str, Any] | None = None
         self._in_flight: set[str] = set()
         self._probe_ids = itertools.count()
@@ -157,6 +160,11 @@ class VllmReplica:
             )
         if isinstance(named_tensors, PackedWeights):  # vLLM's worker takes them from host memory
             named_tensors = named_tensors.unpack("cpu")
+        if self.asleep and self.cuda and not self._weights_awake:
+            # Asleep on CUDA the weights' memory is unmapped (backed up on the host): map
+            # them back first, as vLLM's RL recipe does; `wake_up` then brings the KV cache.
+            await self.engine.wake_up(tags=["weights"])
+            self._weights_awake = True
         await self.engine.collective_rpc("reprorl_load_weights", args=(weights_to_bytes(named_tensors),))
         # Cached prefixes hold keys/values of the old weights.
         if not await self.engine.reset_prefix_cache() and self.mode["prefix_caching"]:
@@ -172,8 +180,9 @@ class VllmReplica:
         self.asleep = True
 
     async def wake_up(self) -> None:
-        await self.engine.wake_up()
-        self.asleep = False
+        # Waking what is awake already maps its memory twice: only the KV cache after an update.
+        await self.engine.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self.asleep = self._weights_awake = False
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in flight here (its generate returns finish "abort"); False if unknown."""
