@@ -31,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 # What the worker check covers: the variables reprorl owns. Under VLLM_BATCH_INVARIANT vLLM
 # pins its own NCCL_* and CUBLAS_WORKSPACE_CONFIG inside its workers for its own kernels.
-WORKER_ENV_KEYS = ("PYTHONHASHSEED", ENV_FULL_DETERMINISM, ENV_SEED, "VLLM_BATCH_INVARIANT")
+WORKER_ENV_KEYS = ("PYTHONHASHSEED", ENV_FULL_DETERMINISM, ENV_SEED, "VLLM_BATCH_INVARIANT",
+                   "VLLM_USE_FLASHINFER_SAMPLER")
 EXTENSION = "reprorl.actors.vllm_engine.VllmWorkerExtension"
 GIB = 1 << 30
 
@@ -132,8 +133,11 @@ class VllmWorkerExtension:
         """This worker process: pid, torch's switches, threads and the determinism variables."""
         import torch
 
+        cuda = torch.cuda.is_available()
         return {
             "pid": os.getpid(),
+            "device": "cuda" if cuda else "cpu",
+            "gpu": torch.cuda.get_device_name() if cuda else None,
             "num_threads": torch.get_num_threads(),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "dtype": str(self.model_runner.model_config.dtype).removeprefix("torch."),
@@ -158,14 +162,15 @@ class VllmWorkerExtension:
 def engine_kwargs(model_path: str, *, runner: str, max_num_seqs: int, max_num_batched_tokens: int,
                   prefix_caching: bool, cuda: bool, seed: int, max_model_len: int | None = None,
                   gpu_memory_utilization: float = 0.3, kv_cache_gib: float | None = None,
-                  enforce_eager: bool = False) -> dict[str, Any]:
-    """vLLM's engine arguments for one of our engines (rollout: runner "generate"; reward: "pooling")."""
+                  enforce_eager: bool = False, dtype: str | None = None) -> dict[str, Any]:
+    """vLLM's engine arguments for one of our engines (rollout: runner "generate"; reward: "pooling").
+    `dtype`: the run's `model.dtype`, what the trainer computes in; None: the checkpoint's."""
     return dict(
         model=model_path,
         runner=runner,
-        # The checkpoint's dtype, as the built-in engine and the trainer load it (vLLM's
-        # CPU build would otherwise serve a float32 checkpoint in bfloat16).
-        dtype=checkpoint_dtype(model_path),
+        # As the built-in engine and the trainer compute (vLLM would otherwise serve a
+        # float32 checkpoint in bfloat16 on its CPU build, and a bfloat16 run's in float32).
+        dtype=dtype or checkpoint_dtype(model_path),
         seed=seed,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
@@ -190,5 +195,33 @@ def checkpoint_dtype(model_path: str) -> str:
 
 
 def vllm_env(full_determinism: bool, *, cuda: bool) -> dict[str, str]:
-    """The variables vLLM's processes need on top of the run's: batch invariance on CUDA."""
-    return {"VLLM_BATCH_INVARIANT": "1"} if full_determinism and cuda else {}
+    """The variables vLLM's processes need on top of the run's, on CUDA: batch invariance
+    in determinism mode, and vLLM's own top-k/top-p sampler (PyTorch ops with each request's
+    seeded generator) instead of FlashInfer's, which draws from FlashInfer's own generator
+    and is not installed everywhere vLLM is (vLLM's sampler imports it unless told not to).
+
+    >>> vllm_env(True, cuda=True)
+    {'VLLM_USE_FLASHINFER_SAMPLER': '0', 'VLLM_BATCH_INVARIANT': '1'}
+    >>> vllm_env(True, cuda=False)
+    {}
+    """
+    if not cuda:
+        return {}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    if full_determinism:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    return env
+
+
+def vllm_part_info(worker: Mapping[str, Any], mode: Mapping[str, Any]) -> dict[str, Any]:
+    """A vLLM engine's `determinism_info`: this process's, with the mode (`vllm_mode`) and
+    the device, dtype and threads measured in vLLM's worker (`worker`: its `reprorl_info`)."""
+    from reprorl.determinism_report import model_part_info
+
+    info = model_part_info(backend="vllm", batch_invariant=mode["batch_invariant"], dtype=worker["dtype"],
+                           num_threads=worker["num_threads"])
+    info.update(device=worker["device"], max_num_seqs=mode["max_num_seqs"], prefix_caching=mode["prefix_caching"],
+                worker=dict(worker))
+    if worker["gpu"] is not None:
+        info["gpu"] = worker["gpu"]
+    return info

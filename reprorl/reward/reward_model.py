@@ -253,7 +253,7 @@ class RewardModelPool(ReplicaPoolBase):
             "device": device, "dtype": dtype,
         }
         if backend == "vllm":  # options: reprorl/rollout/vllm_replica.py
-            options = {k: v for k, v in options.items() if k not in ("device", "dtype")}
+            options = {k: v for k, v in options.items() if k != "device"}  # vLLM's platform says
             options.update(backend="vllm", **(vllm_options or {}))
         self._start_replicas(RewardReplica, num_replicas, model_path, options,
                              num_gpus=self._gpus_per_replica(device, num_gpus), max_num_seqs=max_num_seqs, wait=wait,

@@ -22,7 +22,7 @@ import torch
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
 from reprorl.reward.chat import ChatScorer
-from reprorl.actors.vllm_engine import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode
+from reprorl.actors.vllm_engine import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode, vllm_part_info
 
 
 class VllmRewardScorer(ChatScorer):
@@ -88,10 +88,5 @@ class VllmRewardScorer(ChatScorer):
 
     def determinism_info(self) -> dict[str, Any]:
         """This scorer's determinism mode (keys: `reprorl.rollout.replica`), measured in vLLM's worker."""
-        from reprorl.determinism_report import model_part_info
-
         (worker,) = self.llm.collective_rpc("reprorl_info")
-        info = model_part_info(backend="vllm", batch_invariant=self.batch_invariant, dtype=worker["dtype"],
-                               num_threads=worker["num_threads"])
-        info.update(max_num_seqs=self.mode["max_num_seqs"], prefix_caching=self.mode["prefix_caching"], worker=worker)
-        return info
+        return vllm_part_info(worker, self.mode)

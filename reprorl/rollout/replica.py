@@ -248,7 +248,7 @@ class ReplicaPool(ReplicaPoolBase):
 
             replica_cls = VllmReplica
             engine_options = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                              "max_model_len": max_model_len, **(vllm_options or {})}
+                              "max_model_len": max_model_len, "dtype": dtype, **(vllm_options or {})}
         self.version = 0  # the engine's initial weight_version
         self.asleep = False
         self._pushes: list[tuple[Any, frozenset[str], int]] = []  # (object ref, names, version), oldest first

@@ -40,7 +40,9 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from reprorl.actors.vllm_engine import WORKER_ENV_KEYS, weights_to_bytes, engine_kwargs, vllm_env, vllm_mode
+from reprorl.actors.vllm_engine import (
+    WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode, vllm_part_info, weights_to_bytes,
+)
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.rollout.request import GenerateOutput, SamplingParams, check_prompt
 
@@ -197,14 +199,8 @@ class VllmReplica:
 
     async def determinism_info(self) -> dict[str, Any]:
         """This replica's determinism mode (keys: `reprorl.rollout.replica`), measured in vLLM's worker."""
-        from reprorl.determinism_report import model_part_info
-
         (worker,) = await self.engine.collective_rpc("reprorl_info")
-        info = model_part_info(backend="vllm", batch_invariant=self.mode["batch_invariant"],
-                               dtype=worker["dtype"], num_threads=worker["num_threads"])
-        info.update(max_num_seqs=self.mode["max_num_seqs"], prefix_caching=self.mode["prefix_caching"],
-                    worker=worker)
-        return info
+        return vllm_part_info(worker, self.mode)
 
     async def weight_version(self) -> int:
         return self.version
