@@ -30,7 +30,7 @@ train() {  # name, overrides...
 }
 
 compare() {  # a, b
-  echo "[compare $1 $2] $(python3 -m reprorl.cli compare "$runs/$1" "$runs/$2" 2>&1 | tail -3 | tr '\n' ' ')" | summary
+  echo "[compare $1 $2] $(python3 -m reprorl.cli compare "$runs/$1" "$runs/$2" 2>&1 | tail -12 | tr '\n' ' ')" | summary
 }
 
 steps=${*:-twice 1vs2}
