@@ -217,7 +217,7 @@ def _start_worker_groups(parts: Parts, cfg: Config, placement: Placement, lora: 
               "part_timeout_s": cfg.trainer.part_timeout_s}
     # vLLM's replicas serve the plain model: with LoRA they take the merged weights.
     parts.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
-                              lora=lora, push_merged_lora=cfg.rollout.backend == "vllm",
+                              lora=lora, push_merged_lora=lora is not None and cfg.rollout.backend == "vllm",
                               **common, **_pinned(placement.actor, parts.gpus))
     if placement.ref:  # a KL term without LoRA (placement.plan_run)
         parts.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common,

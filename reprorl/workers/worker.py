@@ -124,10 +124,10 @@ class ShardWorker:
         self.optim_args = optim
         self.trainable = optim is not None
         self.lora = lora
-        if push_merged_lora and shard_params:
+        self.push_merged_lora = push_merged_lora and lora is not None
+        if self.push_merged_lora and shard_params:
             raise ValueError(f"{self.name}: push_merged_lora with shard_params; merging needs every weight of a layer "
                              "on one rank")
-        self.push_merged_lora = push_merged_lora and lora is not None
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
         self._grad_sink: GradTree | Exchange | None = None  # what `_fold_grad` feeds, during an update's backward

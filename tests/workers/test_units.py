@@ -313,3 +313,18 @@ def test_a_rank_sharded_at_rest_never_holds_the_whole_model_on_the_gpu_beside_it
     at_rest = group.workers[0].at_rest
     assert all(p.device.type == "cuda" for p in group.workers[0].model.parameters())
     assert [b.untyped_storage().nbytes() for b in at_rest.buffers] == [0] * len(at_rest.buffers)
+
+
+def test_merged_pushes_are_refused_sharded_and_ignored_without_lora(in_process_group, tiny_policy_dir):
+    """vLLM's replicas take merged LoRA weights, which need a layer's weights on one rank:
+    refused with parameters sharded at rest; without LoRA there is nothing to merge, and a
+    sharded vLLM run pushes its weights as any run does."""
+    from reprorl.workers.worker import ShardWorker
+
+    lora = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj",), seed=7)
+    with pytest.raises(ValueError, match="push_merged_lora with shard_params"):
+        ShardWorker("actor", 0, 1, str(tiny_policy_dir), optim=None, dtype=None, batch_invariant=False, seed=0,
+                    expected_env={}, lora=lora, shard_params=True, push_merged_lora=True)
+    group = in_process_group("actor", tiny_policy_dir, shard_params=True, push_merged_lora=True)
+    plain = in_process_group("ref", tiny_policy_dir)
+    assert [n for n, _ in group.named_weights()] == [n for n, _ in plain.named_weights()]
