@@ -30,7 +30,8 @@ ENV_MARCH = "REPRORL_CPU_MARCH"
 
 
 # The extension's files: none includes <torch/extension.h> (cpu_tensor.h says why).
-_SOURCES = ("cpu_bindings.cpp", "cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_math.cpp")
+_SOURCES = ("cpu_bindings.cpp", "cpu_matmul.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_math.cpp",
+            "cpu_optim.cpp")
 _HEADERS = ("cpu_kernels.h", "cpu_math.h", "cpu_tensor.h")
 
 

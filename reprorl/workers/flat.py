@@ -41,7 +41,7 @@ checks for `trainer.num_workers`):
   gradient has the P-leaf tree's bits at every power-of-two N.
 - The gradient norm for clipping is a sum of per-chunk sums of squares, the chunks fixed
   by the flat layout (not by N), added in chunk order (`global_grad_norm`).
-- AdamW (`optim.step_in_chunks`: torch's single-tensor AdamW op for op) is elementwise:
+- AdamW (`optim.step_in_chunks`: torch's AdamW, each operation rounded once) is elementwise:
   an element's update does not depend on where the shard starts or ends
   (tests/workers/test_flat.py checks it).
 
@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from reprorl.kernels.optim_math import chunk_sums_of_squares
 from reprorl.kernels.pinned import thread_free_sum
 
 CHUNK = 4096
@@ -212,16 +213,18 @@ def all_gather_shards(shard: torch.Tensor, flat: torch.Tensor, layout: FlatLayou
     dist.all_gather(list(flat.view(layout.world_size, layout.shard_size).unbind(0)), shard, group=group)
 
 
-def global_grad_norm(shard_grad: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup) -> float:
+def global_grad_norm(shard_grad: torch.Tensor, layout: FlatLayout, group: dist.ProcessGroup,
+                     device: torch.device | None = None) -> float:
     """The L2 norm of the whole (reduced) gradient, the same bits on every rank and for every N.
 
-    Each chunk's sum of squares (float32, one row each of a `[chunks, CHUNK]` view), every
-    rank's gathered by rank index, then the first `num_chunks` added in float64 in an order
-    fixed by their count (`thread_free_sum`: past 32768 chunks, about 134M parameters,
-    torch's own CPU sum would follow the thread count). A non-finite gradient gives a
-    non-finite norm.
+    Each chunk's sum of squares (float32, `chunk_sums_of_squares`: halving, the same bits on
+    the GPU and on the host, where an offloaded optimizer's gradient is), every rank's
+    gathered by rank index, then the first `num_chunks` added in float64 in an order fixed
+    by their count (`thread_free_sum`: past 32768 chunks, about 134M parameters, torch's own
+    CPU sum would follow the thread count). A non-finite gradient gives a non-finite norm.
+    The sums travel on the rank's collective device (`device`; None: the gradient's).
     """
-    sums = shard_grad.view(-1, CHUNK).float().square().sum(dim=-1)  # [chunks of this shard]
+    sums = chunk_sums_of_squares(shard_grad.float(), CHUNK).to(device or shard_grad.device)  # [chunks of this shard]
     gathered = [torch.empty_like(sums) for _ in range(layout.world_size)]
     dist.all_gather(gathered, sums, group=group)
     return math.sqrt(float(thread_free_sum(torch.cat(gathered)[: layout.num_chunks].double())))  # IEEE's root

@@ -20,7 +20,7 @@ from decimal import Decimal, localcontext
 import torch
 
 from reprorl.errors import ReproRLError
-from reprorl.kernels.pinned import pinned_sqrt
+from reprorl.kernels.optim_math import AdamWScalars, adamw_step_
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -108,8 +108,8 @@ def exact_cos(x: float) -> float:
 class AdamW:
     """AdamW's hyper-parameters and per-parameter state, kept as `torch.optim.AdamW` keeps
     them (`param_groups[0]`: lr, betas, eps, weight_decay; `state[param]`: step, exp_avg,
-    exp_avg_sq), and stepped by `step_in_chunks`, which is torch's single-tensor AdamW op for
-    op. Not torch's optimizer itself: nothing here calls its `step`, and its constructor
+    exp_avg_sq), and stepped by `step_in_chunks` (torch's AdamW's arithmetic, each operation
+    rounded once). Not torch's optimizer itself: nothing here calls its `step`, and its constructor
     imports torch._dynamo (about 1.1 s of a core in every training rank)."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, betas: tuple[float, float],
@@ -130,23 +130,24 @@ def make_adamw(params: Iterable[torch.nn.Parameter], args: OptimArgs) -> AdamW:
 
 
 STEP_CHUNK = 1 << 24
-"""Elements of a parameter stepped at once by `step_in_chunks` (its temporaries: 64 MiB each in float32)."""
+"""Elements of a parameter stepped at once by `step_in_chunks` (its temporaries on a GPU: 64 MiB each)."""
 
 
-def step_in_chunks(optimizer: AdamW, param: torch.nn.Parameter, chunk: int = STEP_CHUNK) -> None:
-    """One AdamW step of `param` (one of `optimizer`'s parameters, its `.grad` set), a
-    `chunk` of elements at a time: torch's single-tensor AdamW (`foreach=False`) op for op,
-    on views of the parameter, its gradient and its moments, so its bits but for the
-    scalars. torch keeps two whole temporaries of the parameter alive
-    (`exp_avg_sq.sqrt() / bias_correction2_sqrt`), two float32 vectors of the whole model
-    for a rank's master shard; a chunk's are `chunk` long.
+def step_in_chunks(optimizer: AdamW, param: torch.nn.Parameter, chunk: int = STEP_CHUNK,
+                   grad_scale: float = 1.0) -> None:
+    """One AdamW step of `param` (one of `optimizer`'s parameters, its `.grad` set, times
+    `grad_scale`: the clipping's factor), a `chunk` of elements at a time, by
+    `kernels.optim_math.adamw_step_`: one IEEE operation a step, the same bits on the host and
+    on a GPU (so an offloaded optimizer steps as one on the GPU), and the same bits whatever
+    the chunk, as each element's update is its own.
 
-    The scalars: torch computes `beta ** step` and `bias_correction2 ** 0.5` with the C
-    library's pow; here `exact_power` and `math.sqrt` (both correctly rounded, so the same
-    on every machine). The moments' square root: `pinned_sqrt` (IEEE's; torch's CPU sqrt
-    is MKL's vector math, whose bits differ between an AMD and an Intel CPU). The state is
-    what torch's AdamW keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints do not
-    change."""
+    Decoupled weight decay, then m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2,
+    p -= step_size m / (sqrt(v) / sqrt(1 - beta2^t) + eps), step_size = lr / (1 - beta1^t):
+    torch's AdamW, with each of its fused operations (lerp, addcmul, addcdiv) written out as
+    separately rounded ones (optim_math.py says why). The bias corrections come from
+    `exact_power` and `math.sqrt` (both correctly rounded, so the same on every machine;
+    torch's from the C library's pow). The state is what torch's AdamW keeps (`step`,
+    `exp_avg`, `exp_avg_sq`), so checkpoints do not change."""
     group, state = optimizer.param_groups[0], optimizer.state[param]
     if not state:  # as AdamW's first step makes it (not capturable, not fused)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -154,20 +155,15 @@ def step_in_chunks(optimizer: AdamW, param: torch.nn.Parameter, chunk: int = STE
         state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
     state["step"] += 1
     step = int(state["step"].item())
-    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    step_size = lr / (1 - exact_power(beta1, step))
-    bias_correction2_sqrt = math.sqrt(1 - exact_power(beta2, step))
+    beta1, beta2 = group["betas"]
+    scalars = AdamWScalars.of(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                              weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                              bias1=1 - exact_power(beta1, step), bias2=math.sqrt(1 - exact_power(beta2, step)))
     flat, grad = param.detach().view(-1), param.grad.view(-1)
     exp_avg, exp_avg_sq = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
     for start in range(0, flat.numel(), chunk):
         piece = slice(start, min(start + chunk, flat.numel()))
-        p, g, m, v = flat[piece], grad[piece], exp_avg[piece], exp_avg_sq[piece]
-        if weight_decay != 0:
-            p.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (pinned_sqrt(v) / bias_correction2_sqrt).add_(eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        adamw_step_(flat[piece], grad[piece], exp_avg[piece], exp_avg_sq[piece], scalars)
 
 
 def set_lr(optimizer: AdamW, lr: float) -> None:

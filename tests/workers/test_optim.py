@@ -89,32 +89,32 @@ def test_guarded_step_refuses_non_finite_gradients():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
-def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device, monkeypatch):
+def test_a_step_in_chunks_gives_the_bits_of_a_whole_step(device):
     """Three steps (state made by the first) with weight decay, chunks that do not divide the
-    parameter: parameter, moments and step count equal torch's single-tensor AdamW's (the
-    state make_adamw keeps, stepped by step_in_chunks), bit for bit (with
-    torch's square root: not under full determinism's CPU math, whose root is IEEE's)."""
-    from reprorl.kernels import pinned
-
-    monkeypatch.setattr(pinned, "_pinned", False)
+    parameter: parameter, moments and step count equal one whole step's bit for bit, keep
+    torch's AdamW's state keys and dtypes, and stay within float32 rounding of torch's
+    AdamW (the same algorithm, its fused operations rounded once each here)."""
     g = torch.Generator().manual_seed(0)
     start = (torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-6, 3, (10_007,), generator=g)).to(device)
     grads = [(torch.randn(10_007, generator=g) * 10.0 ** torch.randint(-8, 2, (10_007,), generator=g)).to(device)
              for _ in range(3)]
     args = OptimArgs(lr=3e-4, weight_decay=0.1)
-    whole, chunked = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    opt_whole = torch.optim.AdamW([whole], lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, foreach=False)
-    opt_chunked = make_adamw([chunked], args)
+    whole, chunked, ref = (torch.nn.Parameter(start.clone()) for _ in range(3))
+    opt_whole, opt_chunked = make_adamw([whole], args), make_adamw([chunked], args)
+    opt_ref = torch.optim.AdamW([ref], lr=args.lr, betas=args.betas, weight_decay=args.weight_decay, foreach=False)
     for step, grad in enumerate(grads):
-        opt_whole.param_groups[0]["lr"] = args.lr * (step + 1)
+        opt_ref.param_groups[0]["lr"] = args.lr * (step + 1)
+        set_lr(opt_whole, args.lr * (step + 1))
         set_lr(opt_chunked, args.lr * (step + 1))
-        whole.grad, chunked.grad = grad.clone(), grad.clone()
-        opt_whole.step()
+        whole.grad, chunked.grad, ref.grad = grad.clone(), grad.clone(), grad.clone()
+        step_in_chunks(opt_whole, whole)
         step_in_chunks(opt_chunked, chunked, chunk=1000)
+        opt_ref.step()
         assert torch.equal(whole, chunked)
-        a, b = opt_whole.state[whole], opt_chunked.state[chunked]
-        assert set(a) == set(b) and torch.equal(a["step"], b["step"]) and a["step"].dtype == b["step"].dtype
+        a, b, r = opt_whole.state[whole], opt_chunked.state[chunked], opt_ref.state[ref]
+        assert set(a) == set(b) == set(r) and torch.equal(a["step"], b["step"]) and a["step"].dtype == r["step"].dtype
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        torch.testing.assert_close(whole.detach(), ref.detach(), rtol=1e-6, atol=1e-9)
     assert not torch.equal(whole, start)
 
 
@@ -139,14 +139,12 @@ def test_the_scalars_are_correctly_rounded():
         exact_cos(5.0)
 
 
-@pytest.mark.parametrize("pinned", [False, True])
-def test_a_step_takes_the_exact_scalars(pinned, monkeypatch):
+def test_a_step_takes_the_exact_scalars():
     """At step 2904 (0.999 ** 2904 is where glibc's pow is not correctly rounded), the step
-    is torch's formula with exact_power's bias corrections and math.sqrt's root; the moments'
-    root is `pinned_sqrt` (IEEE's under full determinism, torch's otherwise)."""
-    from reprorl.kernels import pinned as pinned_math
+    takes exact_power's bias corrections and math.sqrt's root: its parameter and moments are
+    `adamw_step_`'s with those scalars, and with glibc's pow they would differ."""
+    from reprorl.kernels.optim_math import AdamWScalars, adamw_step_
 
-    monkeypatch.setattr(pinned_math, "_pinned", pinned)
     g = torch.Generator().manual_seed(4)
     param = torch.nn.Parameter(torch.randn(5000, generator=g))
     opt = make_adamw([param], OptimArgs(lr=1e-3, weight_decay=0.1))
@@ -156,9 +154,7 @@ def test_a_step_takes_the_exact_scalars(pinned, monkeypatch):
     state["exp_avg"], state["exp_avg_sq"] = torch.randn(5000, generator=g) * 1e-3, torch.rand(5000, generator=g) * 1e-6
     p, m, v, grad = param.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(), param.grad
     step_in_chunks(opt, param, chunk=999)
-    p.mul_(1 - 1e-3 * 0.1)
-    m.lerp_(grad, 1 - 0.9)
-    v.mul_(0.999).addcmul_(grad, grad, value=1 - 0.999)
-    denom = (pinned_math.pinned_sqrt(v) / math.sqrt(1 - exact_power(0.999, 2904))).add_(1e-8)
-    p.addcdiv_(m, denom, value=-1e-3 / (1 - exact_power(0.9, 2904)))
+    scalars = AdamWScalars.of(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_scale=1.0,
+                              bias1=1 - exact_power(0.9, 2904), bias2=math.sqrt(1 - exact_power(0.999, 2904)))
+    adamw_step_(p, grad, m, v, scalars)
     assert torch.equal(param.detach(), p) and torch.equal(state["exp_avg_sq"], v) and state["step"].item() == 2904.0

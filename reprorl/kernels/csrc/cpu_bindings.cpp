@@ -29,6 +29,10 @@ at::Tensor portable_row_sums(at::Tensor x);
 at::Tensor portable_softmax(at::Tensor x);
 at::Tensor portable_log_softmax(at::Tensor x);
 
+// cpu_optim.cpp
+void adamw_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, std::vector<double> scalars);
+at::Tensor chunk_sums_of_squares(at::Tensor x, int64_t width);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mm_nt", &mm_nt, "a @ b^T, each entry one fixed sequence of fused multiply-adds");
   m.def("mm_nt_plan", &mm_nt_plan, "mm_nt with its work split given: [kc, rows, col_blocks]");
@@ -46,4 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_sums", &portable_row_sums, "sums over the last dimension in a fixed order (cpu_math.h)");
   m.def("softmax", &portable_softmax, "softmax over the last dimension from exp and row_sums' order");
   m.def("log_softmax", &portable_log_softmax, "log-softmax over the last dimension from exp, log and row_sums' order");
+  m.def("adamw_step", &adamw_step, "one AdamW step in place, each operation rounded once (optim_math.py's order)");
+  m.def("chunk_sums_of_squares", &chunk_sums_of_squares, "each row's sum of squares by halving (optim_math.py)");
 }
