@@ -370,6 +370,14 @@ OVERRIDE_ERRORS = [
 ]
 
 
+def test_optimizer_offload_on_several_gpus_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^actor.optimizer_offload=true with trainer.num_workers=2 on CUDA: ") as err:
+        load_config(None, ["actor.optimizer_offload=true", "trainer.num_workers=2", "resources.device=cuda"])
+    assert "\n" not in str(err.value)
+    load_config(None, ["actor.optimizer_offload=true", "trainer.num_workers=2", "resources.device=cpu"])
+    load_config(None, ["critic.optimizer_offload=true", "resources.device=cuda"])
+
+
 def test_lora_with_vllm_is_taken():
     """vLLM's replicas take the merged weights (workers/worker.py `pushed_weights`)."""
     cfg = load_config(None, ["model.lora_rank=4", "rollout.backend=vllm"])

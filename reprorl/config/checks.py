@@ -6,12 +6,15 @@ Both run after every key is set and type-checked (loader.py).
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 
 from reprorl.agent_loop.tools import select_tools
 from reprorl.algos.registry import ESTIMATORS, POLICY_LOSSES, estimator
 from reprorl.config.schema import Config, RolloutConfig, config_keys
 from reprorl.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def derive(cfg: Config) -> None:
@@ -116,6 +119,7 @@ def validate(cfg: Config) -> None:
         )
     _check_filter_groups(cfg)
     _check_lora(cfg)
+    _check_offload(cfg)
     _check_off_policy(cfg)
     if algo.use_kl_in_reward and actor.use_kl_loss:
         raise ConfigError("algorithm.use_kl_in_reward and actor.use_kl_loss are both true: pick one")
@@ -213,6 +217,22 @@ def _check_lora(cfg: Config) -> None:
             f"model.ref_path={model.ref_path!r} with model.lora_rank={model.lora_rank}: the reference policy is the "
             "base model with the adapters off; leave model.ref_path null"
         )
+
+
+def _check_offload(cfg: Config) -> None:
+    """optimizer_offload: one GPU per trainable group; with LoRA it moves little."""
+    for name, section in (("actor", cfg.actor), ("critic", cfg.critic)):
+        if not section.optimizer_offload:
+            continue
+        if cfg.resources.device == "cuda" and cfg.trainer.num_workers > 1:
+            raise ConfigError(
+                f"{name}.optimizer_offload=true with trainer.num_workers={cfg.trainer.num_workers} on CUDA: offload "
+                "keeps the gradient sums on the host, and their reduction over several GPUs is not built; use "
+                "trainer.num_workers=1 or model.shard_params to spread the model instead"
+            )
+        if name == "actor" and cfg.model.lora_rank:
+            logger.warning("actor.optimizer_offload with model.lora_rank=%d: only the adapters have optimizer state, "
+                           "a few MiB; offloading it saves nothing worth its copies", cfg.model.lora_rank)
 
 
 def _check_sampling_varies(rollout: RolloutConfig, adv_estimator: str) -> None:

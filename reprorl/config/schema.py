@@ -292,6 +292,12 @@ class ActorConfig:
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
     lr_schedule: Literal["constant", "cosine"] = _field("constant", "learning-rate schedule after warm-up")
+    optimizer_offload: bool = _field(
+        False, "the actor's float32 master weights, AdamW moments and gradient sums in host memory, the AdamW step on "
+        "the host's cores, the GPU keeping the compute-dtype weights and one parameter's gradient at a time: "
+        "the same bits as false, for models whose optimizer state does not fit the GPU (one GPU per group; "
+        "pointless with LoRA, whose adapters are small)"
+    )
     ppo_epochs: int = _field(1, "passes over each step's batch", ge=1)
     ppo_mini_batch_size: int = _field(16, "prompts per optimizer step (times rollout.n samples), as in verl", ge=1)
     ppo_micro_batch_size: int = _field(32, "samples per forward/backward pass (gradient accumulation)", ge=1)
@@ -377,6 +383,12 @@ class CriticConfig:
     weight_decay: float = _field(0.01, "AdamW weight decay", ge=0)
     warmup_steps: int = _field(0, "linear warm-up steps of the learning rate", ge=0)
     lr_schedule: Literal["constant", "cosine"] = _field("constant", "learning-rate schedule after warm-up")
+    optimizer_offload: bool = _field(
+        False, "the critic's float32 master weights, AdamW moments and gradient sums in host memory, the AdamW step on "
+        "the host's cores, the GPU keeping the compute-dtype weights and one parameter's gradient at a time: "
+        "the same bits as false, for models whose optimizer state does not fit the GPU (one GPU per group; "
+        "pointless with LoRA, whose adapters are small)"
+    )
     ppo_epochs: int | None = _field(None, "passes over each step's batch; null = actor.ppo_epochs", ge=1)
     ppo_mini_batch_size: int | None = _field(
         None, "prompts per optimizer step; null = actor.ppo_mini_batch_size", ge=1

@@ -46,6 +46,7 @@ SAME_BITS_KEYS = frozenset({
     "reward.num_replicas", "reward.num_workers", "reward.max_num_seqs",
     "reward.max_error_rate",  # that one: only whether a step stops
     "model.gradient_checkpointing", "model.gpu_gradient_vectors", "model.shard_params",
+    "actor.optimizer_offload", "critic.optimizer_offload",
     "data.val_batch_size", "resources.gpu_share_rollout",
     "resources.rollout_gpus", "trainer.log_generations", "actor.log_prob_check_freq",
 })

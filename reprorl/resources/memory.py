@@ -10,8 +10,8 @@ on the GPU while it sleeps), plus, per phase, what that phase adds:
   the CUDA graphs' spare slot, unless `gpu_memory_utilization` of the GPU holds fewer);
   the engine sleeps (frees it) before the trainer's passes; with `trainer.max_staleness` > 0
   it generates while they run, so its KV cache is resident instead.
-- actor (and critic) optimizer step: the rank's float32 gradient shard, a temporary of
-  its squares for the norm, and AdamW's temporaries of one chunk (`optim.step_in_chunks`).
+- actor (and critic) optimizer step: the rank's float32 gradient shard, and the norm's and
+  AdamW's temporaries of one chunk (`optim.step_in_chunks`).
 - actor update (and critic update): the gradient tree's whole float32 vectors
   (`workers/grad_tree.py`: `max_pending` of this rank's micro-batches, or one with
   `model.gpu_gradient_vectors`) and the activations of one micro-batch (`activation_bytes`).
@@ -21,6 +21,9 @@ alone (a trainable group's is the master's cast: nothing more with a float32 mod
 cast is the master), and its passes add the gathered root and head units and one layer (two on
 several ranks: the next is prefetched), the units' float32 gradients, and the sums over
 rounds in shard-sized vectors instead of whole ones.
+
+With `optimizer_offload` the master, moments and gradient sums are host memory instead
+(host_memory.py), estimated and checked beside the GPU's.
 
 The peak is the largest phase, plus a CUDA context per GPU process (`CUDA_CONTEXT_BYTES`).
 LoRA (`model.lora_rank` > 0):
@@ -46,6 +49,7 @@ from reprorl.errors import ConfigError
 from reprorl.kernels.shared import KEY_BLOCK
 from reprorl.models.arch import ModelArgs
 from reprorl.models.lora import resolve_targets
+from reprorl.resources.host_memory import check_host_memory, host_available_bytes, largest_parameter, offloaded_parts
 from reprorl.resources.placement import Placement, plan_run
 from reprorl.workers.flat import FlatLayout
 from reprorl.workers.grad_tree import gpu_vectors_held
@@ -220,6 +224,8 @@ class MemoryEstimate:
 
     resident: dict[str, int] = field(default_factory=dict)
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    """Host memory of optimizer offload, for the whole run (host_memory.py)."""
     processes: int = 1
     """GPU processes (a CUDA context each)."""
 
@@ -247,6 +253,8 @@ class MemoryEstimate:
         for phase in self.phases:
             mark = "  <- peak" if phase == self.peak_phase else ""
             rows.append((f"total during {phase}{mark}", self.phase_total(phase)))
+        if self.host:
+            rows += [(name, b) for name, b in self.host.items()] + [("total on the host", sum(self.host.values()))]
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {b if isinstance(b, str) else f'{b / GIB:8.2f}'}" for name, b in rows)
 
@@ -292,33 +300,37 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
     activations (with `model.shard_params`, the module doc's parts instead of whole vectors)."""
     world, dsize = cfg.trainer.num_workers, dtype_bytes(cfg.model.dtype)
     shard = padded_size(trainable, world) // world * FP32
-    est.resident[f"{train.name} master weights (float32)"] = shard
-    est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
+    offload = getattr(cfg, train.name).optimizer_offload
     seq, response = cfg.data.max_prompt_length + cfg.data.max_response_length, cfg.data.max_response_length
     count, rows = micro_batch_geometry(train.mini_samples, train.micro_batch_size, train.max_token_len, seq)
-    activations = {f"activations ({rows} x {seq} tokens)": activation_bytes(
+    leaves = max(1 << (count - 1).bit_length(), world) // world  # this rank's (rounds with shard_params)
+    update = {f"activations ({rows} x {seq} tokens)": activation_bytes(
         args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head,
         batch_invariant=cfg.full_determinism)}
+    # After the sums: the rank's gradient shard, then the norm's chunk sums and AdamW a chunk
+    # at a time (`chunk_sums_of_squares`, `step_in_chunks`: three temporaries at most).
+    step = {"gradient shard (float32)": shard, "the norm's and AdamW's temporaries of a chunk":
+            3 * min(shard, STEP_CHUNK * FP32)}
     if cfg.model.shard_params:
-        rounds = max(1 << (count - 1).bit_length(), world) // world
-        vectors = gpu_vectors_held(rounds, cfg.model.gpu_gradient_vectors)
-        est.phases[f"{train.name} update"] = {
-            f"gradient sums over rounds ({vectors} x float32 shard)": vectors * shard,
-            gathered_name(world): gathered_bytes(args, head, trainable, lora, world, dsize),
-            "units' gradients (float32: the one sent, the layer computed, the slices received)":
-                unit_gradient_params(args, head, trainable, lora, world) * FP32,
-            **activations,
-        }
+        vector = shard
+        update[gathered_name(world)] = gathered_bytes(args, head, trainable, lora, world, dsize)
+        update["units' gradients (float32: the one sent, the layer computed, the slices received)"] = \
+            unit_gradient_params(args, head, trainable, lora, world) * FP32
+        vectors, sums = gpu_vectors_held(leaves, cfg.model.gpu_gradient_vectors), "gradient sums over rounds"
     else:
-        vectors = gradient_vectors(count, world, cfg.model.gpu_gradient_vectors)
-        est.phases[f"{train.name} update"] = {
-            f"gradient sums ({vectors} x float32)": vectors * padded_size(trainable, world) * FP32, **activations}
-    # After the sums: the rank's gradient shard, the squares `global_grad_norm` sums (a
-    # temporary as large), then AdamW a chunk at a time (`step_in_chunks`: two temporaries).
-    est.phases[f"{train.name} optimizer step"] = {
-        "gradient shard and its squares (float32)": 2 * shard,
-        "AdamW temporaries of a chunk": 2 * min(shard, STEP_CHUNK * FP32),
-    }
+        vector = padded_size(trainable, world) * FP32
+        vectors, sums = gradient_vectors(count, world, cfg.model.gpu_gradient_vectors), "gradient sums"
+    if offload:  # the state and the sums on the host instead (host_memory.py)
+        step.clear()
+        offloaded_parts(est.host, update, step, name=train.name, shard_bytes=shard, vector_bytes=vector,
+                        leaves=leaves, largest=largest_parameter(args), dsize=dsize)
+    else:
+        est.resident[f"{train.name} master weights (float32)"] = shard
+        est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
+        update = {f"{sums} ({vectors} x float32{' shard' if cfg.model.shard_params else ''})": vectors * vector,
+                  **update}
+    est.phases[f"{train.name} update"] = update
+    est.phases[f"{train.name} optimizer step"] = step
 
 
 def trained_weights(est: MemoryEstimate, name: str, trainable: int, cfg: Any) -> None:
@@ -518,6 +530,7 @@ def check_gpu_memory(cfg: Any, gpu_total: int) -> MemoryEstimate:
             f"{gpu_total / GIB:.1f} GiB; would fit: more resources.rollout_gpus (fewer replicas each), or a lower "
             "rollout.gpu_memory_utilization (`reprorl config ... --memory` shows each part)")
     est = estimate_memory(cfg, gpu_total)
+    check_host_memory(est.host, host_available_bytes(), cfg)
     if est.peak <= gpu_total:
         return est
     fixes = what_fits(cfg, gpu_total)
@@ -544,6 +557,10 @@ def memory_report(cfg: Any, gpu_total: int | None) -> str:
         lines += ["", title, est.table()]
         if gpu_total is not None:
             lines.append(f"{'fits' if est.peak <= gpu_total else 'does NOT fit'} a GPU of {gpu_total / GIB:.1f} GiB")
+        available = host_available_bytes()
+        if est.host and available is not None:
+            fits = sum(est.host.values()) <= available
+            lines.append(f"the host's part {'fits' if fits else 'does NOT fit'} its {available / GIB:.1f} GiB available")
     return "\n".join(lines)
 
 

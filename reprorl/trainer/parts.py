@@ -218,12 +218,14 @@ def _start_worker_groups(parts: Parts, cfg: Config, placement: Placement, lora: 
     # vLLM's replicas serve the plain model: with LoRA they take the merged weights.
     parts.actor = WorkerGroup("actor", model_path=cfg.model.path, optim=_optim_args(cfg.actor, total),
                               lora=lora, push_merged_lora=lora is not None and cfg.rollout.backend == "vllm",
+                              optimizer_offload=cfg.actor.optimizer_offload,
                               **common, **_pinned(placement.actor, parts.gpus))
     if placement.ref:  # a KL term without LoRA (placement.plan_run)
         parts.ref = WorkerGroup("ref", model_path=cfg.model.ref_path, optim=None, **common,
                                 **_pinned(placement.ref, parts.gpus))
     if placement.critic:  # GAE
         parts.critic = WorkerGroup("critic", model_path=cfg.model.critic_path, optim=_optim_args(cfg.critic, total),
+                                   optimizer_offload=cfg.critic.optimizer_offload,
                                    **common, **_pinned(placement.critic, parts.gpus))
 
 

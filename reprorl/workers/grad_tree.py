@@ -21,6 +21,10 @@ vector at 7B). `GradTree` computes the same sum with less:
   of two (`gpu_vectors_held` counts them for any M: a small sum is taken by the next
   leaves and its storage reused for their running sum). 0: every sum on the device
   (`max_pending`); `bench/tune/grad_memory.py` measures them.
+- `host_sums` (optimizer offload, offload.py): every sum in host memory, the running one
+  and the root too, each a vector `host_vectors` hands out (and takes back once added); the device holds one part's
+  gradient (and a pending sum's part, brought back to be added to it) at a time. `result()`
+  waits for the copies to the host.
 
 Why the bits are those of `tree_reduce`: every operation is elementwise, so element j of
 the sum depends only on element j of the leaves and on the order in which they are added;
@@ -36,10 +40,19 @@ so does the padding.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from reprorl.workers.flat import FlatLayout
+
+
+class HostPool(Protocol):
+    """Where a `GradTree` with `host_sums` takes its host vectors (offload.HostVectors)."""
+
+    def take(self, size: int) -> torch.Tensor: ...
+
+    def give(self, vector: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -150,7 +163,8 @@ class GradTree:
     `[parts.size]` float32 sum on `device`, or None when every leaf was empty.
     """
 
-    def __init__(self, lo: int, hi: int, parts: Parts, device: torch.device, gpu_vectors: int = 0) -> None:
+    def __init__(self, lo: int, hi: int, parts: Parts, device: torch.device, gpu_vectors: int = 0,
+                 host_sums: bool = False, host_vectors: HostPool | None = None) -> None:
         if hi <= lo:
             raise ValueError(f"GradTree: empty leaf range [{lo}, {hi})")
         self.parts, self.device = parts, torch.device(device)
@@ -158,7 +172,8 @@ class GradTree:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.host = torch.device("cpu")
         self.pops, self.lo = tree_pops(lo, hi), lo
-        self.on_host = on_host(lo, hi, gpu_vectors)
+        self.on_host = [True] * (hi - lo) if host_sums else on_host(lo, hi, gpu_vectors)
+        self.host_vectors = host_vectors
         self.offsets = parts.bounds
         self.stack: list[torch.Tensor | None] = []
         self.leaf = lo
@@ -203,6 +218,10 @@ class GradTree:
         for start, end in ranges:
             zeros = None if self.empty else torch.zeros(end - start, dtype=torch.float32, device=self.device)
             self._fold(start, end, zeros)
+        if self.host_vectors is not None:  # the taken sums now in the running one
+            for t in self.taken:
+                if t is not None and t is not self.target and t.device.type == "cpu":
+                    self.host_vectors.give(t)
         self.taken = []
         if self.leaf == self.lo + len(self.pops) - 1:
             self.root = self.target
@@ -213,6 +232,8 @@ class GradTree:
     def result(self) -> torch.Tensor | None:
         if self.leaf != self.lo + len(self.pops):
             raise RuntimeError(f"GradTree.result: leaf {self.leaf} of [{self.lo}, {self.lo + len(self.pops)}) is next")
+        if self.root is not None and self.root.device != self.device and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # its copies to the host are done
         return self.root
 
     def _fold(self, start: int, end: int, value: torch.Tensor | None) -> None:
@@ -224,8 +245,11 @@ class GradTree:
             if self.new_target is None:
                 return
             where = self.new_target
-            self.target = torch.empty(self.parts.size, dtype=torch.float32, device=where,
-                                      pin_memory=where.type == "cpu" and self.device.type == "cuda")
+            if where.type == "cpu" and self.host_vectors is not None:
+                self.target = self.host_vectors.take(self.parts.size)
+            else:
+                self.target = torch.empty(self.parts.size, dtype=torch.float32, device=where,
+                                          pin_memory=where.type == "cpu" and self.device.type == "cuda")
         for left in self.taken:
             if left is None:
                 continue

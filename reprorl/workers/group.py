@@ -80,7 +80,7 @@ class WorkerGroup:
                  gpu_gradient_vectors: int = 0, wait: bool = True, part_timeout_s: float = PART_TIMEOUT_S,
                  lora: LoraSpec | None = None, in_process: bool = False,
                  scheduling: Sequence[Any] | None = None, shard_params: bool = False,
-                 push_merged_lora: bool = False) -> None:
+                 push_merged_lora: bool = False, optimizer_offload: bool = False) -> None:
         """`num_gpus`: Ray's GPU share of each rank (a fraction when parts share one GPU:
         reprorl/resources/placement.py); None = 1 on cuda, 0 on cpu. `wait=False` returns once
         the processes are asked for, before they have started: `wait_ready()` waits.
@@ -91,7 +91,9 @@ class WorkerGroup:
         group: reprorl/resources/placement.py); None: Ray's choice. `shard_params`: the
         group's parameters sharded at rest (units.py); every rank then takes part in reading
         its weights. `push_merged_lora`: with `lora`, the replicas take the base weights with
-        the adapters merged in (vLLM's replicas serve a plain model), not the adapters."""
+        the adapters merged in (vLLM's replicas serve a plain model), not the adapters.
+        `optimizer_offload`: a trainable group's master, moments and gradient sums in host
+        memory (offload.py)."""
         if num_workers < 1 or num_workers & (num_workers - 1):
             # The rest of the rule (N divides the micro-batches of a mini-batch) is checked per update.
             raise ValueError(f"WorkerGroup: num_workers={num_workers}; expected a power of two (flat.py says why)")
@@ -105,7 +107,8 @@ class WorkerGroup:
         options = dict(optim=optim, dtype=dtype, seed=seed, device=device, lora=lora,
                        batch_invariant=full_determinism if batch_invariant is None else batch_invariant,
                        gradient_checkpointing=gradient_checkpointing, gpu_gradient_vectors=gpu_gradient_vectors,
-                       shard_params=shard_params, push_merged_lora=push_merged_lora)
+                       shard_params=shard_params, push_merged_lora=push_merged_lora,
+                       optimizer_offload=optimizer_offload)
         self.sharded = shard_params
         self.pids: dict[int, int] = {}
         self._starting: list[Any] | None = None  # the ranks' start-up answers, until `wait_ready`

@@ -269,9 +269,9 @@ class ShardedParams:
 
     def set_local(self, shard: torch.Tensor) -> None:
         """This rank's range of the weights, in the model's dtype (the master shard's cast):
-        the master itself when the dtypes agree, else its cast written over the last one
-        (no second range beside it)."""
-        if shard.dtype == self.local.dtype:
+        the master itself when the dtypes and devices agree, else its cast written over the
+        last one (no second range beside it; with optimizer offload the master is on the host)."""
+        if shard.dtype == self.local.dtype and shard.device == self.local.device:
             self.sets[0].local = shard.detach()
         else:
             self.local.copy_(shard.detach())

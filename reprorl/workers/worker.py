@@ -14,6 +14,9 @@ the backward pass, and `gpu_gradient_vectors` = k >= 1 keeps the gradient tree's
 pending sums in pinned host memory (grad_tree.py: at most k whole float32 gradient vectors
 on the device, whatever the micro-batch count; 0: all on the device).
 
+With `optimizer_offload` the master shard, the AdamW moments and the gradient tree's sums
+live in host memory and the step runs on the host's cores (offload.py: the same bits).
+
 The rank loads its model and owns it and the optimizer: the one training loop of reprorl
 (`update`). The math it runs on a micro-batch is policy.py's and critic.py's plain
 functions (log-probs, values, losses). Every rank runs torch with WORKER_THREADS threads:
@@ -74,6 +77,7 @@ from reprorl.workers.flat import (
     tree_leaves,
 )
 from reprorl.workers.grad_tree import GradTree, Parts
+from reprorl.workers.offload import HostVectors, host_threads, publish_from_host
 from reprorl.workers.units import Exchange, ShardedParams
 from reprorl.workers.micro_batches import Rows, micro_batch_rows, rows_tensor, take
 from reprorl.workers.optim import LRSchedule, NonFiniteError, OptimArgs, make_adamw, set_lr, step_in_chunks
@@ -100,7 +104,8 @@ class ShardWorker:
     def __init__(self, role: str, rank: int, world_size: int, model_path: str, *, optim: OptimArgs | None,
                  dtype: str | None, batch_invariant: bool, seed: int, expected_env: dict[str, str],
                  device: str = "cpu", gradient_checkpointing: bool = False, gpu_gradient_vectors: int = 0,
-                 lora: LoraSpec | None = None, shard_params: bool = False, push_merged_lora: bool = False) -> None:
+                 lora: LoraSpec | None = None, shard_params: bool = False, push_merged_lora: bool = False,
+                 optimizer_offload: bool = False) -> None:
         self.name = f"{role} worker {rank}"
         check_worker_env(expected_env, where=self.name)
         torch.set_num_threads(WORKER_THREADS)
@@ -130,6 +135,11 @@ class ShardWorker:
                              "on one rank")
         self._shared: PackedWeights | None = None  # the buffer behind the last share_weights
         self.gpu_gradient_vectors = gpu_gradient_vectors  # the gradient tree's sums on the device (grad_tree.py)
+        self.offload = optimizer_offload and optim is not None  # master, moments and gradient sums on the host
+        self.host = torch.device("cpu")
+        self.host_vectors = HostVectors(self.device) if self.offload else None  # the gradient tree's, reused
+        if self.offload and self.device.type == "cuda" and world_size > 1:
+            raise ValueError(f"{self.name}: optimizer_offload on CUDA with {world_size} ranks; offload.py takes one")
         self._grad_sink: GradTree | Exchange | None = None  # what `_fold_grad` feeds, during an update's backward
         self.shard_params = shard_params
         self.at_rest: ShardedParams | None = None  # set by `join` with shard_params (units.py)
@@ -184,7 +194,9 @@ class ShardWorker:
                             for index, p in enumerate(self.params)]
         # Master weights of this rank's range, float32 whatever the model computes in (mixed
         # precision with bf16); the model's weights are their cast (`_publish_master`).
-        self.shard = torch.nn.Parameter(initial.to(MASTER_DTYPE, copy=True))
+        # With `optimizer_offload` they live on the host (offload.py).
+        self.shard = torch.nn.Parameter(initial.to(self.host if self.offload else initial.device, MASTER_DTYPE,
+                                                   copy=True))
         if self.at_rest is not None:
             self.at_rest.set_local(self.shard)  # with a float32 model, the master itself: no second copy
         self.optimizer = make_adamw([self.shard], self.optim_args)
@@ -280,6 +292,8 @@ class ShardWorker:
         the gradient tree's leaves (micro-batch index, None: empty). flat.py says why the
         bits do not depend on N."""
         per_rank = len(leaves) // self.world_size
+        if self.host_vectors is not None:
+            self.host_vectors.reset()  # the last step's sums are spent
         norms = {k: tensor_to(v, self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                  for k, v in mini_batch_norms(mini, max_response_length).items()}
         stats: dict[int, dict[str, torch.Tensor]] = {}
@@ -292,7 +306,7 @@ class ShardWorker:
         order = sorted(stats)
         read = read_stats([{"loss": losses[k], **stats[k]} for k in order])  # one read of the device
         bad = [(k, r["loss"]) for k, r in zip(order, read) if not math.isfinite(r["loss"])]
-        failure = first_failure(bad[0] if bad else None, self.group, self.shard.device)
+        failure = first_failure(bad[0] if bad else None, self.group, self.device)
         if failure is not None:
             raise NonFiniteError(f"{where}, micro-batch {failure[0]}: loss is {failure[1]}; optimizer not stepped")
 
@@ -302,16 +316,17 @@ class ShardWorker:
                                        device=self.shard.device)
             grad = fixed_order_reduce_scatter(block_sum, self.layout, self.group)  # [shard_size]
             del block_sum
-        grad_norm = global_grad_norm(grad, self.layout, self.group)
-        if not math.isfinite(grad_norm):
-            raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
-        clip = self.optim_args.grad_clip
-        if grad_norm > clip:
-            grad.mul_(clip / (grad_norm + 1e-6))  # as torch's clip_grad_norm_
-        self.shard.grad = grad
-        step_in_chunks(self.optimizer, self.shard)  # AdamW without its two whole temporaries (optim.py)
-        self.shard.grad = None
-        self._publish_master()
+        with host_threads(self.offload):  # the host's kernels on all its cores (offload.py)
+            grad_norm = global_grad_norm(grad, self.layout, self.group, self.device)
+            if not math.isfinite(grad_norm):
+                raise NonFiniteError(f"{where}: gradient norm is {grad_norm}; optimizer not stepped")
+            clip = self.optim_args.grad_clip
+            scale = clip / (grad_norm + 1e-6) if grad_norm > clip else 1.0  # as torch's clip_grad_norm_
+            self.shard.grad = grad
+            step_in_chunks(self.optimizer, self.shard, grad_scale=scale)  # AdamW a chunk at a time (optim.py)
+            self.shard.grad = None
+            del grad
+            self._publish_master()
         return {"stats": [(k, {f"{self.role}/{key}": v for key, v in r.items() if key != "loss"})
                           for k, r in zip(order, read)],
                 "grad_norm": grad_norm}
@@ -324,8 +339,9 @@ class ShardWorker:
         a `GradTree` as the backward pass finishes it (`_fold_grad`): grad_tree.py says why the
         bits are `tree_reduce`'s, and how few whole gradient vectors it keeps. Fills `stats`
         and `losses` (the loss tensors, read later) by micro-batch index."""
-        tree = GradTree(first, first + len(block), Parts.of(self.layout), self.shard.device,
-                        gpu_vectors=self.gpu_gradient_vectors)
+        tree = GradTree(first, first + len(block), Parts.of(self.layout), self.device,
+                        gpu_vectors=self.gpu_gradient_vectors, host_sums=self.offload,
+                        host_vectors=self.host_vectors)
         for k in block:
             tree.start_leaf(empty=k is None)
             if k is not None:
@@ -341,7 +357,8 @@ class ShardWorker:
         unit's gradient sent to its owners as the backward pass finishes it (units.py says
         why the bits are `_block_gradient`'s and the reduction's). Fills `stats` and `losses`."""
         at_rest, n = self.at_rest, self.world_size
-        tree = GradTree(0, len(leaves) // n, at_rest.parts, self.shard.device, gpu_vectors=self.gpu_gradient_vectors)
+        tree = GradTree(0, len(leaves) // n, at_rest.parts, self.device, gpu_vectors=self.gpu_gradient_vectors,
+                        host_sums=self.offload, host_vectors=self.host_vectors)
         with at_rest.root_gathered(), _reset_on_error(at_rest):
             for j in range(len(leaves) // n):
                 round_leaves = leaves[j * n : (j + 1) * n]
@@ -524,6 +541,9 @@ class ShardWorker:
         if self.at_rest is not None:
             self.at_rest.set_local(self.shard)
             return
+        if self.offload:
+            publish_from_host(self.shard.detach(), self.flat, self.layout, self.rank, self.group)
+            return
         all_gather_shards(self.shard.detach().to(self.flat.dtype), self.flat, self.layout, self.group)
 
     def determinism_info(self) -> dict[str, Any]:
@@ -541,6 +561,8 @@ class ShardWorker:
         for handle in self._grad_hooks:
             handle.remove()
         self._grad_hooks = []
+        if self.host_vectors is not None:
+            self.host_vectors.release()
         if self.at_rest is not None:
             self.at_rest.remove_hooks()
         if self.group is not None and dist.is_initialized():

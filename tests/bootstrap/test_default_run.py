@@ -84,6 +84,18 @@ def test_the_default_run_learns_one_step_off(default_run_dir):
     assert accuracy[30] >= accuracy[0] + 0.2, accuracy
 
 
+@pytest.mark.slow
+def test_the_default_run_with_its_optimizer_offloaded_is_the_same_bits(default_run_dir):
+    """actor.optimizer_offload=true (master, moments and gradient sums on the host: on the CPU
+    the host is the device, so this checks the path and its threads) changes no bit of the
+    default run's 30 steps: `reprorl compare` finds every field and parameter equal."""
+    from reprorl.compare import compare_runs
+
+    cwd, accuracy = default_run_dir
+    assert _train(cwd, "actor.optimizer_offload=true", "trainer.experiment_name=tiny-grpo-offload") == accuracy
+    result = compare_runs(cwd / "runs/reprorl/tiny-grpo", cwd / "runs/reprorl/tiny-grpo-offload")
+    assert result.identical and result.common_steps == list(range(1, 31)), result
+
 GOLDEN = Path(__file__).with_name("golden_default_run.json")
 WRITE_GOLDEN_ENV = "REPRORL_WRITE_GOLDEN"
 

@@ -126,6 +126,43 @@ def test_host_sums_bound_the_vectors_and_a_token_budget_lays_leaves_on_a_power_o
     assert "gradient sums (6 x float32)" in est.phases["actor update"]
 
 
+def test_an_offloaded_optimizer_keeps_its_state_and_sums_on_the_host(tiny_dir):
+    """actor.optimizer_offload: master, moments and the gradient tree's vectors leave the
+    GPU's estimate for the host's; the GPU keeps a parameter's gradient and a slice of the
+    new weights on their way."""
+    from reprorl.resources.host_memory import largest_parameter
+    from reprorl.workers.offload import PUBLISH_SLICE
+
+    padded = 101 * 4096
+    on, off = (estimate_memory(small_config(tiny_dir, f"actor.optimizer_offload={x}")) for x in ("true", "false"))
+    assert on.host == {"actor master weights (float32, host)": padded * 4,
+                       "actor AdamW moments (float32, host)": 2 * padded * 4,
+                       "actor gradient sums (2 x float32, host)": 2 * padded * 4}  # 4 leaves: max_pending 2
+    assert not off.host
+    assert {k: v for k, v in on.resident.items()} == {k: v for k, v in off.resident.items() if "float32" not in k}
+    largest = largest_parameter(TINY)
+    assert largest == 384 * 128  # a layer's MLP projection, wider than the 128 x 128 embedding
+    update = on.phases["actor update"]
+    assert update["a parameter's gradient (float32 and its 4-byte cast, and a pending sum's piece)"] == largest * 12
+    assert not any(k.startswith("gradient sums") for k in update)
+    assert on.phases["actor optimizer step"] == {"new weights on their way from the host (a slice)": PUBLISH_SLICE * 4}
+    assert "total on the host" in on.table()
+
+
+def test_an_offloaded_run_the_host_cannot_hold_stops_with_one_line(tiny_dir, monkeypatch):
+    from reprorl.resources import host_memory
+
+    cfg = small_config(tiny_dir, "actor.optimizer_offload=true")
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match=r"^host memory: optimizer offload keeps about 0\.0 GiB on the host and "
+                                          r"0\.0 GiB are available; would fit: fewer micro-batches") as err:
+        check_gpu_memory(cfg, 80 * GIB)
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 40)
+    check_gpu_memory(cfg, 80 * GIB)
+    assert host_memory.host_available_bytes() > 0  # this machine's /proc/meminfo
+
+
 def test_lora_counts_the_adapters_alone(tiny_dir):
     cfg = small_config(tiny_dir, "model.lora_rank=8")
     est = estimate_memory(cfg)

@@ -44,11 +44,12 @@ def batch():
 BUDGET = 30
 
 
-def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None, shard_params=False, lora=None):
+def run_actor(num_workers, policy_dir, batch, save_to=None, max_token_len=None, shard_params=False, lora=None,
+              optimizer_offload=False):
     """Log-probs, then the metrics and weights after each of 2 updates of a fresh actor
     group; with `save_to`, its shards are saved there after update 1."""
     group = WorkerGroup("actor", num_workers, policy_dir, optim=OPTIM, seed=1, full_determinism=True,
-                        shard_params=shard_params, lora=lora)
+                        shard_params=shard_params, lora=lora, optimizer_offload=optimizer_offload)
     try:
         b = batch.slice(0, len(batch))
         b["old_log_probs"] = group.compute_log_probs(b, temperature=1.0, micro_batch_size=2,
@@ -76,8 +77,12 @@ def runs(tiny_policy_dir, batch, ray_local, shards):
 
 @pytest.mark.parametrize("num_workers", [2, 4])
 def test_log_probs_metrics_and_weights_equal_one_workers(runs, num_workers):
-    log_probs, metrics, weights = runs[1]
-    got_log_probs, got_metrics, got_weights = runs[num_workers]
+    assert_same_run(runs[num_workers], runs[1])
+
+
+def assert_same_run(got, want):
+    """Two `run_actor` results are the same bits: log-probs, every metric, every weight."""
+    (log_probs, metrics, weights), (got_log_probs, got_metrics, got_weights) = want, got
     assert torch.equal(got_log_probs, log_probs)
     assert got_metrics == metrics  # every float, exactly
     for update in range(2):
@@ -119,6 +124,13 @@ def test_parameters_sharded_at_rest_give_the_whole_parameters_bits(tiny_policy_d
     assert got_metrics == metrics  # every float, exactly
     for update in range(2):
         assert [k for k in weights[update] if not torch.equal(weights[update][k], got_weights[update][k])] == []
+
+
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_an_offloaded_optimizer_on_two_ranks_gives_one_ranks_bits(tiny_policy_dir, batch, runs, shard_params):
+    """Master, moments and gradient sums on the host (workers/offload.py), the gradient
+    reduce-scattered (or, sharded at rest, exchanged) between two ranks: one rank's bits."""
+    assert_same_run(run_actor(2, tiny_policy_dir, batch, shard_params=shard_params, optimizer_offload=True), runs[1])
 
 
 def test_a_lora_actor_sharded_at_rest_on_four_ranks_gives_one_whole_ranks_bits(tiny_policy_dir, batch, ray_local):
