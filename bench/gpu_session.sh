@@ -21,6 +21,10 @@
 #            bench/train_step.py without and with --shard-params (SHARDED_ARGS: their arguments, default
 #            the 0.5B shape, determinism on, one timed step; SHARDED_TESTS=0 skips the tests); both
 #            JSONs record the weights' digest after the last step, to compare the two runs' bits
+#   offload  optimizer offload: its gpu tests (the host's AdamW against the GPU's, a rank with and
+#            without it), bench/train_step.py at the 0.5B shape without and with --optimizer-offload
+#            (OFFLOAD_ARGS; their weights' digests after the last step, to compare the bits), then the 7B
+#            shape's full fine-tuning step with it (OFFLOAD_7B_ARGS; OFFLOAD_7B=0 skips it, OFFLOAD_SMALL=0 the rest)
 #   pytest   the tests named in PYTEST_ARGS (e.g. "tests/x.py -k 'y or z'", parsed as a shell line)
 # A running test file's log is copied to $OUT/live.log (TEST_TIMEOUT: each test file's limit, 480 s;
 # FAULT_S: a test running longer dumps its stacks, 120 s).
@@ -169,6 +173,31 @@ for step in $steps; do
       python3 -c "import json, sys; d = [json.load(open(f)) for f in sys.argv[1:]]; \
         print('weights after the last step, whole vs sharded:', *[m['on'].get('weights_sha256', '-')[:16] for m in \
         [x.get('modes', x) for x in d]])" "$OUT/train_step_whole.json" "$OUT/train_step_sharded.json" 2>&1 | summary ;;
+    offload)
+      with_ray || echo "no .whl: the rank tests skip" | summary
+      free -g | summary
+      [ "${OFFLOAD_SMALL:-1}" = 0 ] || {
+      run_tests test_offload_gpu tests/kernels/test_optim_math.py tests/workers/test_offload.py \
+        tests/workers/test_optim.py -m gpu
+      args=${OFFLOAD_ARGS:-"--shape 0.5b --prompts 32 --n 8 --micro-batch 32 --mini-batch 128 --modes on --timed-steps 1 --skip-trl"}
+      for mode in device host; do
+        flag=; [ $mode = host ] && flag=--optimizer-offload
+        timeout ${TRAIN_STEP_TIMEOUT:-300} python3 bench/train_step.py $args $flag --out "$OUT/train_step_$mode.json" \
+          > "$LOGS/bench_train_step_$mode.log" 2>&1
+        echo "[$mode] exit $?" | summary
+        grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_$mode.log" | tail -6 | summary
+      done
+      python3 -c "import json, sys; d = [json.load(open(f)) for f in sys.argv[1:]]; \
+        print('weights after the last step, optimizer on the device vs on the host:', *[m['on'].get('weights_sha256', \
+        '-')[:16] for m in [x.get('modes', x) for x in d]])" "$OUT/train_step_device.json" "$OUT/train_step_host.json" \
+        2>&1 | summary; }
+      [ "${OFFLOAD_7B:-1}" = 0 ] && continue
+      args=${OFFLOAD_7B_ARGS:-"--shape 7b --prompts 32 --n 8 --micro-batch 32 --mini-batch 32 --gradient-checkpointing --optimizer-offload --modes on --timed-steps 1 --skip-trl"}
+      timeout ${OFFLOAD_7B_TIMEOUT:-540} python3 bench/train_step.py $args --out "$OUT/train_step_7b_offload.json" \
+        > "$LOGS/bench_train_step_7b_offload.log" 2>&1
+      echo "[7b offload] exit $?" | summary
+      grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_7b_offload.log" | tail -12 | summary
+      free -g | summary ;;
     pytest)
       with_ray || echo "no .whl: tests that need Ray skip" | summary
       eval "args=(${PYTEST_ARGS:?PYTEST_ARGS names the tests})"  # keeps a quoted -k expression whole

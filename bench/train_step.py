@@ -8,7 +8,8 @@ The model is shaped like Qwen2.5-0.5B (width 896, 24 layers, 14 query / 2 KV hea
 The step: 64 prompts x n=8 of 128 random tokens, 256 new tokens each (eos ignored, so
 every response has full length), sampled at T=1 from the full distribution by the built-in
 engine (`reprorl.rollout.replica.build_engine`); then the actor's log-probs and one update
-on the whole batch (one optimizer step, AdamW on float32 master weights), by the trainer's
+on the whole batch (one optimizer step, AdamW on float32 master weights; `--mini-batch`: one
+per that many samples), by the trainer's
 own rank (`reprorl.workers.worker.ShardWorker`, one rank, in this process), 64 samples a
 micro-batch (`--micro-batch`; TRL's step below takes 64 completions a micro-batch too; at
 16, the H200 sat idle half of each micro-batch while the host launched its kernels). Between the
@@ -103,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model.gpu_gradient_vectors: at most this many float32 gradient vectors on the GPU (0: all)")
     p.add_argument("--shard-params", action="store_true",
                    help="the rank's parameters sharded at rest (model.shard_params: a layer gathered when it runs)")
+    p.add_argument("--optimizer-offload", action="store_true",
+                   help="actor.optimizer_offload: master, AdamW moments and gradient sums in host memory, the step "
+                        "on the host's cores (reprorl/workers/offload.py)")
+    p.add_argument("--mini-batch", type=int, default=None,
+                   help="samples per optimizer step (default: the whole batch, one optimizer step a training step)")
     p.add_argument("--skip-trl", action="store_true", help="do not time TRL's GRPOTrainer")
     p.add_argument("--old-log-probs", choices=("auto", "recompute", "rollout"), default="auto",
                    help="as actor.old_log_probs: auto takes the engine's with determinism on (the trainer's bits), "
@@ -141,8 +147,10 @@ def memory_estimate(args: argparse.Namespace, model_dir: Path) -> dict:
                  f"model.lora_rank={args.lora_rank}", f"model.gpu_gradient_vectors={args.gpu_gradient_vectors}",
                  f"data.max_prompt_length={args.prompt_len}",
                  f"data.max_response_length={args.new_tokens}", f"rollout.n={args.n}",
-                 f"rollout.max_num_seqs={args.prompts * args.n}", f"actor.ppo_mini_batch_size={args.prompts}",
-                 f"data.train_batch_size={args.prompts}", "actor.use_kl_loss=false", "rollout.num_replicas=1"]
+                 f"rollout.max_num_seqs={args.prompts * args.n}",
+                 f"actor.ppo_mini_batch_size={(args.mini_batch or args.prompts * args.n) // args.n}",
+                 f"data.train_batch_size={args.prompts}", "actor.use_kl_loss=false", "rollout.num_replicas=1",
+                 f"actor.optimizer_offload={str(args.optimizer_offload).lower()}"]
     if args.max_token_len is not None:
         overrides.append(f"actor.ppo_max_token_len_per_micro_batch={args.max_token_len}")
     else:
@@ -152,6 +160,7 @@ def memory_estimate(args: argparse.Namespace, model_dir: Path) -> dict:
     gpu_total = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else None
     est = estimate_memory(load_config(None, overrides), gpu_total)
     return {"peak_gib": (est.peak - est.contexts) / GIB, "peak_phase": est.peak_phase,
+            "host_gib": sum(est.host.values()) / GIB,
             "phases_gib": {phase: (est.phase_total(phase) - est.contexts) / GIB for phase in est.phases},
             "table": est.table()}
 
@@ -194,6 +203,13 @@ def update_flops(shape: dict, batch: int, seq: int) -> float:
     tokens = batch * seq
     attention = 6 * shape["num_hidden_layers"] * tokens * seq * shape["num_attention_heads"] * shape["head_dim"]
     return 6.0 * matmul_params(shape) * tokens + attention  # QK^T and AV: 2 x 2 flops, halved by causality, x3
+
+
+def peak_host_gib() -> float:
+    """This process's peak resident host memory so far (Linux's ru_maxrss, KiB), GiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def sync(device: str) -> None:
@@ -292,7 +308,8 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
     engine.scheduler.eos_token_ids = frozenset()  # random weights: every response runs to full length
     worker = start_rank(model_dir, env, dtype="bfloat16", batch_invariant=full_determinism, device=device,
                         total_steps=1 + args.timed_steps, gradient_checkpointing=args.gradient_checkpointing, lora=lora,
-                        gpu_gradient_vectors=args.gpu_gradient_vectors, shard_params=args.shard_params)
+                        gpu_gradient_vectors=args.gpu_gradient_vectors, shard_params=args.shard_params,
+                        optimizer_offload=args.optimizer_offload)
     g = torch.Generator().manual_seed(SEED)
     vocab = shape["vocab_size"]
     samples = args.prompts * args.n
@@ -329,8 +346,8 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                 batch["old_log_probs"] = batch["rollout_log_probs"].clone()
             sync(device)
             t3 = time.perf_counter()
-            worker.update(batch, ppo_epochs=1, mini_batch_size=samples, micro_batch_size=args.micro_batch,
-                          max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(),
+            worker.update(batch, ppo_epochs=1, mini_batch_size=args.mini_batch or samples,
+                          micro_batch_size=args.micro_batch, max_token_len=args.max_token_len, max_response_length=new_tokens, loss=PolicyLossArgs(),
                           temperature=1.0)
             sync(device)
             t4 = time.perf_counter()
@@ -346,6 +363,7 @@ def run_mode(args: argparse.Namespace, model_dir: Path, shape: dict, full_determ
                 "generation_tok_per_s": samples * new_tokens / (t1 - t0),
                 "log_prob_max_gap": gap,
                 "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
+                "peak_host_gib": peak_host_gib(),
                 # cudaMalloc failures the caching allocator met by freeing its cache and trying
                 # again (slow, synchronizing): a step near the GPU's size pays them
                 "alloc_retries": alloc_retries(device) - retries if device == "cuda" else None,
