@@ -67,7 +67,14 @@ def adamw_step_(p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: AdamWScalars) -> 
     """One AdamW step of the float32 vectors p (in place) and its moments m, v (in place) from
     the gradient g (read only), the same bits on every device: the host's kernel on CPU
     tensors, `adamw_torch` elsewhere."""
+    for name, t in (("g", g), ("m", m), ("v", v)):
+        if t.shape != p.shape or t.device != p.device:
+            raise ValueError(f"adamw_step_: {name} is {tuple(t.shape)} on {t.device}, p {tuple(p.shape)} on {p.device}")
     if p.device.type == "cpu":
+        for name, t in (("p", p), ("g", g), ("m", m), ("v", v)):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"adamw_step_: {name} must be contiguous float32 on the host, got {t.dtype}"
+                                 f"{'' if t.is_contiguous() else ', not contiguous'}")
         extension().adamw_step(p, g, m, v, s.as_list())
     else:
         adamw_torch(p, g, m, v, s)
@@ -84,7 +91,10 @@ def adamw_torch(p: Tensor, g: Tensor, m: Tensor, v: Tensor, s: AdamWScalars) -> 
     p.mul_(s.decay)
     m.mul_(s.beta1).add_(g * s.rest1)
     v.mul_(s.beta2).add_((g * g).mul_(s.rest2))
-    denom = torch.sqrt(v).div_(s.bias2).add_(s.eps)
+    # A divisor on the device: torch's CUDA division by a Python scalar multiplies by its
+    # reciprocal instead (two roundings), which the host's kernel does not.
+    bias2 = torch.tensor(s.bias2, dtype=torch.float32, device=v.device)
+    denom = torch.sqrt(v).div_(bias2).add_(s.eps)
     p.sub_(m.div(denom).mul_(s.step_size))
 
 

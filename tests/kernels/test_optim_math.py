@@ -89,10 +89,12 @@ def test_chunk_sums_halve_in_a_fixed_order():
 @pytest.mark.parametrize("offset", [0, 1])
 def test_the_kernel_needs_contiguous_float32(offset):
     p, g, m, v = _state(64, seed=3)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="g must be contiguous float32 on the host, got torch.float64"):
         adamw_step_(p, g.double(), m, v, SCALARS)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="p must be contiguous float32 on the host, got torch.float32, not contig"):
         adamw_step_(p[offset::2], g[offset::2], m[offset::2], v[::2], SCALARS)
+    with pytest.raises(ValueError, match=r"m is \(63,\) on cpu, p \(64,\) on cpu"):
+        adamw_step_(p, g, m[1:], v, SCALARS)
 
 
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=needs_cuda)])

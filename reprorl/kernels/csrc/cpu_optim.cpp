@@ -11,9 +11,10 @@
 
 namespace {
 
-void check_vector(const at::Tensor& x, const char* name, int64_t n) {
+// optim_math.adamw_step_ names the tensor and the sizes; this is the kernel's own guard.
+void check_vector(const at::Tensor& x, int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous() && x.numel() == n,
-              "adamw_step: ", name, " must be a contiguous float32 CPU tensor of ", n, " entries");
+              "adamw_step: contiguous float32 CPU tensors of one size expected");
 }
 
 }  // namespace
@@ -23,12 +24,12 @@ void check_vector(const at::Tensor& x, const char* name, int64_t n) {
 // (1 - lr * weight_decay), beta1, 1 - beta1, beta2, 1 - beta2, the square root of beta2's
 // bias correction, eps and the step size (lr / beta1's bias correction).
 void adamw_step(at::Tensor p, at::Tensor g, at::Tensor m, at::Tensor v, std::vector<double> scalars) {
-  TORCH_CHECK(scalars.size() == 9, "adamw_step: 9 scalars expected, got ", scalars.size());
+  TORCH_CHECK(scalars.size() == 9, "adamw_step: 9 scalars expected");
   const int64_t n = p.numel();
-  check_vector(p, "p", n);
-  check_vector(g, "g", n);
-  check_vector(m, "m", n);
-  check_vector(v, "v", n);
+  check_vector(p, n);
+  check_vector(g, n);
+  check_vector(m, n);
+  check_vector(v, n);
   const float scale = static_cast<float>(scalars[0]), decay = static_cast<float>(scalars[1]);
   const float beta1 = static_cast<float>(scalars[2]), rest1 = static_cast<float>(scalars[3]);
   const float beta2 = static_cast<float>(scalars[4]), rest2 = static_cast<float>(scalars[5]);
