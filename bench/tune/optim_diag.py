@@ -1,3 +1,9 @@
+"""Where a GPU's AdamW parts from the host's (reprorl/kernels/optim_math.py), part by part:
+the step's parameter and moments against float64 arithmetic rounded after every operation
+(the host kernel's bits), the norm's chunk sums, and a plain division and square root.
+
+    python3 bench/tune/optim_diag.py      # on the GPU machine, from the project's root
+"""
 import torch, sys
 sys.path.insert(0, "tests/kernels")
 from test_optim_math import _state, SCALARS, _reference
