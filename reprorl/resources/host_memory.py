@@ -6,7 +6,7 @@ the two AdamW moments, and the gradient tree's float32 vectors, `max_pending` of
 leaves (workers/grad_tree.py), kept from step to step. Its GPU then holds, for the update,
 one parameter's gradient in float32 and in the compute dtype and a pending sum's piece of
 it, and, for the optimizer step, a slice of the new weights on their way (offload.py's
-`PUBLISH_SLICE`). One GPU per offloading group (config/checks.py), so the host holds one
+`PUBLISH_SLICE`), each a phase of its own. One GPU per offloading group (config/checks.py), so the host holds one
 rank of each.
 
 The check compares the total with the host's available memory (MemAvailable: what the
@@ -33,18 +33,25 @@ def largest_parameter(args: ModelArgs) -> int:
     return max(args.vocab_size * args.hidden_size, widest)
 
 
-def offloaded_parts(host: dict[str, int], gpu_update: dict[str, int], gpu_step: dict[str, int], *, name: str,
-                    shard_bytes: int, vector_bytes: int, leaves: int, largest: int, dsize: int) -> None:
+def offloaded_parts(host: dict[str, int], phases: dict[str, dict[str, int]], *, name: str, shard_bytes: int,
+                    vector_bytes: int, leaves: int, largest: int, dsize: int) -> None:
     """An offloading group's parts: on the host (`host`: master, moments, the tree's
-    vectors), and on the GPU during its update and its optimizer step. `leaves`: the
-    gradient tree's leaves on this rank; `vector_bytes`: one of its vectors."""
+    vectors), and the GPU's phases of its own (`phases`): a parameter's gradient on its way
+    to the host, and the optimizer step's slice of new weights. `leaves`: the gradient
+    tree's leaves on this rank; `vector_bytes`: one of its vectors.
+
+    The gradient is a phase of its own, not a part of the update beside the activations: a
+    parameter's gradient is final, and copied, once the backward pass is past the layer that
+    made it, whose activations are then freed (measured at 0.5B and 7B on an H100: counted
+    beside the activations, the estimate was 7.9% and 12.9% above the peaks)."""
     sums = max_pending(leaves)
     host[f"{name} master weights (float32, host)"] = shard_bytes
     host[f"{name} AdamW moments (float32, host)"] = 2 * shard_bytes
     host[f"{name} gradient sums ({sums} x float32, host)"] = sums * vector_bytes
-    gpu_update[f"a parameter's gradient (float32 and its {dsize}-byte cast, and a pending sum's piece)"] = \
-        largest * (2 * FP32 + dsize)
-    gpu_step["new weights on their way from the host (a slice)"] = PUBLISH_SLICE * dsize
+    phases[f"{name} gradients to the host"] = {
+        f"a parameter's gradient (float32 and its {dsize}-byte cast, and a pending sum's piece)":
+            largest * (2 * FP32 + dsize)}
+    phases[f"{name} optimizer step"] = {"new weights on their way from the host (a slice)": PUBLISH_SLICE * dsize}
 
 
 def host_available_bytes() -> int | None:

@@ -307,10 +307,6 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
     update = {f"activations ({rows} x {seq} tokens)": activation_bytes(
         args, dsize, rows, seq, response, checkpointing=cfg.model.gradient_checkpointing, head=head,
         batch_invariant=cfg.full_determinism)}
-    # After the sums: the rank's gradient shard, then the norm's chunk sums and AdamW a chunk
-    # at a time (`chunk_sums_of_squares`, `step_in_chunks`: three temporaries at most).
-    step = {"gradient shard (float32)": shard, "the norm's and AdamW's temporaries of a chunk":
-            3 * min(shard, STEP_CHUNK * FP32)}
     if cfg.model.shard_params:
         vector = shard
         update[gathered_name(world)] = gathered_bytes(args, head, trainable, lora, world, dsize)
@@ -321,16 +317,19 @@ def trainable_parts(est: MemoryEstimate, train: TrainArgs, args: ModelArgs, head
         vector = padded_size(trainable, world) * FP32
         vectors, sums = gradient_vectors(count, world, cfg.model.gpu_gradient_vectors), "gradient sums"
     if offload:  # the state and the sums on the host instead (host_memory.py)
-        step.clear()
-        offloaded_parts(est.host, update, step, name=train.name, shard_bytes=shard, vector_bytes=vector,
+        est.phases[f"{train.name} update"] = update
+        offloaded_parts(est.host, est.phases, name=train.name, shard_bytes=shard, vector_bytes=vector,
                         leaves=leaves, largest=largest_parameter(args), dsize=dsize)
-    else:
-        est.resident[f"{train.name} master weights (float32)"] = shard
-        est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
-        update = {f"{sums} ({vectors} x float32{' shard' if cfg.model.shard_params else ''})": vectors * vector,
-                  **update}
-    est.phases[f"{train.name} update"] = update
-    est.phases[f"{train.name} optimizer step"] = step
+        return
+    est.resident[f"{train.name} master weights (float32)"] = shard
+    est.resident[f"{train.name} AdamW moments (float32)"] = 2 * shard
+    est.phases[f"{train.name} update"] = {
+        f"{sums} ({vectors} x float32{' shard' if cfg.model.shard_params else ''})": vectors * vector, **update}
+    # After the sums: the rank's gradient shard, then the norm's chunk sums and AdamW a chunk
+    # at a time (`chunk_sums_of_squares`, `step_in_chunks`: three temporaries at most).
+    est.phases[f"{train.name} optimizer step"] = {
+        "gradient shard (float32)": shard,
+        "the norm's and AdamW's temporaries of a chunk": 3 * min(shard, STEP_CHUNK * FP32)}
 
 
 def trained_weights(est: MemoryEstimate, name: str, trainable: int, cfg: Any) -> None:
