@@ -52,12 +52,11 @@ from reprorl.actors.pool import init_ray
 from reprorl.actors.supervision import FaultError, PartTimeoutError, Restarts
 from reprorl.trainer import saving, weight_sync
 from reprorl.trainer.async_rollouts import AsyncRollouts, behaviour_version
-from reprorl.trainer.checks import check_models, check_paths, check_train_set_size
+from reprorl.trainer.checks import check_models, check_paths, check_train_set_size, warn_if_stale_on_shared_gpu
 from reprorl.trainer.dynamic_sampling import FilterGroupsError
 from reprorl.trainer.generation import REWARD_COMPONENTS, Generator, ScoredBatch
 from reprorl.trainer.log_probs import actor_batch, add_log_probs_and_values
 from reprorl.resources.memory import check_gpu_memory, gpu_total_bytes
-from reprorl.resources.placement import resolve_device
 from reprorl.trainer.parts import (
     chat_template_kwargs,
     make_datasets,
@@ -340,7 +339,7 @@ class Trainer:
                                          critic=parts.critic, pool=parts.pool, sampler=self.sampler,
                                          kl_ctrl=self.kl_ctrl)
         if cfg.max_staleness > 0:
-            _warn_if_colocated_on_gpu(self.cfg)
+            warn_if_stale_on_shared_gpu(self.cfg)
             self.rollouts = AsyncRollouts(self.generator, parts.pool, cfg.max_staleness, cfg.total_steps, start)
             self.rollouts.restore(in_flight, start)
         self.tracker = Tracker(
@@ -429,16 +428,6 @@ class Trainer:
         """Stop Ray if this trainer started it."""
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def _warn_if_colocated_on_gpu(cfg: Config) -> None:
-    """Bounded staleness with the replicas on the trainer's GPUs was measured to lose (CUDA
-    runs two processes' kernels in turns: docs/performance.md); say so, the run goes on."""
-    if resolve_device(cfg.resources.device) == "cuda" and cfg.resources.rollout_gpus == 0:
-        logger.warning(
-            "trainer.max_staleness=%d with resources.rollout_gpus=0: the replicas share the trainer's GPUs, "
-            "where overlap was measured slower than trainer.max_staleness=0 (1.59x at the 0.5B shape on an H100); "
-            "give the replicas GPUs of their own for the overlap to pay", cfg.trainer.max_staleness)
 
 
 def train(cfg: Config) -> Path:
