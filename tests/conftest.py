@@ -180,12 +180,13 @@ def three_step_run(assets, tmp_path_factory):
     session: the uninterrupted run that reruns, resumed runs and other seeds compare with,
     and whose checkpoints (one a step) the export tests read. It has 2 rollout replicas, the
     runs compared with it one (small_run's default): so each of those comparisons spans two
-    replica counts too."""
+    replica counts too. It has the KL loss and its reference group (`WITH_KL`), as the runs
+    compared with it must."""
     from reprorl.config import load_config
-    from small_run import run_trainer, small_run_overrides
+    from small_run import WITH_KL, run_trainer, small_run_overrides
 
     run_dir = tmp_path_factory.mktemp("three-step-run") / "run"
-    run_trainer(load_config(None, small_run_overrides(assets, run_dir, "trainer.total_steps=3",
+    run_trainer(load_config(None, small_run_overrides(assets, run_dir, *WITH_KL, "trainer.total_steps=3",
                                                       "rollout.num_replicas=2", "trainer.save_freq=1")))
     return run_dir
 

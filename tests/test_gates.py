@@ -22,7 +22,7 @@ import pytest
 
 from reprorl import cli
 from reprorl.determinism_report import REPORT_FILE, TEXT_FILE, build_report
-from small_run import small_run_overrides
+from small_run import WITH_KL, small_run_overrides
 
 # One Ray for the module (ray_local): the runs leave a caller's Ray up.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
@@ -45,8 +45,8 @@ def report(run_dir: Path) -> dict:
 
 
 def test_grpo_n4_one_replica_vs_three(assets, tmp_path, assert_bitwise_identical):
-    a = train(assets, tmp_path / "one", "rollout.n=4")
-    b = train(assets, tmp_path / "three", "rollout.n=4", "rollout.num_replicas=3")
+    a = train(assets, tmp_path / "one", "rollout.n=4", *WITH_KL)  # the report lists the reference's worker
+    b = train(assets, tmp_path / "three", "rollout.n=4", "rollout.num_replicas=3", *WITH_KL)
     assert_bitwise_identical(a, b, steps=2)
     got = report(b)
     assert got["verdict"] == "full determinism: on, all parts agree" and got["problems"] == []

@@ -43,7 +43,7 @@ from reprorl.trainer import saving
 from reprorl.trainer.checks import check_models
 from reprorl.trainer.fit import Trainer
 from reprorl.workers.optim import NonFiniteError
-from small_run import run_trainer, small_run_overrides
+from small_run import WITH_KL, run_trainer, small_run_overrides
 
 def _tiny_policy(out: Path, tokenizer=None, **changes) -> Path:
     """A tiny policy whose config differs from `make_tiny`'s by `changes` (e.g. vocab_size)."""
@@ -97,6 +97,8 @@ def no_workers(monkeypatch):
 @pytest.mark.parametrize("key", ["model.path", "model.ref_path", "model.critic_path"])
 def test_model_vocab_smaller_than_the_tokenizer_fails_at_start(inputs, tmp_path, no_workers, key):
     extra = [f"{key}={inputs['small_vocab']}"]
+    if key == "model.ref_path":
+        extra.extend(WITH_KL)  # the reference is checked only for a run with a KL term
     if key == "model.critic_path":
         extra.append("algorithm.adv_estimator=gae")
     cfg = config(inputs, tmp_path / "run", *extra)
@@ -318,7 +320,7 @@ def test_nan_loss_stops_the_step_keeps_the_checkpoint_and_resume_continues_exact
     inputs, tmp_path, ray_local, monkeypatch, three_step_run
 ):
     run_dir = tmp_path / "run"
-    common = ("trainer.total_steps=3", "trainer.save_freq=1")
+    common = (*WITH_KL, "trainer.total_steps=3", "trainer.save_freq=1")  # as conftest's 3-step run
     saved = {}
     real_save = saving.save
 

@@ -19,18 +19,16 @@ import pytest
 from reprorl import cli
 from reprorl.determinism_report import TEXT_FILE
 from reprorl.actors.supervision import HANG_ENV, KILL_ENV
-from small_run import small_run_overrides
+from small_run import WITH_KL, small_run_overrides
 
 # One Ray for the module (ray_local): the runs leave a caller's Ray up.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 COMMON = ("rollout.num_replicas=2", "rollout.num_agent_workers=2")
-# The runs that fail and resume have no KL term, so no reference group: one process fewer to
-# start per run (a run this small is mostly start-up). The faults are the rollout's, the
-# reward model's and the agent loop's; the reference computes from the batch they make, whose
-# bits the comparison with the run nobody killed checks anyway. (The two start-up tests at the
-# end keep the reference: they check the groups started beside it.)
-NO_KL = ("actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false")
+# The runs that fail and resume have no KL term (small_run's default), so no reference group:
+# the faults are the rollout's, the reward model's and the agent loop's; the reference computes
+# from the batch they make, whose bits the comparison with the run nobody killed checks anyway.
+# (The two start-up tests at the end add the reference: they check the groups started beside it.)
 
 
 def train(assets, run_dir: Path, *overrides: str, kill: str | None = None, hang: str | None = None) -> Path:
@@ -39,7 +37,7 @@ def train(assets, run_dir: Path, *overrides: str, kill: str | None = None, hang:
     hooks = {KILL_ENV: kill, HANG_ENV: hang}
     os.environ.update({env: rule for env, rule in hooks.items() if rule is not None})
     try:
-        assert cli.main(["train", *small_run_overrides(assets, run_dir, *COMMON, *NO_KL, *overrides)]) == 0
+        assert cli.main(["train", *small_run_overrides(assets, run_dir, *COMMON, *overrides)]) == 0
     finally:
         for env in hooks:
             os.environ.pop(env, None)
@@ -133,7 +131,7 @@ def test_chaos_a_replica_killed_at_each_of_four_steps(assets, unfailed, tmp_path
 def test_max_restarts_exceeded_stops_naming_the_part_and_resumes_bitwise(assets, unfailed, tmp_path, capsys,
                                                                        assert_bitwise_identical):
     run = tmp_path / "stopped"
-    overrides = small_run_overrides(assets, run, *COMMON, *NO_KL, "trainer.total_steps=6", "trainer.save_freq=1",
+    overrides = small_run_overrides(assets, run, *COMMON, "trainer.total_steps=6", "trainer.save_freq=1",
                                     "trainer.max_restarts=0")
     os.environ[KILL_ENV] = "rollout replica 1@train/3/#1"
     capsys.readouterr()
@@ -170,7 +168,7 @@ def test_a_part_that_fails_to_start_stops_the_parts_started_with_it(assets, tmp_
     monkeypatch.setattr(parts, "WorkerGroup", RecordedGroup)
     # A rule no part can parse: each rollout replica raises it in its constructor.
     monkeypatch.setenv(KILL_ENV, "rollout replica 0@x#0")
-    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON))
+    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON, *WITH_KL))
     with pytest.raises(ray.exceptions.RayActorError, match=r"RolloutReplica[\s\S]*REPRORL_TEST_KILL: rule"):
         fit.Trainer(cfg)
     assert [g.role for g in groups] == ["actor", "ref"]
@@ -198,7 +196,7 @@ def test_a_group_whose_constructor_raises_leaves_the_groups_before_it_stopped(as
             groups.append(self)
 
     monkeypatch.setattr(parts, "WorkerGroup", RecordedGroup)
-    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON))
+    cfg = load_config(None, small_run_overrides(assets, tmp_path / "run", *COMMON, *WITH_KL))
     with pytest.raises(RuntimeError, match="the reference cannot start"):
         fit.Trainer(cfg)
     assert [g.role for g in groups] == ["actor"] and groups[0].workers == []

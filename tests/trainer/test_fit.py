@@ -17,7 +17,7 @@ from reprorl.config import load_config
 from reprorl.errors import ConfigError
 from reprorl.trainer.checks import check_paths
 from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV, Trainer
-from small_run import run_trainer, small_run_overrides
+from small_run import WITH_KL, run_trainer, small_run_overrides
 
 # One Ray for the module (ray_local): Trainer.close leaves a caller's Ray up.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
@@ -39,7 +39,7 @@ def without_timing(records):
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
-    cfg = small_config(assets, tmp_path / "run", f"algorithm.adv_estimator={estimator}")
+    cfg = small_config(assets, tmp_path / "run", f"algorithm.adv_estimator={estimator}", *WITH_KL)  # actor/kl
     trainer = Trainer(cfg)
     parts = trainer.parts
     groups = {"actor": parts.actor, "critic": parts.critic} if parts.critic else {"actor": parts.actor}
@@ -67,7 +67,7 @@ def test_each_estimator_trains_every_parameter(assets, tmp_path, estimator):
 def test_reruns_are_bitwise_identical(assets, tmp_path, three_step_run):
     """The rerun has other agent workers and recomputes the old log-probs each step, where
     the first run takes the engine's (actor.old_log_probs=auto): the same bits either way."""
-    b = small_config(assets, tmp_path / "b", "trainer.total_steps=3", "rollout.num_agent_workers=2",
+    b = small_config(assets, tmp_path / "b", *WITH_KL, "trainer.total_steps=3", "rollout.num_agent_workers=2",
                      "actor.old_log_probs=recompute")
     run_trainer(b)
     rerun = without_timing(metrics(b.trainer.run_dir))
@@ -92,7 +92,7 @@ def test_reruns_with_a_reward_model_are_bitwise_identical(assets, tmp_path):
 
 
 def test_a_different_seed_diverges(assets, tmp_path, three_step_run):
-    b = small_config(assets, tmp_path / "b", "trainer.total_steps=1", "seed=7")
+    b = small_config(assets, tmp_path / "b", *WITH_KL, "trainer.total_steps=1", "seed=7")
     run_trainer(b)
     result = compare_runs(three_step_run, b.trainer.run_dir)  # step 1 in common
     assert not result.identical and result.common_steps == [1] and result.divergence.step == 1
@@ -177,7 +177,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(assets, tmp_path, t
     The run kills itself at that point (TEST_KILL_AT_STEP_ENV), so the test cannot race it.
     The resumed run trains in this process, on the module's Ray: another process and Ray
     start would prove nothing more."""
-    common = ("trainer.total_steps=3", "trainer.save_freq=1")
+    common = (*WITH_KL, "trainer.total_steps=3", "trainer.save_freq=1")
     killed = _train_process(small_run_overrides(assets, tmp_path / "killed", *common), **{TEST_KILL_AT_STEP_ENV: "2"})
     returncode = killed.wait(timeout=600)
     with contextlib.suppress(ProcessLookupError):

@@ -32,7 +32,7 @@ import torch
 from reprorl.compare import compare_runs
 from reprorl.determinism_report import REPORT_FILE
 from reprorl.trainer.fit import TEST_KILL_AT_STEP_ENV
-from small_run import small_run_overrides
+from small_run import WITH_KL, small_run_overrides
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,7 +49,7 @@ MODES = {"full": (), "lora": ("model.lora_rank=8", "model.lora_alpha=16", "actor
 
 
 def _start(assets, run_dir: Path, *extra: str, **env: str) -> subprocess.Popen:
-    args = small_run_overrides(assets, run_dir, *GPU_RUN, *extra)
+    args = small_run_overrides(assets, run_dir, *GPU_RUN, *WITH_KL, *extra)  # the report lists a ref worker
     # stderr to a file, not a pipe: four runs at once, one waited on while the others write.
     log = run_dir.with_name(f"{run_dir.name}.{'resumed' if 'trainer.resume=auto' in extra else 'first'}.stderr")
     with open(log, "w") as err:

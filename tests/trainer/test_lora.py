@@ -18,12 +18,13 @@ from reprorl.export import ExportError, export
 from reprorl.fingerprint import tensor_digests
 from reprorl.models.hf_io import load_model
 from reprorl.models.lora import spec_from_config
-from small_run import run_trainer, small_run_overrides
+from small_run import WITH_KL, run_trainer, small_run_overrides
 
 # One Ray for the module (ray_local); conftest's `assets`: the shared data and tiny policy.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
-LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-2")
+# With the KL loss: the reference is the base with the adapters off (no process of its own).
+LORA = ("model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-2", *WITH_KL)
 
 
 def lora_config(assets, run_dir, *extra):

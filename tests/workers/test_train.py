@@ -21,7 +21,7 @@ from reprorl.config import load_config
 from reprorl.trainer import saving
 from reprorl.trainer.fit import Trainer
 from reprorl.workers.group import WorkerError
-from small_run import run_trainer, small_run_overrides
+from small_run import WITH_KL, run_trainer, small_run_overrides
 
 # One Ray for the module (ray_local): the runs leave a caller's Ray up.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
@@ -40,7 +40,7 @@ def root(tmp_path_factory):
 
 def overrides(assets, run_dir, algo, num_workers, *extra):
     return small_run_overrides(
-        assets, run_dir, *ALGOS[algo], "actor.ppo_micro_batch_size=1",
+        assets, run_dir, *ALGOS[algo], *WITH_KL, "actor.ppo_micro_batch_size=1",
         "critic.ppo_micro_batch_size=1", "trainer.total_steps=3", "trainer.save_freq=1",
         f"trainer.num_workers={num_workers}", *extra,
     )
