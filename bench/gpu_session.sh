@@ -75,6 +75,20 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --form
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.get_num_threads())" | summary
 grep -m1 "model name" /proc/cpuinfo | summary
 
+step_pair() {  # name_a, flag_a, name_b, flag_b, args: bench/train_step.py twice, then both runs' weights' digests
+  local name flag
+  for name in "$1" "$3"; do
+    flag=$2; [ "$name" = "$3" ] && flag=$4
+    timeout ${TRAIN_STEP_TIMEOUT:-300} python3 bench/train_step.py $5 $flag --out "$OUT/train_step_$name.json" \
+      > "$LOGS/bench_train_step_$name.log" 2>&1
+    echo "[$name] exit $?" | summary
+    grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_$name.log" | tail -8 | summary
+  done
+  python3 -c "import json, sys; d = [json.load(open(f)) for f in sys.argv[1:]]; \
+    print('weights after the last step, $1 vs $3:', *[m['on'].get('weights_sha256', '-')[:16] for m in \
+    [x.get('modes', x) for x in d]])" "$OUT/train_step_$1.json" "$OUT/train_step_$3.json" 2>&1 | summary
+}
+
 run_tests() {  # name, pytest args...
   # Verbose, with the stacks of a test still running after FAULT_S (a slow compile or a hang
   # shows where it is), and SIGINT at the limit so pytest reports what it finished. The log
@@ -163,16 +177,7 @@ for step in $steps; do
       with_ray || { echo "no .whl: skipping sharded" | summary; continue; }
       [ "${SHARDED_TESTS:-1}" = 0 ] || run_tests test_units_gpu tests/workers/test_units.py -m gpu
       args=${SHARDED_ARGS:-"--shape 0.5b --prompts 32 --n 8 --micro-batch 16 --gradient-checkpointing --modes on --timed-steps 1 --skip-trl"}
-      for mode in whole sharded; do
-        flag=; [ $mode = sharded ] && flag=--shard-params
-        timeout ${TRAIN_STEP_TIMEOUT:-300} python3 bench/train_step.py $args $flag --out "$OUT/train_step_$mode.json" \
-          > "$LOGS/bench_train_step_$mode.log" 2>&1
-        echo "[$mode] exit $?" | summary
-        grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_$mode.log" | tail -8 | summary
-      done
-      python3 -c "import json, sys; d = [json.load(open(f)) for f in sys.argv[1:]]; \
-        print('weights after the last step, whole vs sharded:', *[m['on'].get('weights_sha256', '-')[:16] for m in \
-        [x.get('modes', x) for x in d]])" "$OUT/train_step_whole.json" "$OUT/train_step_sharded.json" 2>&1 | summary ;;
+      step_pair whole "" sharded --shard-params "$args" ;;
     offload)
       with_ray || echo "no .whl: the rank tests skip" | summary
       free -g | summary
@@ -180,19 +185,9 @@ for step in $steps; do
       run_tests test_offload_gpu tests/kernels/test_optim_math.py tests/workers/test_offload.py \
         tests/workers/test_optim.py -m gpu
       args=${OFFLOAD_ARGS:-"--shape 0.5b --prompts 32 --n 8 --micro-batch 32 --mini-batch 128 --modes on --timed-steps 1 --skip-trl"}
-      for mode in device host; do
-        flag=; [ $mode = host ] && flag=--optimizer-offload
-        timeout ${TRAIN_STEP_TIMEOUT:-300} python3 bench/train_step.py $args $flag --out "$OUT/train_step_$mode.json" \
-          > "$LOGS/bench_train_step_$mode.log" 2>&1
-        echo "[$mode] exit $?" | summary
-        grep -v "^USDT\|^STAGE\|it/s\]" "$LOGS/bench_train_step_$mode.log" | tail -6 | summary
-      done
-      python3 -c "import json, sys; d = [json.load(open(f)) for f in sys.argv[1:]]; \
-        print('weights after the last step, optimizer on the device vs on the host:', *[m['on'].get('weights_sha256', \
-        '-')[:16] for m in [x.get('modes', x) for x in d]])" "$OUT/train_step_device.json" "$OUT/train_step_host.json" \
-        2>&1 | summary; }
+      step_pair device "" host --optimizer-offload "$args"; }
       [ "${OFFLOAD_7B:-1}" = 0 ] && continue
-      args=${OFFLOAD_7B_ARGS:-"--shape 7b --prompts 32 --n 8 --micro-batch 32 --mini-batch 32 --gradient-checkpointing --optimizer-offload --modes on --timed-steps 1 --skip-trl"}
+      args=${OFFLOAD_7B_ARGS:-"--shape 7b --prompts 32 --n 8 --micro-batch 32 --mini-batch 64 --gradient-checkpointing --optimizer-offload --modes on --timed-steps 1 --skip-trl"}
       timeout ${OFFLOAD_7B_TIMEOUT:-540} python3 bench/train_step.py $args --out "$OUT/train_step_7b_offload.json" \
         > "$LOGS/bench_train_step_7b_offload.log" 2>&1
       echo "[7b offload] exit $?" | summary

@@ -99,9 +99,6 @@ class HostVectors:
         """Every vector free again (the step that took them is over)."""
         self.free = list(self.vectors)
 
-    def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for v in self.vectors)
-
     def release(self) -> None:
         """Unregister and drop every vector (the worker is shutting down)."""
         if self.device.type == "cuda":
