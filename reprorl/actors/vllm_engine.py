@@ -23,6 +23,7 @@ from reprorl.determinism import (
     enable_full_determinism,
     is_full_determinism,
 )
+from reprorl.actors.vllm_invariance import invariant_residual_norm
 
 if TYPE_CHECKING:
     import torch
@@ -37,13 +38,15 @@ EXTENSION = "reprorl.actors.vllm_engine.VllmWorkerExtension"
 GIB = 1 << 30
 
 
-def vllm_mode(full_determinism: bool, max_num_seqs: int, *, cuda: bool) -> dict[str, Any]:
+def vllm_mode(full_determinism: bool, max_num_seqs: int, *, cuda: bool, enforce_eager: bool = False) -> dict[str, Any]:
     """How a vLLM engine runs for this mode and platform (the determinism report records it).
+    Batch invariance runs eagerly: reprorl's fix of vLLM's residual norm (vllm_invariance.py)
+    reaches only kernels looked up at call time, not a compiled graph.
 
     >>> vllm_mode(True, 64, cuda=False)
-    {'backend': 'vllm', 'batch_invariant': False, 'max_num_seqs': 1, 'prefix_caching': False}
+    {'backend': 'vllm', 'batch_invariant': False, 'max_num_seqs': 1, 'prefix_caching': False, 'enforce_eager': False}
     >>> vllm_mode(True, 64, cuda=True)
-    {'backend': 'vllm', 'batch_invariant': True, 'max_num_seqs': 64, 'prefix_caching': False}
+    {'backend': 'vllm', 'batch_invariant': True, 'max_num_seqs': 64, 'prefix_caching': False, 'enforce_eager': True}
     """
     batch_invariant = full_determinism and cuda  # VLLM_BATCH_INVARIANT is a CUDA feature
     return {
@@ -51,7 +54,14 @@ def vllm_mode(full_determinism: bool, max_num_seqs: int, *, cuda: bool) -> dict[
         "batch_invariant": batch_invariant,
         "max_num_seqs": 1 if full_determinism and not batch_invariant else max_num_seqs,
         "prefix_caching": not full_determinism,
+        "enforce_eager": enforce_eager or batch_invariant,
     }
+
+
+def warn_if_made_eager(mode: Mapping[str, Any], requested_eager: bool, where: str) -> None:
+    if mode["enforce_eager"] and not requested_eager:
+        logger.warning("%s: full_determinism on CUDA runs vLLM eagerly (vllm_enforce_eager=true): reprorl's fix of "
+                       "its residual RMSNorm reaches no compiled graph; expect slower steps", where)
 
 
 SERIALIZED_WARNING = (
@@ -127,6 +137,7 @@ class VllmWorkerExtension:
         # would fight its cuBLAS workspace setting, so only the CPU worker gets ours.
         if is_full_determinism() and not torch.cuda.is_available():
             enable_full_determinism(int(os.environ[ENV_SEED]))
+        self.reprorl_residual_norm = torch.cuda.is_available() and invariant_residual_norm()
         return self.reprorl_info()
 
     def reprorl_info(self) -> dict[str, Any]:
@@ -142,6 +153,8 @@ class VllmWorkerExtension:
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "dtype": str(self.model_runner.model_config.dtype).removeprefix("torch."),
             "env": {k: os.environ[k] for k in WORKER_ENV_KEYS if k in os.environ},
+            # reprorl's fix of vLLM's residual RMSNorm (vllm_invariance.py) is in place
+            "invariant_residual_norm": getattr(self, "reprorl_residual_norm", False),
         }
 
     def reprorl_load_weights(self, payload: list[tuple[str, str, list[int], bytes]]) -> int:
@@ -221,7 +234,7 @@ def vllm_part_info(worker: Mapping[str, Any], mode: Mapping[str, Any]) -> dict[s
     info = model_part_info(backend="vllm", batch_invariant=mode["batch_invariant"], dtype=worker["dtype"],
                            num_threads=worker["num_threads"])
     info.update(device=worker["device"], max_num_seqs=mode["max_num_seqs"], prefix_caching=mode["prefix_caching"],
-                worker=dict(worker))
+                enforce_eager=mode["enforce_eager"], worker=dict(worker))
     if worker["gpu"] is not None:
         info["gpu"] = worker["gpu"]
     return info

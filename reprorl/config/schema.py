@@ -167,7 +167,8 @@ class RolloutConfig:
         None, "backend=vllm: KV-cache size per replica in GiB; null = sized by vllm_gpu_memory_utilization", gt=0
     )
     vllm_enforce_eager: bool = _field(
-        False, "backend=vllm: run eagerly, without torch.compile and CUDA graphs (faster start, slower steps)"
+        False, "backend=vllm: run eagerly, without torch.compile and CUDA graphs (faster start, slower steps); "
+        "full_determinism on CUDA always runs eagerly"
     )
     val: RolloutValConfig = _section(RolloutValConfig, "sampling parameters for validation")
 

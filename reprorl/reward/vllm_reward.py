@@ -22,7 +22,8 @@ import torch
 from reprorl.determinism import is_full_determinism
 from reprorl.errors import ReproRLError
 from reprorl.reward.chat import ChatScorer
-from reprorl.actors.vllm_engine import WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode, vllm_part_info
+from reprorl.actors.vllm_engine import (WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode, vllm_part_info,
+                                        warn_if_made_eager)
 
 
 class VllmRewardScorer(ChatScorer):
@@ -57,12 +58,15 @@ class VllmRewardScorer(ChatScorer):
         if self.tokenizer.chat_template is None:
             raise ReproRLError(f"reward model {self.model_path}: its tokenizer has no chat template")
         full, cuda = is_full_determinism(), current_platform.is_cuda()
-        self.mode = vllm_mode(full, max_num_seqs, cuda=cuda)
+        engine_options = dict(engine_options)
+        eager = engine_options.pop("enforce_eager", False)
+        self.mode = vllm_mode(full, max_num_seqs, cuda=cuda, enforce_eager=eager)
+        warn_if_made_eager(self.mode, eager, where)
         extra_env = vllm_env(full, cuda=cuda)
         os.environ.update(extra_env)  # before the engine starts: its processes inherit it
         kwargs = engine_kwargs(self.model_path, runner="pooling", max_num_seqs=self.mode["max_num_seqs"],
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=self.mode["prefix_caching"],
-                           cuda=cuda, seed=0, **engine_options)
+                           cuda=cuda, seed=0, enforce_eager=self.mode["enforce_eager"], **engine_options)
         self.llm = LLM(**kwargs)
         worker_env = {**{k: v for k, v in expected_env.items() if k in WORKER_ENV_KEYS}, **extra_env}
         (self.worker_info,) = self.llm.collective_rpc("reprorl_init", args=(worker_env, f"vLLM worker of {where}"))

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from reprorl.actors.vllm_engine import (
-    WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode, vllm_part_info, weights_to_bytes,
+    WORKER_ENV_KEYS, engine_kwargs, vllm_env, vllm_mode, vllm_part_info, warn_if_made_eager, weights_to_bytes,
 )
 from reprorl.determinism import ENV_SEED, check_worker_env, enable_full_determinism, is_full_determinism
 from reprorl.rollout.request import GenerateOutput, SamplingParams, check_prompt
@@ -72,7 +72,9 @@ class VllmReplica:
         self.replica_id = replica_id
         cuda = current_platform.is_cuda()
         options = dict(engine_options)
-        self.mode = vllm_mode(full, options.pop("max_num_seqs"), cuda=cuda)
+        eager = options.pop("enforce_eager", False)
+        self.mode = vllm_mode(full, options.pop("max_num_seqs"), cuda=cuda, enforce_eager=eager)
+        warn_if_made_eager(self.mode, eager, f"rollout replica {replica_id}")
         # Set before the engine starts: its engine-core and worker processes inherit it.
         extra_env = vllm_env(full, cuda=cuda)
         os.environ.update(extra_env)
@@ -80,7 +82,7 @@ class VllmReplica:
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(
             model_path, runner="generate", max_num_seqs=self.mode["max_num_seqs"],
             prefix_caching=self.mode["prefix_caching"], cuda=cuda, seed=int(os.environ.get(ENV_SEED, "0")),
-            **options,
+            enforce_eager=self.mode["enforce_eager"], **options,
         )))
         self.vocab_size = self.engine.model_config.get_vocab_size()
         self.max_model_len = self.engine.model_config.max_model_len

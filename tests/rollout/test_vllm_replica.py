@@ -104,10 +104,11 @@ def test_worker_sees_the_run_environment(pool1):
     assert {k: worker["env"][k] for k in ("PYTHONHASHSEED", "REPRORL_FULL_DETERMINISM", "REPRORL_SEED")} == {
         k: expected[k] for k in ("PYTHONHASHSEED", "REPRORL_FULL_DETERMINISM", "REPRORL_SEED")}
     assert "VLLM_BATCH_INVARIANT" not in worker["env"]  # CPU: no batch invariance to switch on
+    assert worker["invariant_residual_norm"] is False  # nor a residual norm to mend
     assert worker["deterministic_algorithms"] is True
     assert worker["dtype"] == "float32"  # the checkpoint's dtype, not vLLM's CPU default (bfloat16)
-    assert {k: info[k] for k in ("backend", "batch_invariant", "max_num_seqs", "prefix_caching")} == vllm_mode(
-        True, 64, cuda=False)
+    assert {k: info[k] for k in ("backend", "batch_invariant", "max_num_seqs", "prefix_caching", "enforce_eager")} == (
+        vllm_mode(True, 64, cuda=False, enforce_eager=True))
 
 
 def test_worker_check_names_a_wrong_variable(monkeypatch):
