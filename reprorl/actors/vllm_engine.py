@@ -137,7 +137,14 @@ class VllmWorkerExtension:
         # would fight its cuBLAS workspace setting, so only the CPU worker gets ours.
         if is_full_determinism() and not torch.cuda.is_available():
             enable_full_determinism(int(os.environ[ENV_SEED]))
-        self.reprorl_residual_norm = torch.cuda.is_available() and invariant_residual_norm()
+        cuda = torch.cuda.is_available()
+        self.reprorl_residual_norm = cuda and invariant_residual_norm()
+        if cuda and os.environ.get("VLLM_BATCH_INVARIANT") == "1" and not self.reprorl_residual_norm:
+            import vllm
+
+            raise RuntimeError(f"{where}: full_determinism on CUDA needs vLLM's rms_norm_batch_invariant in "
+                               f"vllm.model_executor.layers.layernorm, which vllm {vllm.__version__} lacks "
+                               "(reprorl is tested with vllm 0.25.1)")
         return self.reprorl_info()
 
     def reprorl_info(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ two vLLM runs, and one vs two replicas, compared bit for bit (bench/vllm_gpu.sh)
 
 import importlib.util
 import os
+import types
 
 import pytest
 
@@ -19,6 +20,7 @@ if importlib.util.find_spec("vllm") is None:
 import torch  # noqa: E402
 from vllm.model_executor.layers import layernorm  # noqa: E402
 
+from reprorl.actors.vllm_engine import VllmWorkerExtension  # noqa: E402
 from reprorl.actors.vllm_invariance import invariant_residual_norm  # noqa: E402
 
 
@@ -59,3 +61,13 @@ def test_the_residual_path_adds_then_normalises_with_the_fixed_order_kernel(monk
     assert torch.equal(out, reference_rms_norm(expected_sum, w, 1e-5))
     assert stand_in == [None]  # the fixed-order function got the sum, never the residual
     assert torch.equal(layernorm.rms_norm_batch_invariant(x, w, 1e-5), reference_rms_norm(x, w, 1e-5))
+
+
+def test_a_cuda_worker_refuses_a_vllm_it_cannot_mend(monkeypatch):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.delenv("REPRORL_FULL_DETERMINISM", raising=False)
+    monkeypatch.delattr(layernorm, "rms_norm_batch_invariant")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError, match=r"^vLLM worker x: full_determinism on CUDA needs vLLM's "
+                                           r"rms_norm_batch_invariant .* which vllm \S+ lacks"):
+        VllmWorkerExtension.reprorl_init(types.SimpleNamespace(), {}, where="vLLM worker x")
