@@ -40,6 +40,9 @@
 #            more arguments, e.g. "--steps 300"; CPU_BITS_TIMEOUT: its limit, 420 s)
 #   isa      on the host CPU: the CPU kernels built for x86-64, AVX2 and AVX-512 give the same bits
 #            (tests/kernels/test_cpu_isa.py), cpu_math's golden digests, and the default run's
+#   vllm     after bench/vllm_gpu_wheels.sh install (vLLM comes in three calls of its own, the machine
+#            kept warm between them): bench/vllm_gpu.sh (VLLM_STEPS, default "twice 1vs2 lora"; STEPS_N
+#            steps a run, 2) and bench/vllm_vs_native.py --gpu
 # engine, gputrain, reward and train need Ray there: run ../shared/tools/device-wheels here first
 # and carry .whl.
 #   bash bench/gpu_session.sh [step ...]
@@ -223,6 +226,15 @@ for step in $steps; do
       with_ray || echo "no .whl: the golden-digest test skips" | summary
       run_tests test_cpu_isa tests/kernels/test_cpu_isa.py tests/kernels/test_cpu_math.py
       run_tests golden tests/bootstrap/test_default_run.py -k learns ;;
+    vllm)
+      [ -f /tmp/site/vllm/__init__.py ] || { echo "no vLLM in /tmp/site: run bench/vllm_gpu_wheels.sh install" | summary; continue; }
+      export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+      STEPS_N=${STEPS_N:-2} OUT="$LOGS/vllm" bash bench/vllm_gpu.sh ${VLLM_STEPS:-twice 1vs2 lora} > "$LOGS/vllm_gpu.log" 2>&1
+      grep "^\[" "$LOGS/vllm/summary.txt" | summary
+      timeout 420 python3 bench/vllm_vs_native.py --gpu > "$LOGS/vllm_vs_native.log" 2>&1
+      echo "vllm_vs_native: exit $?" | summary
+      grep -A8 "^backend" "$LOGS/vllm_vs_native.log" | summary
+      cp bench/results/vllm_vs_native_gpu.json "$LOGS/" 2>/dev/null ;;
     *) echo "unknown step $step" | summary ;;
   esac
   echo "== step $step: $((SECONDS - start)) s" | summary
