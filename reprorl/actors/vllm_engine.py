@@ -76,8 +76,8 @@ def replica_gpus(share: float | None = None) -> float:
     trainer shares one GPU: reprorl/resources/placement.py) when given; else 1 on a cluster
     with GPUs (Ray hides GPUs from an actor that asks for none), else 0.
 
-    From vLLM's docs (not run here: vLLM cannot be installed on our GPU machine): one
-    vLLM engine with tensor_parallel_size=1 runs in the Ray actor's own process on the GPU
+    From vLLM's docs, and what examples/gpu_arithmetic.yaml's two vLLM replicas beside the
+    trainer on one H100 showed: one vLLM engine with tensor_parallel_size=1 runs in the Ray actor's own process on the GPU
     Ray assigned it (`CUDA_VISIBLE_DEVICES`); a Ray GPU fraction does NOT cap its memory,
     so several engines and the trainer fit on one GPU only when each engine's
     `gpu_memory_utilization` (rollout.vllm_gpu_memory_utilization, the share of the
