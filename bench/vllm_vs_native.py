@@ -87,11 +87,11 @@ async def measure(make, batch: int, max_tokens: int, batch_prompts: list[list[in
             "max_num_seqs": info.get("max_num_seqs", batch)}
 
 
-def native(path: str, determinism: bool, batch: int):
+def native(path: str, determinism: bool, batch: int, **overrides):
     from reprorl.rollout.engine import Engine
 
-    return lambda: Engine.from_path(path, batch_invariant=determinism, max_num_seqs=batch,
-                                    max_num_batched_tokens=4096)
+    options = {"max_num_seqs": batch, "max_num_batched_tokens": 4096, **overrides}
+    return lambda: Engine.from_path(path, batch_invariant=determinism, **options)
 
 
 def vllm(path: str, determinism: bool, batch: int, **overrides):
@@ -128,7 +128,6 @@ async def main_gpu() -> None:
     import gc
     import random
 
-    from reprorl.rollout.engine import Engine
     from reprorl.models.tokenizer import make_char_tokenizer
 
     rng = random.Random(SEED)
@@ -136,10 +135,9 @@ async def main_gpu() -> None:
     batch_prompts = [[rng.randrange(4, vocab) for _ in range(GPU_PROMPT)] for _ in range(GPU_BATCH)]
 
     def engine(path, determinism):
-        return lambda: Engine.from_path(path, batch_invariant=determinism, device="cuda", dtype=torch.bfloat16,
-                                        eos_token_id=None, max_num_seqs=GPU_BATCH,
-                                        max_num_batched_tokens=GPU_BATCH * GPU_PROMPT,
-                                        max_model_len=GPU_PROMPT + GPU_NEW + 8, gpu_memory_utilization=0.3)
+        return native(path, determinism, GPU_BATCH, device="cuda", dtype=torch.bfloat16, eos_token_id=None,
+                      max_num_batched_tokens=GPU_BATCH * GPU_PROMPT, max_model_len=GPU_PROMPT + GPU_NEW + 8,
+                      gpu_memory_utilization=0.3)
 
     def replica(path, determinism, **overrides):
         return vllm(path, determinism, GPU_BATCH, max_num_batched_tokens=GPU_BATCH * GPU_PROMPT, kv_cache_gib=8,

@@ -59,6 +59,7 @@ def vllm_mode(full_determinism: bool, max_num_seqs: int, *, cuda: bool, enforce_
 
 
 def warn_if_made_eager(mode: Mapping[str, Any], requested_eager: bool, where: str) -> None:
+    """Log once per engine when `vllm_mode` runs it eagerly though the config asked for graphs."""
     if mode["enforce_eager"] and not requested_eager:
         logger.warning("%s: full_determinism on CUDA runs vLLM eagerly (vllm_enforce_eager=true): reprorl's fix of "
                        "its residual RMSNorm reaches no compiled graph; expect slower steps", where)
@@ -77,8 +78,8 @@ def replica_gpus(share: float | None = None) -> float:
     with GPUs (Ray hides GPUs from an actor that asks for none), else 0.
 
     From vLLM's docs, and what examples/gpu_arithmetic.yaml's two vLLM replicas beside the
-    trainer on one H100 showed: one vLLM engine with tensor_parallel_size=1 runs in the Ray actor's own process on the GPU
-    Ray assigned it (`CUDA_VISIBLE_DEVICES`); a Ray GPU fraction does NOT cap its memory,
+    trainer on one H100 showed: one vLLM engine with tensor_parallel_size=1 runs in the Ray
+    actor's own process on the GPU Ray assigned it (`CUDA_VISIBLE_DEVICES`); a Ray GPU fraction does NOT cap its memory,
     so several engines and the trainer fit on one GPU only when each engine's
     `gpu_memory_utilization` (rollout.vllm_gpu_memory_utilization, the share of the
     whole GPU's memory it may take for weights, activations and KV cache) stays within its
@@ -133,11 +134,11 @@ class VllmWorkerExtension:
         import torch
 
         check_worker_env(expected_env, where=where)
+        cuda = torch.cuda.is_available()
         # On CUDA, VLLM_BATCH_INVARIANT sets vLLM's own switches; enable_full_determinism
         # would fight its cuBLAS workspace setting, so only the CPU worker gets ours.
-        if is_full_determinism() and not torch.cuda.is_available():
+        if is_full_determinism() and not cuda:
             enable_full_determinism(int(os.environ[ENV_SEED]))
-        cuda = torch.cuda.is_available()
         self.reprorl_residual_norm = cuda and invariant_residual_norm()
         if cuda and os.environ.get("VLLM_BATCH_INVARIANT") == "1" and not self.reprorl_residual_norm:
             import vllm
