@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
+
+import torch
+import torch._appdirs  # not imported by `import torch`; cpp_extension's build root comes from it
 
 logger = logging.getLogger(__name__)
 
@@ -39,26 +44,67 @@ _HEADERS = ("cpu_kernels.h", "cpu_math.h", "cpu_tensor.h")
 def extension():
     """The CPU kernels' C++ extension (matmuls, attention, `cpu_math`'s functions), built on
     first use."""
-    from torch.utils.cpp_extension import load  # here: it imports setuptools, slow, and only a build needs it
-
     sources = [CSRC / name for name in _SOURCES]
     headers = [CSRC / name for name in _HEADERS]
     march = os.environ.get(ENV_MARCH, "native")
-    # One build per checkout, source version and instruction set: torch rebuilds an extension
-    # whose sources moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
-    digest = hashlib.sha256(march.encode())
+    cflags = ["-O3", f"-march={march}", *_EXACT_CFLAGS]
+    # One build per checkout, source version and flags: torch rebuilds an extension whose
+    # sources moved, so two checkouts (or virtualenvs) sharing one name would rebuild each other's.
+    digest = hashlib.sha256(" ".join(cflags).encode())
     for p in sources + headers:
         digest.update(str(p.resolve()).encode() + b"\0" + p.read_bytes())
+    name = f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}"
+    built = _built_module(name, sources + headers)
+    if built is not None:
+        return built
+    from torch.utils.cpp_extension import load  # here: it imports setuptools (0.25 s), and only a build needs it
+
     logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about half a minute",
                 ", ".join(p.name for p in sources), march)
     try:
-        return load(name=f"reprorl_cpu_kernels_{digest.hexdigest()[:12]}", sources=[str(p) for p in sources],
-                    verbose=False, extra_cflags=["-O3", f"-march={march}", *_EXACT_CFLAGS], extra_ldflags=["-fopenmp"])
+        return load(name=name, sources=[str(p) for p in sources], verbose=False, extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"])
     except Exception as e:  # a missing compiler surfaces as several exception types
         raise RuntimeError(
             f"full_determinism on the CPU needs reprorl's kernels ({sources[0].parent}/cpu_*.cpp), built with a C++ "
             f"compiler and ninja (pip install ninja; apt-get install g++); building them failed: {e}"
         ) from e
+
+
+def build_directory(name: str) -> Path:
+    """Where torch's `cpp_extension.load` builds the extension `name` (its
+    `_get_build_directory`, without importing that module, which imports setuptools)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(os.path.realpath(torch._appdirs.user_cache_dir(appname="torch_extensions")),
+                            f"{python}_{accelerator}")
+    return Path(root) / name
+
+
+def _built_module(name: str, inputs: list[Path]):
+    """The extension `name` imported from its finished build, or None where `load` must run:
+    no library yet, a build under way (torch's `lock` file), or an input newer than the
+    library (ninja would rebuild it). Each new process (every rank and replica) loads the
+    kernels, and `load` costs a setuptools import and a ninja run even when nothing changed."""
+    directory = build_directory(name)
+    library = directory / f"{name}.so"
+    try:
+        built_at = library.stat().st_mtime
+        if (directory / "lock").exists() or any(p.stat().st_mtime > built_at for p in inputs):
+            return None
+    except FileNotFoundError:
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 _LINEAR_BINDING = """#include <pybind11/stl.h>
