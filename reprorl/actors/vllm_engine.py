@@ -216,18 +216,28 @@ def checkpoint_dtype(model_path: str) -> str:
 
 
 def vllm_env(full_determinism: bool, *, cuda: bool) -> dict[str, str]:
-    """The variables vLLM's processes need on top of the run's, on CUDA: batch invariance
-    in determinism mode, and vLLM's own top-k/top-p sampler (PyTorch ops with each request's
-    seeded generator) instead of FlashInfer's, which draws from FlashInfer's own generator
-    and is not installed everywhere vLLM is (vLLM's sampler imports it unless told not to).
+    """The variables vLLM's processes need on top of the run's.
+
+    On CUDA: batch invariance in determinism mode, and vLLM's own top-k/top-p sampler
+    (PyTorch ops with each request's seeded generator) instead of FlashInfer's, which draws
+    from FlashInfer's own generator and is not installed everywhere vLLM is (vLLM's sampler
+    imports it unless told not to).
+
+    On the CPU: `VLLM_ENABLE_V1_MULTIPROCESSING=0`. vLLM's CPU build otherwise gives its one
+    worker a process of its own, for its OpenMP set-up, which wants a process that has not
+    started its threads yet. With it, the rollout's async engine runs the worker inside its
+    engine-core process (which always runs apart from the actor, and is such a process), and
+    the reward's `LLM` runs core and worker inside the actor, which is one too (it computes
+    nothing before). Each process saved cost 10-12 s of a core at start on 2 cores (vLLM
+    and torch imported again); the bits are the same (`reprorl compare` on a vLLM run).
 
     >>> vllm_env(True, cuda=True)
     {'VLLM_USE_FLASHINFER_SAMPLER': '0', 'VLLM_BATCH_INVARIANT': '1'}
     >>> vllm_env(True, cuda=False)
-    {}
+    {'VLLM_ENABLE_V1_MULTIPROCESSING': '0'}
     """
     if not cuda:
-        return {}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if full_determinism:
         env["VLLM_BATCH_INVARIANT"] = "1"
