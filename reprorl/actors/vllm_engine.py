@@ -215,7 +215,7 @@ def checkpoint_dtype(model_path: str) -> str:
     return str(config.get("dtype") or config.get("torch_dtype") or "auto")
 
 
-def vllm_env(full_determinism: bool, *, cuda: bool) -> dict[str, str]:
+def vllm_env(full_determinism: bool, *, cuda: bool, enforce_eager: bool = False) -> dict[str, str]:
     """The variables vLLM's processes need on top of the run's.
 
     On CUDA: batch invariance in determinism mode, and vLLM's own top-k/top-p sampler
@@ -230,14 +230,20 @@ def vllm_env(full_determinism: bool, *, cuda: bool) -> dict[str, str]:
     the reward's `LLM` runs core and worker inside the actor, which is one too (it computes
     nothing before). Each process saved cost 10-12 s of a core at start on 2 cores (vLLM
     and torch imported again); the bits are the same (`reprorl compare` on a vLLM run).
+    Eager (`enforce_eager`) on the CPU also sets `TORCHDYNAMO_DISABLE=1`: no model graph is
+    compiled then, but vLLM's sampler still compiled its token-rank count (an integer
+    count, the same eagerly) with inductor in every engine, a C++ build and CPU probes that
+    took about 4 s of each rollout engine's start.
 
     >>> vllm_env(True, cuda=True)
     {'VLLM_USE_FLASHINFER_SAMPLER': '0', 'VLLM_BATCH_INVARIANT': '1'}
     >>> vllm_env(True, cuda=False)
     {'VLLM_ENABLE_V1_MULTIPROCESSING': '0'}
+    >>> vllm_env(True, cuda=False, enforce_eager=True)
+    {'VLLM_ENABLE_V1_MULTIPROCESSING': '0', 'TORCHDYNAMO_DISABLE': '1'}
     """
     if not cuda:
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {})}
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if full_determinism:
         env["VLLM_BATCH_INVARIANT"] = "1"

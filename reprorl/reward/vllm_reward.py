@@ -62,7 +62,7 @@ class VllmRewardScorer(ChatScorer):
         eager = engine_options.pop("enforce_eager", False)
         self.mode = vllm_mode(full, max_num_seqs, cuda=cuda, enforce_eager=eager)
         warn_if_made_eager(self.mode, eager, where)
-        extra_env = vllm_env(full, cuda=cuda)
+        extra_env = vllm_env(full, cuda=cuda, enforce_eager=self.mode["enforce_eager"])
         os.environ.update(extra_env)  # before the engine starts: its processes inherit it
         kwargs = engine_kwargs(self.model_path, runner="pooling", max_num_seqs=self.mode["max_num_seqs"],
                            max_num_batched_tokens=max_num_batched_tokens, prefix_caching=self.mode["prefix_caching"],

@@ -76,7 +76,7 @@ class VllmReplica:
         self.mode = vllm_mode(full, options.pop("max_num_seqs"), cuda=cuda, enforce_eager=eager)
         warn_if_made_eager(self.mode, eager, f"rollout replica {replica_id}")
         # Set before the engine starts: its engine-core and worker processes inherit it.
-        extra_env = vllm_env(full, cuda=cuda)
+        extra_env = vllm_env(full, cuda=cuda, enforce_eager=self.mode["enforce_eager"])
         os.environ.update(extra_env)
         self.worker_env = {**{k: v for k, v in expected_env.items() if k in WORKER_ENV_KEYS}, **extra_env}
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(
