@@ -243,7 +243,10 @@ def vllm_env(full_determinism: bool, *, cuda: bool, enforce_eager: bool = False)
     {'VLLM_ENABLE_V1_MULTIPROCESSING': '0', 'TORCHDYNAMO_DISABLE': '1'}
     """
     if not cuda:
-        return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **({"TORCHDYNAMO_DISABLE": "1"} if enforce_eager else {})}
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if enforce_eager:
+            env["TORCHDYNAMO_DISABLE"] = "1"
+        return env
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     if full_determinism:
         env["VLLM_BATCH_INVARIANT"] = "1"

@@ -57,7 +57,7 @@ def extension():
     built = _built_module(name, sources + headers)
     if built is not None:
         return built
-    from torch.utils.cpp_extension import load  # here: it imports setuptools (0.25 s), and only a build needs it
+    from torch.utils.cpp_extension import load  # here: it imports setuptools, and only a build needs it
 
     logger.info("building reprorl's CPU kernels (%s, -march=%s), once per machine, about half a minute",
                 ", ".join(p.name for p in sources), march)
@@ -73,7 +73,9 @@ def extension():
 
 def build_directory(name: str) -> Path:
     """Where torch's `cpp_extension.load` builds the extension `name` (its
-    `_get_build_directory`, without importing that module, which imports setuptools)."""
+    `_get_build_directory`, without importing that module, which imports setuptools). Were
+    another torch to place its builds elsewhere, no library is found here and `load` runs,
+    as before: a wrong folder costs the shortcut, never a stale build."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
         if torch.version.hip is not None:
@@ -92,7 +94,8 @@ def _built_module(name: str, inputs: list[Path]):
     """The extension `name` imported from its finished build, or None where `load` must run:
     no library yet, a build under way (torch's `lock` file), or an input newer than the
     library (ninja would rebuild it). Each new process (every rank and replica) loads the
-    kernels, and `load` costs a setuptools import and a ninja run even when nothing changed."""
+    kernels, and `load` costs a setuptools import and a ninja run even when nothing changed
+    (0.10 s of a process's CPU and a ninja process, against 0.001 s here)."""
     directory = build_directory(name)
     library = directory / f"{name}.so"
     try:

@@ -1,5 +1,5 @@
 """The CPU extension's loader: a finished build is imported directly, without torch's
-`cpp_extension` (whose import of setuptools cost every rank and replica 0.25 s), and only
+`cpp_extension` (which imports setuptools and runs ninja in every rank and replica), and only
 where `load` would do nothing; in every other case `load` runs as before."""
 
 import os
